@@ -1,0 +1,51 @@
+"""Array backends for pycapsnet: ``backends.get("numpy" | "cupy" | "torch", device=..., dtype=...)``.
+
+Each backend is a small subclass of :class:`backends.base.Backend` (after einops' backend layer);
+its library is imported only when the backend is created, so ``import backends`` -- and
+``import pycapsnet`` -- pull in neither CuPy nor PyTorch.
+"""
+from __future__ import annotations
+
+from .base import Backend, BackendError
+
+# name -> (module, class); imported on first use
+_REGISTRY = {
+    "numpy": ("numpy_backend", "NumpyBackend"),
+    "cupy": ("cupy_backend", "CupyBackend"),
+    "torch": ("torch_backend", "TorchBackend"),
+}
+NAMES = tuple(_REGISTRY)
+
+
+def get(name: str, device: str | None = None, dtype: str = "float32") -> Backend:
+    """Create a backend by name.  ``name`` may carry the device: ``"torch:cuda"``, ``"cupy:cuda:1"``.
+
+    Raises BackendError with the fix for an unknown name, a missing library, a missing GPU or a
+    dtype other than float32/float64."""
+    if isinstance(name, Backend):
+        return name
+    name = str(name)
+    if ":" in name and device is None:
+        name, device = name.split(":", 1)
+    if name not in _REGISTRY:
+        raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(NAMES)}")
+    module, cls = _REGISTRY[name]
+    import importlib
+
+    backend_cls = getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    kwargs = {"dtype": dtype}
+    if device is not None:
+        kwargs["device"] = device
+    return backend_cls(**kwargs)
+
+
+def gpu_unavailable_reason(name: str) -> str | None:
+    """None when backend ``name`` ("cupy" or "torch") can run on a GPU here, else why not."""
+    try:
+        get(name, device="cuda")
+    except BackendError as e:
+        return str(e)
+    return None
+
+
+__all__ = ["Backend", "BackendError", "get", "gpu_unavailable_reason", "NAMES"]

@@ -1,0 +1,179 @@
+"""The abstract array backend that every pycapsnet layer is written against.
+
+The common part -- elementwise math, reductions, reshapes, matmul -- is the Python Array API
+standard, reached through ``array-api-compat`` as ``backend.xp`` (so ``xp.sum(x, axis=1,
+keepdims=True)`` means the same on NumPy, CuPy and PyTorch).  This class adds only what the
+standard lacks and the layers need:
+
+* moving arrays between the host (NumPy) and the backend, in the backend's float dtype;
+* ``einsum``;
+* the two primitives of a strided 2-D convolution on channels-last images: ``im2col`` (gather every
+  kernel window into a row of a matrix) and ``col2im`` (its adjoint: scatter-add rows back);
+* ``synchronize`` for timing and ``memory`` for the memory in use.
+
+A subclass supplies the namespace, the host transfers and a strided window *view*; everything
+else is shared.  Subclasses import their library lazily, in ``__init__``.
+"""
+from __future__ import annotations
+
+import abc
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+FLOAT_DTYPES = ("float32", "float64")
+
+
+class BackendError(RuntimeError):
+    """A backend cannot be created: unknown name, missing library, missing device, bad dtype."""
+
+
+class Backend(abc.ABC):
+    name: str = "abstract"
+
+    def __init__(self, dtype: str = "float32", device: str = "cpu"):
+        if str(dtype) not in FLOAT_DTYPES:
+            raise BackendError(
+                f"unsupported dtype {dtype!r}: pycapsnet computes in one of {', '.join(FLOAT_DTYPES)}"
+            )
+        self.dtype = str(dtype)
+        self.device = device
+        self.threads = 1  # >1: memory-bound conv copies are split over the batch on a thread pool
+        self._pool = None
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.name}:{self.device} {self.dtype}>"
+
+    @property
+    def label(self) -> str:
+        """Short name used in tables, e.g. ``torch:cuda/float32``."""
+        return f"{self.name}:{self.device}/{self.dtype}"
+
+    # ---- host transfers ------------------------------------------------------------------
+    @abc.abstractmethod
+    def asarray(self, a, dtype=None):
+        """Host array (or scalar) -> backend array.  Floats become ``dtype or self.dtype``."""
+
+    @abc.abstractmethod
+    def to_numpy(self, x) -> np.ndarray:
+        """Backend array -> NumPy array on the host (a copy when the data is on a device)."""
+
+    def zeros(self, shape, dtype=None):
+        return self.xp.zeros(tuple(shape), dtype=self._float(dtype), **self._device_kw())
+
+    def _device_kw(self):
+        return {}
+
+    @abc.abstractmethod
+    def _float(self, dtype=None):
+        """The library's float dtype object for ``dtype`` (default: the backend's)."""
+
+    # ---- what the Array API standard lacks ------------------------------------------------
+    @abc.abstractmethod
+    def einsum(self, subscripts: str, *operands):
+        ...
+
+    @abc.abstractmethod
+    def windows(self, x, kh: int, kw: int, stride: int):
+        """Strided *view* of every kh x kw window of a channels-last batch.
+
+        x: (N, H, W, C)  ->  (N, OH, OW, kh, kw, C), OH = (H - kh) // stride + 1.
+        """
+
+    def all_finite(self, x) -> bool:
+        return bool(self.xp.all(self.xp.isfinite(x)))
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (a no-op on the CPU); call before reading a clock."""
+
+    def memory(self) -> dict:
+        """Bytes in use: {'current': ..., 'peak': ..., 'kind': what is measured}."""
+        return process_memory()
+
+    def reset_peak_memory(self) -> None:
+        reset_process_peak()
+
+    # ---- convolution primitives (shared) -----------------------------------------------------
+    def pad_hw(self, x, padding: int):
+        """Zero-pad the two spatial axes of (N, H, W, C) by ``padding`` on each side."""
+        if padding == 0:
+            return x
+        n, h, w, c = x.shape
+        out = self.zeros((n, h + 2 * padding, w + 2 * padding, c), dtype=self._dtype_name(x))
+        out[:, padding:padding + h, padding:padding + w, :] = x
+        return out
+
+    def im2col(self, x, kh: int, kw: int, stride: int, padding: int = 0):
+        """(N, H, W, C) -> cols (N*OH*OW, kh*kw*C): row (n, oh, ow) holds window (oh, ow) of image n,
+        flattened in (kh, kw, C) order, so that ``cols @ W.reshape(kh*kw*C, C_out)`` is the convolution."""
+        win = self.windows(self.pad_hw(x, padding), kh, kw, stride)  # a view, no copy yet
+        n, oh, ow = win.shape[:3]
+        cols = self.xp.empty(tuple(win.shape), dtype=self._float(self._dtype_name(x)), **self._device_kw())
+
+        def gather(sl):
+            cols[sl] = win[sl]
+
+        self._over_batch(gather, n)
+        return self.xp.reshape(cols, (n * oh * ow, kh * kw * x.shape[3]))
+
+    def col2im(self, cols, x_shape, kh: int, kw: int, stride: int, padding: int = 0):
+        """Adjoint of ``im2col``: add every row of ``cols`` back onto the pixels its window covers.
+
+        cols: (N*OH*OW, kh*kw*C) -> (N, H, W, C).  One strided add per kernel offset (i, j): the
+        values that offset saw at output positions (oh, ow) return to pixels (i + s*oh, j + s*ow)."""
+        n, h, w, c = x_shape
+        hp, wp = h + 2 * padding, w + 2 * padding
+        oh, ow = (hp - kh) // stride + 1, (wp - kw) // stride + 1
+        c6 = self.xp.reshape(cols, (n, oh, ow, kh, kw, c))
+        dx = self.zeros((n, hp, wp, c), dtype=self._dtype_name(cols))
+
+        def scatter(sl):
+            d, src = dx[sl], c6[sl]
+            for i in range(kh):
+                for j in range(kw):
+                    d[:, i:i + stride * oh:stride, j:j + stride * ow:stride, :] += src[:, :, :, i, j, :]
+
+        self._over_batch(scatter, n)
+        return dx[:, padding:padding + h, padding:padding + w, :] if padding else dx
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _dtype_name(self, x) -> str:
+        return str(x.dtype).replace("torch.", "")
+
+    def _over_batch(self, fn, n: int) -> None:
+        """Call fn(slice) over slices that split a batch of n, on ``self.threads`` threads.  Used for
+        the memory-bound gathers/scatters of im2col/col2im, which NumPy runs on one core and which
+        release the GIL."""
+        if self.threads <= 1 or n < 2 * self.threads:
+            fn(slice(None))
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads)
+        bounds = np.linspace(0, n, self.threads + 1).astype(int)
+        list(self._pool.map(fn, [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]))
+
+
+def process_memory() -> dict:
+    """Resident set size of this process and its high-water mark (Linux /proc), in bytes."""
+    cur = peak = None
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    cur = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+    except OSError:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"current": cur, "peak": peak, "kind": "process RSS"}
+
+
+def reset_process_peak() -> None:
+    """Reset the RSS high-water mark (Linux: write 5 to /proc/self/clear_refs); silently a no-op elsewhere."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass

@@ -1,0 +1,116 @@
+"""Capsule layers: PrimaryCaps, ClassCaps (with dynamic routing) and capsule lengths."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import init as initializers
+from .layers import Conv2d, Layer
+from .routing import MODES, routing_backward, routing_forward
+from .squash import squash, squash_backward
+
+
+class PrimaryCaps(Layer):
+    """One wide convolution whose T*K output channels regroup into T capsule types of K dims.
+
+    x: (N, H, W, C_in) -> u_i: (N, P, T, K), P = OH*OW positions, i = (p, t).
+    Channel t*K + k of position p is component k of capsule (p, t); with channels-last output the
+    regrouping is a reshape, and u_i = squash(s_i) over k.
+    """
+
+    def __init__(self, backend, c_in, types=32, dim=8, kernel=9, stride=2, rng=None):
+        super().__init__(backend)
+        self.types, self.dim = types, dim
+        self.conv = Conv2d(backend, c_in, types * dim, kernel, stride, rng=rng)
+        self.params, self.grads = self.conv.params, self.conv.grads  # one set of parameters
+
+    def forward(self, x):
+        y = self.conv.forward(x)                   # (N, OH, OW, T*K)
+        n, oh, ow, _ = y.shape
+        s = self.B.xp.reshape(y, (n, oh * ow, self.types, self.dim))
+        u, s_norm = squash(self.B.xp, s)
+        self.cache = (s, s_norm, tuple(y.shape))
+        return u
+
+    def backward(self, du):
+        s, s_norm, y_shape = self.cache
+        self.cache = None
+        ds = squash_backward(self.B.xp, s, s_norm, du)
+        self.conv.input_grad = self.input_grad
+        return self.conv.backward(self.B.xp.reshape(ds, y_shape))
+
+
+class ClassCaps(Layer):
+    """Class capsules v_j from primary capsules u_i by dynamic routing.
+
+    û_j|i = W_ij u_i with W: (P, T, J, D, K) -- one D x K matrix per (input capsule i = (p, t),
+    class j).  With ``share_spatial`` W is (1, T, J, D, K): one transform per capsule *type*, shared
+    over the P positions, so the parameter count no longer grows with the image size.
+
+    Backward: from dû (routing_backward),  dW_ij = sum_n dû_j|i u_i^T  (summed over positions
+    too when shared)  and  du_i = sum_j W_ij^T dû_j|i.
+    """
+
+    def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, iters=3,
+                 routing_grad="full", share_spatial=False, rng=None):
+        super().__init__(backend)
+        if routing_grad not in MODES:
+            raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
+        if iters < 1:
+            raise ValueError(f"routing needs at least one iteration, got {iters}")
+        self.P, self.T, self.K, self.J, self.D = positions, types, in_dim, n_classes, out_dim
+        self.iters, self.routing_grad, self.share_spatial = iters, routing_grad, share_spatial
+        rng = rng if rng is not None else np.random.default_rng(0)
+        shape = (1 if share_spatial else positions, types, n_classes, out_dim, in_dim)
+        self._add_param("W", initializers.capsule_transform(rng, shape))
+        self.trace = None
+
+    def forward(self, u):
+        # u: (N, P, T, K) -> v: (N, J, D)
+        xp = self.B.xp
+        n = u.shape[0]
+        ut = xp.permute_dims(u, (1, 2, 0, 3))                                   # (P, T, N, K)
+        Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))  # (P|1, T, J*D, K)
+        u_hat = ut @ xp.matrix_transpose(Wm)                                     # (P, T, N, J*D)
+        u_hat = xp.reshape(u_hat, (self.P * self.T, n, self.J, self.D))          # û_j|i (I, N, J, D)
+        v, self.trace = routing_forward(self.B, u_hat, self.iters)
+        self.cache = (ut, u_hat)
+        return v
+
+    @property
+    def coupling(self):
+        """c_ij of each routing iteration of the last forward: list of (N, I, J) arrays."""
+        return [self.B.xp.permute_dims(t[0], (1, 0, 2)) for t in self.trace]
+
+    def backward(self, dv):
+        xp = self.B.xp
+        ut, u_hat = self.cache
+        d_u_hat = routing_backward(self.B, u_hat, self.trace, dv, self.routing_grad)
+        self.cache = None
+        dh = xp.reshape(d_u_hat, (self.P, self.T, -1, self.J * self.D))          # (P, T, N, J*D)
+        dW = xp.matrix_transpose(dh) @ ut                                         # (P, T, J*D, K)
+        if self.share_spatial:
+            dW = xp.sum(dW, axis=0, keepdims=True)
+        self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
+        if not self.input_grad:
+            return None
+        Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))
+        du = dh @ Wm                                                              # (P, T, N, K)
+        return xp.permute_dims(du, (2, 0, 1, 3))
+
+
+class CapsuleLength(Layer):
+    """|v_j| = sqrt(sum_d v_jd^2), the class probability of a capsule;  dv = d|v| * v / |v|
+    (0 where v = 0, the subgradient)."""
+
+    def forward(self, v):
+        xp = self.B.xp
+        length = xp.sqrt(xp.sum(v * v, axis=-1))
+        self.cache = (v, length)
+        return length
+
+    def backward(self, dlength):
+        xp = self.B.xp
+        v, length = self.cache
+        self.cache = None
+        safe = xp.where(length > 0, length, 1)
+        return xp.where(length[..., None] > 0, v * (dlength / safe)[..., None], 0)

@@ -1,0 +1,6 @@
+"""Errors pycapsnet raises for bad input.  Each message names the problem and the fix."""
+from backends.base import BackendError  # noqa: F401  (re-exported)
+
+
+class CapsNetError(ValueError):
+    """Bad input to a pycapsnet model, loss, dataset or checkpoint."""

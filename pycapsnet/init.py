@@ -1,0 +1,26 @@
+"""Parameter initialisers.  They run on the host with a seeded ``numpy.random.Generator`` and return
+NumPy arrays, which the layers then move to their backend: the same seed gives the same weights on
+NumPy, CuPy and PyTorch."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def uniform_fan_in(rng: np.random.Generator, shape, fan_in: int, gain: float = 1.0):
+    """W ~ U(-a, a) with a = gain * sqrt(3 / fan_in) (unit-variance outputs for unit inputs when
+    gain=1; gain=sqrt(2) is He's for ReLU layers); bias ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+    PyTorch's default."""
+    a = gain * np.sqrt(3.0 / fan_in)
+    W = rng.uniform(-a, a, size=shape)
+    bound = 1.0 / np.sqrt(fan_in)
+    b = rng.uniform(-bound, bound, size=shape[-1])
+    return W, b
+
+
+def he_uniform(rng, shape, fan_in):
+    return uniform_fan_in(rng, shape, fan_in, gain=np.sqrt(2.0))
+
+
+def capsule_transform(rng: np.random.Generator, shape, std: float = 0.01):
+    """The routing transforms W_ij ~ N(0, std^2), as in common CapsNet implementations."""
+    return rng.normal(0.0, std, size=shape)

@@ -1,0 +1,249 @@
+"""The CapsNet of Sabour, Frosst & Hinton (2017): conv1 -> PrimaryCaps -> ClassCaps (dynamic routing)
+-> capsule lengths, with a masked decoder that reconstructs the input.
+
+    x (N, C, H, W) --conv1 9x9, 256, ReLU--> (N, H1, W1, 256)
+                   --PrimaryCaps 9x9/2, 32 types x 8D--> u_i (N, P, 32, 8), P = H2*W2
+                   --ClassCaps, routing r=3--> v_j (N, 10, 16) --|.|--> lengths (N, 10)
+    decoder: v masked by the label (training) or by the longest capsule (evaluation), flattened
+             (N, 160) --512 ReLU--1024 ReLU--C*H*W sigmoid--> reconstruction (N, C, H, W)
+    loss = margin(lengths, y) + 0.0005 * sum-of-squares(reconstruction - x)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+import backends as _backends
+
+from .capsules import CapsuleLength, ClassCaps, PrimaryCaps
+from .errors import CapsNetError
+from .init import he_uniform
+from .layers import Conv2d, Linear, ReLU, Sigmoid
+from .losses import MarginLoss, ReconstructionLoss
+
+
+@dataclass
+class CapsNetConfig:
+    input_shape: tuple = (1, 28, 28)      # (C, H, W)
+    n_classes: int = 10
+    conv_channels: int = 256
+    conv_kernel: int = 9
+    primary_types: int = 32
+    primary_dim: int = 8
+    primary_kernel: int = 9
+    primary_stride: int = 2
+    class_dim: int = 16
+    routing_iters: int = 3
+    routing_grad: str = "full"            # "full" | "final"
+    share_spatial: bool = False
+    decoder_hidden: tuple = (512, 1024)
+    recon_weight: float = 0.0005
+    m_plus: float = 0.9
+    m_minus: float = 0.1
+    lam: float = 0.5
+
+    def __post_init__(self):
+        self.input_shape = tuple(int(d) for d in self.input_shape)
+        self.decoder_hidden = tuple(int(d) for d in self.decoder_hidden)
+
+    def to_dict(self):
+        return asdict(self)
+
+
+@dataclass
+class Outputs:
+    v: object                      # class capsules (N, J, D)
+    lengths: object                # |v_j| (N, J)
+    reconstruction: object = None  # (N, C, H, W)
+    loss: float = None
+    parts: dict = field(default_factory=dict)
+
+
+class CapsNet:
+    """The model.  ``backend`` is a Backend or a name for ``backends.get``; ``seed`` fixes the host
+    initialisation, so the same seed gives the same weights on every backend."""
+
+    def __init__(self, backend="numpy", config: CapsNetConfig | None = None, seed: int = 0, **overrides):
+        self.B = _backends.get(backend) if isinstance(backend, str) else backend
+        cfg = config or CapsNetConfig()
+        if overrides:
+            cfg = CapsNetConfig(**{**cfg.to_dict(), **overrides})
+        self.config = cfg
+        c, h, w = self._check_geometry(cfg)
+        rng = np.random.default_rng(seed)
+        B = self.B
+        self.conv1 = Conv2d(B, c, cfg.conv_channels, cfg.conv_kernel, rng=rng, init=he_uniform)
+        self.conv1.input_grad = False  # the image needs no gradient in training
+        self.relu1 = ReLU(B)
+        self.primary = PrimaryCaps(B, cfg.conv_channels, cfg.primary_types, cfg.primary_dim,
+                                   cfg.primary_kernel, cfg.primary_stride, rng=rng)
+        self.classcaps = ClassCaps(B, self.n_positions, cfg.primary_types, cfg.primary_dim, cfg.n_classes,
+                                   cfg.class_dim, cfg.routing_iters, cfg.routing_grad, cfg.share_spatial, rng=rng)
+        self.length = CapsuleLength(B)
+        sizes = (cfg.n_classes * cfg.class_dim, *cfg.decoder_hidden, c * h * w)
+        self.decoder = []
+        for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            self.decoder.append(Linear(B, a, b, rng=rng, init=he_uniform if k < len(sizes) - 2 else None))
+            self.decoder.append(ReLU(B) if k < len(sizes) - 2 else Sigmoid(B))
+        self.margin = MarginLoss(B, cfg.m_plus, cfg.m_minus, cfg.lam)
+        self.recon_loss = ReconstructionLoss(B, cfg.recon_weight)
+        self._cache = None
+
+    # ---- structure ------------------------------------------------------------------------------
+    def _check_geometry(self, cfg):
+        if len(cfg.input_shape) != 3:
+            raise CapsNetError(f"input_shape must be (channels, height, width), got {cfg.input_shape}")
+        c, h, w = cfg.input_shape
+        k1, k2, s2 = cfg.conv_kernel, cfg.primary_kernel, cfg.primary_stride
+        field_px = k1 + k2 - 1  # conv1 (stride 1) then one PrimaryCaps window
+        if min(h, w) < field_px:
+            raise CapsNetError(
+                f"input {h}x{w} is smaller than the receptive field {field_px}x{field_px} of conv1 "
+                f"({k1}x{k1}) followed by PrimaryCaps ({k2}x{k2}, stride {s2}); use larger images or "
+                f"smaller kernels (conv_kernel, primary_kernel)")
+        h1, w1 = h - k1 + 1, w - k1 + 1
+        self.primary_hw = ((h1 - k2) // s2 + 1, (w1 - k2) // s2 + 1)
+        self.n_positions = self.primary_hw[0] * self.primary_hw[1]
+        return c, h, w
+
+    @property
+    def n_primary_capsules(self) -> int:
+        return self.n_positions * self.config.primary_types
+
+    def layers(self):
+        """(name, layer) for every layer with parameters, in forward order."""
+        named = [("conv1", self.conv1), ("primary", self.primary), ("classcaps", self.classcaps)]
+        named += [(f"decoder{k // 2 + 1}", l) for k, l in enumerate(self.decoder) if l.params]
+        return named
+
+    @property
+    def params(self) -> dict:
+        return {f"{n}.{k}": p for n, l in self.layers() for k, p in l.params.items()}
+
+    @property
+    def grads(self) -> dict:
+        return {f"{n}.{k}": g for n, l in self.layers() for k, g in l.grads.items()}
+
+    def n_params(self) -> int:
+        return int(sum(np.prod(p.shape) for p in self.params.values()))
+
+    def zero_grad(self):
+        for _, l in self.layers():
+            l.zero_grad()
+
+    def state_dict(self) -> dict:
+        """Parameters as host NumPy arrays (backend-neutral)."""
+        return {k: self.B.to_numpy(v) for k, v in self.params.items()}
+
+    def load_state_dict(self, state: dict):
+        """Copy host arrays into the parameters; raises CapsNetError listing every mismatch."""
+        own = self.params
+        problems = [f"  missing {k} (model has {tuple(p.shape)})" for k, p in own.items() if k not in state]
+        problems += [f"  unexpected {k} {tuple(np.shape(v))}" for k, v in state.items() if k not in own]
+        problems += [f"  {k}: checkpoint {tuple(np.shape(state[k]))} vs model {tuple(p.shape)}"
+                     for k, p in own.items() if k in state and tuple(np.shape(state[k])) != tuple(p.shape)]
+        if problems:
+            raise CapsNetError("checkpoint does not match this architecture:\n" + "\n".join(problems)
+                               + "\nbuild the model with the checkpoint's configuration")
+        for k, p in own.items():
+            p[...] = self.B.asarray(state[k])
+
+    # ---- input checks ---------------------------------------------------------------------------
+    def check_images(self, x):
+        c, h, w = self.config.input_shape
+        shape = tuple(x.shape)
+        if len(shape) != 4:
+            raise CapsNetError(f"images must be a 4-D batch (N, C, H, W) = (N, {c}, {h}, {w}); got shape {shape}"
+                               + (" -- add a channel axis: x[:, None]" if len(shape) == 3 and c == 1 else ""))
+        if shape[1] != c:
+            raise CapsNetError(f"images have {shape[1]} channels but the model expects {c} (shape (N, C, H, W)); "
+                               "build the model with input_shape matching your data")
+        if shape[2:] != (h, w):
+            raise CapsNetError(f"images are {shape[2]}x{shape[3]} but the model expects {h}x{w}; "
+                               "resize them or build the model with input_shape=" f"({c}, {shape[2]}, {shape[3]})")
+        if "float" not in str(x.dtype):
+            raise CapsNetError(f"images must be floating point (scaled to [0, 1]), got dtype {x.dtype}; "
+                               "e.g. x.astype('float32') / 255")
+        x = self.B.asarray(x)
+        if not self.B.all_finite(x):
+            raise CapsNetError("images contain NaN or inf values; clean the input data")
+        return x
+
+    def check_labels(self, y, n):
+        y_host = y if isinstance(y, np.ndarray) else self.B.to_numpy(y)
+        if y_host.ndim != 1 or y_host.shape[0] != n:
+            raise CapsNetError(f"labels must be a 1-D array of {n} class indices, got shape {y_host.shape}")
+        if y_host.dtype.kind not in "iu":
+            raise CapsNetError(f"labels must be integers (class indices), got dtype {y_host.dtype}; "
+                               "use y.astype('int64')")
+        J = self.config.n_classes
+        if y_host.size and (y_host.min() < 0 or y_host.max() >= J):
+            raise CapsNetError(f"labels must lie in [0, {J - 1}] for {J} classes; got values from "
+                               f"{y_host.min()} to {y_host.max()}")
+        return y_host.astype(np.int64)
+
+    # ---- forward / backward -----------------------------------------------------------------------
+    def forward(self, x, y=None, reconstruct=True) -> Outputs:
+        """x: (N, C, H, W) floats in [0, 1].  With labels y the decoder sees the true class capsule
+        (training); without, the longest one (evaluation).  Keeps what ``backward`` needs."""
+        xp = self.B.xp
+        x = self.check_images(x)
+        n = x.shape[0]
+        y_host = None if y is None else self.check_labels(y, n)
+        h = self.relu1.forward(self.conv1.forward(xp.permute_dims(x, (0, 2, 3, 1))))  # channels-last
+        u = self.primary.forward(h)                 # u_i (N, P, T, K)
+        v = self.classcaps.forward(u)               # v_j (N, J, D)
+        lengths = self.length.forward(v)            # (N, J)
+        out = Outputs(v=v, lengths=lengths)
+        self._cache = {"x": x, "y": y_host, "v": v, "mask": None}
+        if reconstruct:
+            chosen = y_host if y_host is not None else self.B.to_numpy(xp.argmax(lengths, axis=1))
+            mask = self.B.asarray(np.eye(self.config.n_classes)[chosen])      # (N, J)
+            z = xp.reshape(v * mask[..., None], (n, -1))                       # masked capsules (N, J*D)
+            for layer in self.decoder:
+                z = layer.forward(z)
+            out.reconstruction = xp.reshape(z, (n, *self.config.input_shape))
+            self._cache["mask"] = mask
+        return out
+
+    def loss(self, x, y) -> Outputs:
+        """Forward with the label mask plus both losses; ``backward()`` then fills the gradients."""
+        out = self.forward(x, y)
+        onehot = self.B.asarray(np.eye(self.config.n_classes)[self._cache["y"]])
+        margin = self.margin.forward(out.lengths, onehot)
+        recon = self.recon_loss.forward(out.reconstruction, self._cache["x"])
+        total = margin + recon
+        out.loss = float(self.B.to_numpy(total))
+        out.parts = {"margin": float(self.B.to_numpy(margin)), "reconstruction": float(self.B.to_numpy(recon))}
+        return out
+
+    def backward(self, input_grad: bool = False):
+        """Gradients of the last ``loss()`` added into ``grads``; returns dL/dx (N, C, H, W) when
+        ``input_grad`` (only gradient checks need it), else None."""
+        xp = self.B.xp
+        n = self._cache["x"].shape[0]
+        dz = xp.reshape(self.recon_loss.backward(), (n, -1))
+        for layer in reversed(self.decoder):
+            dz = layer.backward(dz)
+        dv = xp.reshape(dz, tuple(self._cache["v"].shape)) * self._cache["mask"][..., None]
+        dv = dv + self.length.backward(self.margin.backward())
+        du = self.classcaps.backward(dv)
+        dh = self.primary.backward(du)
+        self.conv1.input_grad = input_grad
+        dx = self.conv1.backward(self.relu1.backward(dh))
+        self.conv1.input_grad = False
+        self._cache = None
+        return None if dx is None else xp.permute_dims(dx, (0, 3, 1, 2))
+
+    def train_step_grads(self, x, y) -> Outputs:
+        """zero_grad + loss + backward: the gradient of one batch, ready for an optimizer."""
+        self.zero_grad()
+        out = self.loss(x, y)
+        self.backward()
+        return out
+
+    def predict(self, x):
+        """Class indices (host int64 array) by the longest class capsule."""
+        out = self.forward(x, reconstruct=False)
+        return self.B.to_numpy(self.B.xp.argmax(out.lengths, axis=1)).astype(np.int64)

@@ -1,0 +1,92 @@
+"""Dynamic routing between capsules (Sabour et al. 2017, Procedure 1) and its exact backward.
+
+Shapes (I input capsules, N samples, J output capsules, D output dims):
+    u_hat  û_j|i  (I, N, J, D)   predictions; i leads so that W_ij u_i is one batched matmul over i
+    b      b_ij   (I, N, J)      routing logits, per sample (never averaged over the batch)
+    c      c_ij   (I, N, J)      coupling coefficients, softmax of b_ij over the output capsules j
+    s      s_j    (N, J, D)      weighted sum of predictions
+    v      v_j    (N, J, D)      squashed output capsules
+
+Forward, for r = 0 .. R-1 (b^0 = 0):
+    c^r = softmax_j(b^r)
+    s^r = sum_i c^r_ij û_j|i
+    v^r = squash(s^r)
+    b^{r+1} = b^r + û_j|i . v^r          (only for r < R-1)
+The output is v^{R-1}.
+
+Backward, mode "full" -- the exact gradient through every iteration.  Walk r from R-1 down to 0
+carrying db = dL/db^{r+1}  (zero at r = R-1, where dL/dv^{R-1} is the incoming gradient):
+    dv^r   = sum_i db_ij û_j|i               (r < R-1: v^r reaches the loss only through b^{r+1})
+    ds^r   = squash_backward(s^r, dv^r)
+    dc^r   = û_j|i . ds^r
+    db    += c^r (dc^r - sum_j c^r dc^r)      (softmax backward; b^r feeds b^{r+1} with slope 1)
+and û collects one outer product from every place it was used:
+    dû_j|i = sum_r c^r_ij ds^r_j  +  sum_{r<R-1} db^{r+1}_ij v^r_j
+(formed in a single pass at the end, as a contraction over the stacked terms).
+At r = 0 the logits b^0 = 0 are constants, so dc^0 and db^0 are not needed.
+
+Backward, mode "final" -- the coupling coefficients c^{R-1} are treated as constants (as if the
+routing loop ran under stop-gradient), and the gradient flows through the last weighted sum only:
+    dû_j|i = c^{R-1}_ij ds^{R-1}_j
+This is the exact gradient of that detached function (tests compare it with autograd on it).
+"""
+from __future__ import annotations
+
+from .squash import squash, squash_backward
+
+MODES = ("full", "final")
+
+
+def softmax(xp, b, axis=-1):
+    """Softmax stabilised by subtracting the max (softmax(b) = softmax(b - max b))."""
+    e = xp.exp(b - xp.max(b, axis=axis, keepdims=True))
+    return e / xp.sum(e, axis=axis, keepdims=True)
+
+
+def softmax_backward(xp, c, dc, axis=-1):
+    """db = c * (dc - sum_j c dc), from dc_k/db_j = c_k (delta_kj - c_j)."""
+    return c * (dc - xp.sum(c * dc, axis=axis, keepdims=True))
+
+
+def routing_forward(B, u_hat, iters: int):
+    """Returns (v, trace); trace keeps (c^r, s^r, |s^r|, v^r) of every iteration for the backward
+    (and for inspection: ``trace[r][0]`` are the coupling coefficients of iteration r)."""
+    xp = B.xp
+    n_in, n, n_out, _ = u_hat.shape
+    b = B.zeros((n_in, n, n_out))
+    trace = []
+    for r in range(iters):
+        c = softmax(xp, b)                            # (I, N, J)
+        s = B.einsum("inj,injd->njd", c, u_hat)       # s_j = sum_i c_ij û_j|i
+        v, s_norm = squash(xp, s)
+        trace.append((c, s, s_norm, v))
+        if r < iters - 1:
+            b = b + B.einsum("injd,njd->inj", u_hat, v)  # agreement û_j|i . v_j
+    return v, trace
+
+
+def routing_backward(B, u_hat, trace, dv, mode: str = "full"):
+    """dL/dû_j|i (I, N, J, D) from dL/dv (N, J, D)."""
+    xp = B.xp
+    if mode == "final":
+        c, s, s_norm, _ = trace[-1]
+        ds = squash_backward(xp, s, s_norm, dv)
+        return B.einsum("inj,njd->injd", c, ds)
+    if mode != "full":
+        raise ValueError(f"unknown routing gradient mode {mode!r}: use one of {MODES}")
+    coeffs, vecs = [], []  # dû = sum_q coeffs[q] (x) vecs[q]
+    db = None              # dL/db^{r+1}
+    for r in reversed(range(len(trace))):
+        c, s, s_norm, v = trace[r]
+        if db is not None:
+            dv = B.einsum("inj,injd->njd", db, u_hat)
+            coeffs.append(db)
+            vecs.append(v)
+        ds = squash_backward(xp, s, s_norm, dv)
+        coeffs.append(c)
+        vecs.append(ds)
+        if r > 0:
+            dc = B.einsum("injd,njd->inj", u_hat, ds)
+            db_r = softmax_backward(xp, c, dc)
+            db = db_r if db is None else db + db_r
+    return B.einsum("qinj,qnjd->injd", xp.stack(coeffs), xp.stack(vecs))

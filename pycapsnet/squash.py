@@ -1,0 +1,29 @@
+"""The squash non-linearity (Sabour et al. 2017, eq. 1) and its gradient.
+
+    v = |s|^2 / (1 + |s|^2) * s / |s|  =  f(n) s,   n = |s|,   f(n) = n / (1 + n^2)
+
+Written as f(n) s it is finite at s = 0 (v = 0), with no epsilon added to |s|.
+Its Jacobian is  dv/ds = f(n) I + (f'(n) / n) s s^T,  f'(n) = (1 - n^2) / (1 + n^2)^2, so
+
+    ds = f(n) dv + g(n) (s . dv) s,     g(n) = f'(n) / n = (1 - n^2) / (n (1 + n^2)^2).
+
+g(n) blows up as n -> 0 but (s . dv) s shrinks like n^2, and the exact limit of the second term
+is 0; at n = 0 exactly we use that limit, so the gradient is finite (and equal to 0 there:
+v = O(|s|^2) near the origin).
+"""
+from __future__ import annotations
+
+
+def squash(xp, s, axis=-1):
+    """v = squash(s) over ``axis``.  Returns (v, n) with n = |s| (kept dims) for the backward."""
+    n = xp.sqrt(xp.sum(s * s, axis=axis, keepdims=True))
+    return s * (n / (1 + n * n)), n
+
+
+def squash_backward(xp, s, n, dv, axis=-1):
+    """dL/ds from dL/dv, given s and n = |s| from the forward."""
+    n2 = n * n
+    f = n / (1 + n2)
+    safe_n = xp.where(n > 0, n, 1)
+    g = xp.where(n > 0, (1 - n2) / (safe_n * (1 + n2) ** 2), 0)
+    return f * dv + g * xp.sum(s * dv, axis=axis, keepdims=True) * s
