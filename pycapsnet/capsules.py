@@ -63,6 +63,7 @@ class ClassCaps(Layer):
         shape = (1 if share_spatial else positions, types, n_classes, out_dim, in_dim)
         self._add_param("W", initializers.capsule_transform(rng, shape))
         self.trace = None
+        self.fixed_coupling = None  # (I, N, J): hold the last c_ij fixed (see routing_forward)
 
     def forward(self, u):
         # u: (N, P, T, K) -> v: (N, J, D)
@@ -72,7 +73,7 @@ class ClassCaps(Layer):
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))  # (P|1, T, J*D, K)
         u_hat = ut @ xp.matrix_transpose(Wm)                                     # (P, T, N, J*D)
         u_hat = xp.reshape(u_hat, (self.P * self.T, n, self.J, self.D))          # û_j|i (I, N, J, D)
-        v, self.trace = routing_forward(self.B, u_hat, self.iters)
+        v, self.trace = routing_forward(self.B, u_hat, self.iters, self.fixed_coupling)
         self.cache = (ut, u_hat)
         return v
 

@@ -51,6 +51,40 @@ class CapsNetConfig:
         return asdict(self)
 
 
+def _geometry(cfg):
+    """(positions P of the primary capsule grid, (H2, W2)) for a config; CapsNetError if too small."""
+    if len(cfg.input_shape) != 3:
+        raise CapsNetError(f"input_shape must be (channels, height, width), got {cfg.input_shape}")
+    c, h, w = cfg.input_shape
+    k1, k2, s2 = cfg.conv_kernel, cfg.primary_kernel, cfg.primary_stride
+    field_px = k1 + k2 - 1  # conv1 (stride 1) then one PrimaryCaps window
+    if min(h, w) < field_px:
+        raise CapsNetError(
+            f"input {h}x{w} is smaller than the receptive field {field_px}x{field_px} of conv1 "
+            f"({k1}x{k1}) followed by PrimaryCaps ({k2}x{k2}, stride {s2}); use larger images or "
+            f"smaller kernels (conv_kernel, primary_kernel)")
+    h1, w1 = h - k1 + 1, w - k1 + 1
+    hw = ((h1 - k2) // s2 + 1, (w1 - k2) // s2 + 1)
+    return hw[0] * hw[1], hw
+
+
+def param_shapes(cfg: CapsNetConfig) -> dict:
+    """Name -> shape of every parameter, from the configuration alone (nothing is allocated)."""
+    positions, _ = _geometry(cfg)
+    c, h, w = cfg.input_shape
+    caps = cfg.primary_types * cfg.primary_dim
+    shapes = {
+        "conv1.W": (cfg.conv_kernel, cfg.conv_kernel, c, cfg.conv_channels), "conv1.b": (cfg.conv_channels,),
+        "primary.W": (cfg.primary_kernel, cfg.primary_kernel, cfg.conv_channels, caps), "primary.b": (caps,),
+        "classcaps.W": (1 if cfg.share_spatial else positions, cfg.primary_types, cfg.n_classes,
+                        cfg.class_dim, cfg.primary_dim),
+    }
+    sizes = (cfg.n_classes * cfg.class_dim, *cfg.decoder_hidden, c * h * w)
+    for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]), start=1):
+        shapes[f"decoder{k}.W"], shapes[f"decoder{k}.b"] = (a, b), (b,)
+    return shapes
+
+
 @dataclass
 class Outputs:
     v: object                      # class capsules (N, J, D)
@@ -92,20 +126,8 @@ class CapsNet:
 
     # ---- structure ------------------------------------------------------------------------------
     def _check_geometry(self, cfg):
-        if len(cfg.input_shape) != 3:
-            raise CapsNetError(f"input_shape must be (channels, height, width), got {cfg.input_shape}")
-        c, h, w = cfg.input_shape
-        k1, k2, s2 = cfg.conv_kernel, cfg.primary_kernel, cfg.primary_stride
-        field_px = k1 + k2 - 1  # conv1 (stride 1) then one PrimaryCaps window
-        if min(h, w) < field_px:
-            raise CapsNetError(
-                f"input {h}x{w} is smaller than the receptive field {field_px}x{field_px} of conv1 "
-                f"({k1}x{k1}) followed by PrimaryCaps ({k2}x{k2}, stride {s2}); use larger images or "
-                f"smaller kernels (conv_kernel, primary_kernel)")
-        h1, w1 = h - k1 + 1, w - k1 + 1
-        self.primary_hw = ((h1 - k2) // s2 + 1, (w1 - k2) // s2 + 1)
-        self.n_positions = self.primary_hw[0] * self.primary_hw[1]
-        return c, h, w
+        self.n_positions, self.primary_hw = _geometry(cfg)
+        return cfg.input_shape
 
     @property
     def n_primary_capsules(self) -> int:
@@ -223,7 +245,8 @@ class CapsNet:
         ``input_grad`` (only gradient checks need it), else None."""
         xp = self.B.xp
         n = self._cache["x"].shape[0]
-        dz = xp.reshape(self.recon_loss.backward(), (n, -1))
+        d_recon = self.recon_loss.backward()                 # dL/dx_hat (N, C, H, W)
+        dz = xp.reshape(d_recon, (n, -1))
         for layer in reversed(self.decoder):
             dz = layer.backward(dz)
         dv = xp.reshape(dz, tuple(self._cache["v"].shape)) * self._cache["mask"][..., None]
@@ -234,7 +257,10 @@ class CapsNet:
         dx = self.conv1.backward(self.relu1.backward(dh))
         self.conv1.input_grad = False
         self._cache = None
-        return None if dx is None else xp.permute_dims(dx, (0, 3, 1, 2))
+        if dx is None:
+            return None
+        # x is also the reconstruction target: L depends on it through -(x_hat - x) as well
+        return xp.permute_dims(dx, (0, 3, 1, 2)) - d_recon
 
     def train_step_grads(self, x, y) -> Outputs:
         """zero_grad + loss + backward: the gradient of one batch, ready for an optimizer."""

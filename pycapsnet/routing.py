@@ -48,19 +48,23 @@ def softmax_backward(xp, c, dc, axis=-1):
     return c * (dc - xp.sum(c * dc, axis=axis, keepdims=True))
 
 
-def routing_forward(B, u_hat, iters: int):
+def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
     """Returns (v, trace); trace keeps (c^r, s^r, |s^r|, v^r) of every iteration for the backward
-    (and for inspection: ``trace[r][0]`` are the coupling coefficients of iteration r)."""
+    (and for inspection: ``trace[r][0]`` are the coupling coefficients of iteration r).
+
+    ``fixed_coupling`` (I, N, J): use these c_ij in the last iteration instead of softmax(b) -- the
+    function whose exact gradient the "final" mode computes (gradient checks perturb it)."""
     xp = B.xp
     n_in, n, n_out, _ = u_hat.shape
     b = B.zeros((n_in, n, n_out))
     trace = []
     for r in range(iters):
-        c = softmax(xp, b)                            # (I, N, J)
+        last = r == iters - 1
+        c = fixed_coupling if (last and fixed_coupling is not None) else softmax(xp, b)  # (I, N, J)
         s = B.einsum("inj,injd->njd", c, u_hat)       # s_j = sum_i c_ij û_j|i
         v, s_norm = squash(xp, s)
         trace.append((c, s, s_norm, v))
-        if r < iters - 1:
+        if not last:
             b = b + B.einsum("injd,njd->inj", u_hat, v)  # agreement û_j|i . v_j
     return v, trace
 

@@ -1,0 +1,229 @@
+"""Finite-difference gradient checks of every layer and of the full loss.
+
+Fourth-order central differences
+
+    n = (L(w - 2h) - 8 L(w - h) + 8 L(w + h) - L(w + 2h)) / (12 h)
+
+against the hand-written gradient a, at sampled entries of each tensor (all entries of small ones).
+In float64 with h = 1e-5 the truncation error (O(h^4)) is negligible and the rounding error of an
+O(1) loss is about 1e-11; the plain two-point quotient would need h ~ 1e-6 and round to ~1e-10.
+The error of an entry is
+
+    rel = |a - n| / max(|a|, |n|, floor)
+
+so below ``floor`` (default 1e-4) an entry is held to an absolute error of ``tol * floor``: the
+relative error of an entry whose gradient is 1e-9 would measure rounding, not the backward.
+
+Kinks.  ReLU and the margin loss are not differentiable everywhere; when a perturbation of +-2h
+crosses a kink the difference quotient is wrong, not the backward.  Every entry is therefore
+differenced at h and at h/4: a smooth function gives the same quotient at both (to rounding), a wrong
+backward disagrees with both alike, and an entry whose two quotients disagree by more than the
+check's own tolerance straddles a kink.  Such entries are counted in ``Check.kinks`` and left out; a tensor
+whose sampled entries all straddle kinks fails.
+
+The "final" routing-gradient mode is the exact gradient of the routing with the last coupling
+coefficients c_ij held fixed, so its checks perturb that function: ClassCaps.fixed_coupling.
+Used by the test suite and by ``pycapsnet gradcheck``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import backends as _backends
+
+from .capsules import CapsuleLength, ClassCaps, PrimaryCaps
+from .layers import Conv2d, Linear, ReLU, Sigmoid
+from .losses import MarginLoss, ReconstructionLoss
+from .model import CapsNet
+from .routing import softmax, softmax_backward
+from .squash import squash, squash_backward
+
+
+@dataclass
+class Check:
+    layer: str
+    tensor: str
+    max_abs: float
+    max_rel: float
+    n_checked: int
+    tol: float
+    kinks: int = 0  # sampled entries left out because the loss has a kink within +-2h
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.n_checked > 0 and self.max_rel < self.tol)
+
+
+def _entries(size: int, k: int, rng) -> np.ndarray:
+    return np.arange(size) if size <= k else np.sort(rng.choice(size, k, replace=False))
+
+
+def compare(analytic: np.ndarray, numeric: np.ndarray, floor: float):
+    a, n = np.asarray(analytic, float).ravel(), np.asarray(numeric, float).ravel()
+    err = np.abs(a - n)
+    rel = err / np.maximum(np.maximum(np.abs(a), np.abs(n)), floor)
+    return float(err.max(initial=0)), float(rel.max(initial=0))
+
+
+def finite_difference(B, loss_fn, arr, idx, eps):
+    """Fourth-order central differences of loss_fn() w.r.t. entries ``idx`` of backend array
+    ``arr`` (perturbed in place through a flat view, then restored)."""
+    flat = B.xp.reshape(arr, (-1,))
+    out = np.empty(len(idx))
+    for k, i in enumerate(idx):
+        i = int(i)
+        orig = float(B.to_numpy(flat[i]))
+        f = {}
+        for step in (-2, -1, 1, 2):
+            flat[i] = orig + step * eps
+            f[step] = loss_fn()
+        flat[i] = orig
+        out[k] = (f[-2] - 8 * f[-1] + 8 * f[1] - f[2]) / (12 * eps)
+    return out
+
+
+def check_tensors(B, label, loss_fn, tensors, analytic, samples=20, eps=1e-5, tol=1e-6, floor=1e-4, seed=0):
+    """One Check per named tensor: ``tensors[name]`` is perturbed, ``analytic[name]`` is its gradient."""
+    rng = np.random.default_rng(seed)
+    results = []
+    for name, arr in tensors.items():
+        a = B.to_numpy(analytic[name]).ravel()
+        idx = _entries(a.size, samples, rng)
+        num = finite_difference(B, loss_fn, arr, idx, eps)
+        fine = finite_difference(B, loss_fn, arr, idx, eps / 4)
+        smooth = np.abs(num - fine) <= tol * np.maximum(np.maximum(np.abs(num), np.abs(fine)), floor)
+        max_abs, max_rel = compare(a[idx][smooth], num[smooth], floor)
+        results.append(Check(label, name, max_abs, max_rel, int(smooth.sum()), tol, int((~smooth).sum())))
+    return results
+
+
+def _freeze_final_coupling(layer):
+    """In "final" mode, hold the last coupling coefficients fixed for the perturbed evaluations."""
+    if isinstance(layer, ClassCaps) and layer.routing_grad == "final":
+        layer.fixed_coupling = layer.trace[-1][0]
+
+
+# ---- single layers ------------------------------------------------------------------------------
+def _scalar(B, y, R):
+    return float(B.to_numpy(B.xp.sum(y * R)))
+
+
+def check_layer(B, label, layer, x_host, samples=20, eps=1e-5, tol=1e-6, seed=0):
+    """L = sum(layer(x) * R) for a fixed random R; checks dL/dx and dL/d(every parameter)."""
+    rng = np.random.default_rng(seed + 1)
+    x = B.asarray(x_host)
+    y = layer.forward(x)
+    R = B.asarray(rng.standard_normal(tuple(y.shape)))
+    _freeze_final_coupling(layer)
+    layer.zero_grad()
+    dx = layer.backward(R)
+    tensors, analytic = {"input": x}, {"input": dx}
+    for k, p in layer.params.items():
+        tensors[k], analytic[k] = p, layer.grads[k]
+    return check_tensors(B, label, lambda: _scalar(B, layer.forward(x), R), tensors, analytic,
+                         samples, eps, tol, seed=seed)
+
+
+class _FunctionLayer:
+    """Wraps a (forward, backward) pair of plain functions as a parameterless layer."""
+
+    def __init__(self, fwd, bwd):
+        self.fwd, self.bwd, self.params, self.grads = fwd, bwd, {}, {}
+
+    def forward(self, x):
+        self.x = x
+        return self.fwd(x)
+
+    def backward(self, dy):
+        return self.bwd(self.x, dy)
+
+    def zero_grad(self):
+        pass
+
+
+class _LossLayer:
+    """A loss (forward(pred, target) -> scalar; backward() -> dpred) as a layer of pred."""
+
+    def __init__(self, loss, target):
+        self.loss, self.target, self.params, self.grads = loss, target, {}, {}
+
+    def forward(self, x):
+        return self.loss.forward(x, self.target)
+
+    def backward(self, dy):
+        return self.loss.backward() * dy
+
+    def zero_grad(self):
+        pass
+
+
+def layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
+    """Checks of every layer of pycapsnet, on small random inputs."""
+    rng = np.random.default_rng(seed)
+    xp = B.xp
+    r = lambda *shape: rng.standard_normal(shape)
+    results = []
+
+    def add(label, layer, x):
+        results.extend(check_layer(B, label, layer, x, samples, eps, tol, seed))
+
+    add("Conv2d 3x3/1", Conv2d(B, 3, 4, 3, 1, 0, rng=rng), r(2, 6, 6, 3))
+    add("Conv2d 3x3/2 pad1", Conv2d(B, 3, 5, 3, 2, 1, rng=rng), r(2, 7, 8, 3))
+    add("ReLU", ReLU(B), r(3, 7))
+    add("Sigmoid", Sigmoid(B), 4 * r(3, 7))
+    add("Linear", Linear(B, 6, 5, rng=rng), r(4, 6))
+    add("squash", _FunctionLayer(lambda s: squash(xp, s)[0],
+                                 lambda s, dv: squash_backward(xp, s, squash(xp, s)[1], dv)), r(3, 4, 5))
+    add("softmax", _FunctionLayer(lambda b: softmax(xp, b),
+                                  lambda b, dc: softmax_backward(xp, softmax(xp, b), dc)), 3 * r(4, 6))
+    add("PrimaryCaps", PrimaryCaps(B, 3, types=2, dim=4, kernel=3, stride=2, rng=rng), r(2, 7, 7, 3))
+    for mode in ("full", "final"):
+        for share in (False, True):
+            cc = ClassCaps(B, positions=4, types=2, in_dim=4, n_classes=3, out_dim=5, iters=3,
+                           routing_grad=mode, share_spatial=share, rng=rng)
+            cc.params["W"][...] = B.asarray(0.5 * r(*cc.params["W"].shape))  # away from the tiny init
+            add(f"ClassCaps routing={mode}{' shared' if share else ''}", cc, 0.5 * r(3, 4, 2, 4))
+    add("CapsuleLength", CapsuleLength(B), r(3, 4, 5))
+    onehot = B.asarray(np.eye(4)[rng.integers(0, 4, 5)])
+    add("MarginLoss", _LossLayer(MarginLoss(B), onehot), rng.uniform(0.0, 1.0, (5, 4)))
+    add("ReconstructionLoss", _LossLayer(ReconstructionLoss(B, weight=0.5), B.asarray(rng.random((3, 1, 4, 4)))),
+        rng.random((3, 1, 4, 4)))
+    return results
+
+
+# ---- the whole model ------------------------------------------------------------------------------
+SMALL = dict(input_shape=(1, 14, 14), conv_channels=8, conv_kernel=3, primary_types=4, primary_dim=4,
+             primary_kernel=3, primary_stride=2, n_classes=4, class_dim=6, decoder_hidden=(16, 24))
+
+
+def model_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3, **config):
+    """Full loss (margin + reconstruction) w.r.t. every parameter tensor and the input."""
+    cfg = {**SMALL, **config}
+    model = CapsNet(B, seed=seed, **cfg)
+    rng = np.random.default_rng(seed)
+    x = B.asarray(rng.random((batch, *model.config.input_shape)))
+    y = rng.integers(0, model.config.n_classes, batch)
+    model.zero_grad()
+    model.loss(x, y)
+    _freeze_final_coupling(model.classcaps)
+    dx = model.backward(input_grad=True)
+    tensors = {"input": x, **model.params}
+    analytic = {"input": dx, **model.grads}
+    label = f"CapsNet routing={model.config.routing_grad}{' shared' if model.config.share_spatial else ''}"
+    return check_tensors(B, label, lambda: model.loss(x, y).loss, tensors, analytic,
+                         samples, eps, tol, floor, seed)
+
+
+def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=None, seed=0):
+    """Every layer check and the full-loss checks in both routing modes (and shared transforms)."""
+    B = _backends.get(backend, device=device, dtype=dtype)
+    if tol is None:
+        tol = 1e-6 if B.dtype == "float64" else 2e-2
+    eps = 1e-5 if B.dtype == "float64" else 1e-2
+    results = layer_checks(B, samples, eps, tol, seed)
+    for mode in ("full", "final"):
+        results += model_checks(B, samples, eps, tol, seed=seed, routing_grad=mode)
+    results += model_checks(B, samples, eps, tol, seed=seed, share_spatial=True)
+    return results

@@ -1,0 +1,32 @@
+"""Backend parametrization shared by the tests.
+
+CPU backends (numpy, torch on CPU) always run.  The GPU ones (cupy, torch:cuda) run when the library
+and a CUDA GPU are present, and are skipped otherwise with the reason the backend itself gives."""
+import numpy as np
+import pytest
+
+import backends
+
+CPU_BACKENDS = ["numpy", "torch"]
+
+
+def _gpu_param(spec):
+    name = spec.split(":")[0]
+    reason = backends.gpu_unavailable_reason(name)
+    return pytest.param(spec, marks=pytest.mark.skipif(reason is not None, reason=f"{spec}: {reason}"), id=spec)
+
+
+GPU_BACKENDS = [_gpu_param("cupy"), _gpu_param("torch:cuda")]
+
+
+def assert_close(actual, expected, rtol, what=""):
+    """Elementwise |a - e| <= rtol * |e| + rtol * max|e|: relative, with the tensor's own scale as
+    the floor for entries near zero."""
+    actual, expected = np.asarray(actual, float), np.asarray(expected, float)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} vs {expected.shape}"
+    scale = float(np.abs(expected).max(initial=0))
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=what)
+
+
+SMALL = dict(input_shape=(1, 14, 14), conv_channels=8, conv_kernel=3, primary_types=4, primary_dim=4,
+             primary_kernel=3, primary_stride=2, n_classes=4, class_dim=6, decoder_hidden=(16, 24))

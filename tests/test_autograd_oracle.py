@@ -1,0 +1,40 @@
+"""PyTorch autograd as an independent oracle: the same forward written with torch ops under autograd
+(benchmarks/autograd_capsnet.py) gives the hand-written gradients, float64, rtol 1e-8."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch: pip install torch")
+
+import backends  # noqa: E402
+from benchmarks.autograd_capsnet import AutogradCapsNet  # noqa: E402
+from pycapsnet import CapsNet  # noqa: E402
+from tests.conftest import CPU_BACKENDS, SMALL, assert_close  # noqa: E402
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("mode", ["full", "final"])
+@pytest.mark.parametrize("share", [False, True])
+def test_gradients_match_autograd(backend, mode, share):
+    model = CapsNet(backends.get(backend, dtype="float64"), seed=2, routing_grad=mode, share_spatial=share, **SMALL)
+    rng = np.random.default_rng(5)
+    x = rng.random((6, 1, 14, 14))
+    y = rng.integers(0, 4, 6)
+    model.zero_grad()
+    out = model.loss(x, y)
+    dx = model.backward(input_grad=True)
+    loss_ref, g = AutogradCapsNet.from_model(model, dtype=torch.float64).grads(x, y, input_grad=True)
+    assert out.loss == pytest.approx(loss_ref, rel=1e-12)
+    for k, ref in g.items():
+        mine = dx if k == "input" else model.grads[k]
+        assert_close(model.B.to_numpy(mine), ref, 1e-8, what=k)
+
+
+def test_paper_architecture_matches_autograd():
+    """The full-size MNIST CapsNet (8.2 M parameters), one batch of 2, float64."""
+    model = CapsNet(backends.get("numpy", dtype="float64"), seed=0)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((2, 1, 28, 28)), np.array([3, 7])
+    model.train_step_grads(x, y)
+    _, g = AutogradCapsNet.from_model(model, dtype=torch.float64).grads(x, y)
+    for k, ref in g.items():
+        assert_close(model.grads[k], ref, 1e-8, what=k)

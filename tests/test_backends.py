@@ -1,0 +1,92 @@
+"""The backend layer: registry, lazy imports, clear errors, and the convolution primitives."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import backends
+from backends import BackendError
+from tests.conftest import CPU_BACKENDS, GPU_BACKENDS
+
+
+def test_import_pycapsnet_imports_neither_cupy_nor_torch():
+    code = ("import sys, pycapsnet, backends; m = pycapsnet.CapsNet('numpy', **{}); "
+            "print('torch' in sys.modules, 'cupy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(BackendError, match="unknown backend 'jax'.*numpy, cupy, torch"):
+        backends.get("jax")
+
+
+def test_missing_library_gives_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
+    with pytest.raises(BackendError, match=r"pip install .*cupy"):
+        backends.get("cupy")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(BackendError, match=r"pip install .*torch"):
+        backends.get("torch")
+
+
+def test_cuda_without_gpu_is_a_clear_error():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present, so asking for one is not an error here")
+    with pytest.raises(BackendError, match="torch.cuda.is_available\\(\\) is False"):
+        backends.get("torch", device="cuda")
+    with pytest.raises(BackendError, match="numpy backend runs on the CPU"):
+        backends.get("numpy", device="cuda")
+
+
+def test_bad_dtype_and_device():
+    with pytest.raises(BackendError, match="unsupported dtype 'float16'"):
+        backends.get("numpy", dtype="float16")
+    pytest.importorskip("torch")
+    with pytest.raises(BackendError, match="unknown torch device 'tpu'"):
+        backends.get("torch", device="tpu")
+
+
+def test_name_may_carry_the_device():
+    pytest.importorskip("torch")
+    B = backends.get("torch:cpu", dtype="float64")
+    assert (B.name, B.device, B.dtype) == ("torch", "cpu", "float64")
+
+
+def _naive_im2col(x, k, s, p):
+    x = np.pad(x, ((0, 0), (p, p), (p, p), (0, 0)))
+    n, h, w, c = x.shape
+    oh, ow = (h - k) // s + 1, (w - k) // s + 1
+    return np.array([[x[i, s * a:s * a + k, s * b:s * b + k, :].ravel() for a in range(oh) for b in range(ow)]
+                     for i in range(n)]).reshape(n * oh * ow, k * k * c)
+
+
+@pytest.mark.parametrize("spec", CPU_BACKENDS + GPU_BACKENDS)
+@pytest.mark.parametrize("k,s,p", [(3, 1, 0), (3, 2, 1), (9, 2, 0), (2, 3, 2)])
+def test_im2col_and_its_adjoint_col2im(spec, k, s, p):
+    B = backends.get(spec, dtype="float64")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 11, 10, 3))  # 5 > 2 * threads: the threaded split runs too
+    ref = _naive_im2col(x, k, s, p)
+    cols = B.to_numpy(B.im2col(B.asarray(x), k, k, s, p))
+    np.testing.assert_array_equal(cols, ref)
+    g = rng.standard_normal(ref.shape)
+    dx = B.to_numpy(B.col2im(B.asarray(g), x.shape, k, k, s, p))
+    # <g, im2col(x)> == <col2im(g), x> for all x, g: col2im is exactly the adjoint
+    assert np.sum(g * ref) == pytest.approx(np.sum(dx * x), rel=1e-12)
+
+
+@pytest.mark.parametrize("spec", CPU_BACKENDS)
+def test_transfers_dtypes_and_memory(spec):
+    B = backends.get(spec, dtype="float32")
+    a = B.asarray(np.arange(6.0).reshape(2, 3))
+    assert "float32" in str(a.dtype)
+    labels = B.asarray(np.array([1, 2]))
+    assert "int" in str(labels.dtype)
+    np.testing.assert_array_equal(B.to_numpy(a), np.arange(6.0).reshape(2, 3))
+    assert B.all_finite(a) and not B.all_finite(B.asarray(np.array([1.0, np.nan])))
+    mem = B.memory()
+    assert mem["peak"] > 0 and mem["kind"]
+    B.synchronize()

@@ -1,0 +1,52 @@
+"""The same weights and batch give the same outputs and gradients on every backend:
+NumPy vs PyTorch always; CuPy and torch:cuda when a GPU is present."""
+import numpy as np
+import pytest
+
+import backends
+from pycapsnet import CapsNet
+from tests.conftest import GPU_BACKENDS, SMALL, assert_close
+
+pytest.importorskip("torch", reason="cross-backend checks need PyTorch: pip install torch")
+
+RTOL = {"float64": 1e-9, "float32": 1e-4}
+
+
+def _run(spec, dtype, mode, config=SMALL, n=5):
+    model = CapsNet(backends.get(spec, dtype=dtype), seed=11, routing_grad=mode, **config)
+    rng = np.random.default_rng(1)
+    x = rng.random((n, *model.config.input_shape)).astype(dtype)
+    y = rng.integers(0, model.config.n_classes, n)
+    out = model.train_step_grads(x, y)
+    B = model.B
+    res = {"loss": np.array(out.loss), "v": B.to_numpy(out.v), "lengths": B.to_numpy(out.lengths),
+           "reconstruction": B.to_numpy(out.reconstruction)}
+    res.update({f"grad {k}": B.to_numpy(g) for k, g in model.grads.items()})
+    res["predict"] = model.predict(x)
+    return res
+
+
+def _compare(a, b, dtype):
+    assert a.keys() == b.keys()
+    for k in a:
+        if k == "predict":
+            continue
+        assert_close(a[k], b[k], RTOL[dtype], what=k)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("mode", ["full", "final"])
+def test_numpy_vs_torch(dtype, mode):
+    _compare(_run("torch", dtype, mode), _run("numpy", dtype, mode), dtype)
+
+
+def test_numpy_vs_torch_paper_architecture_float32():
+    a, b = _run("torch", "float32", "full", config={}, n=3), _run("numpy", "float32", "full", config={}, n=3)
+    _compare(a, b, "float32")
+
+
+@pytest.mark.parametrize("spec", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_gpu_vs_numpy(spec, dtype):
+    _compare(_run(spec, dtype, "full"), _run("numpy", dtype, "full"), dtype)
+    _compare(_run(spec, dtype, "full", config={}, n=3), _run("numpy", dtype, "full", config={}, n=3), dtype)

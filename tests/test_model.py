@@ -1,0 +1,109 @@
+"""Model structure, parameter counts, the no-autograd guarantee, and clear errors for bad input."""
+import numpy as np
+import pytest
+
+import backends
+from pycapsnet import CapsNet, CapsNetConfig, CapsNetError
+from pycapsnet.model import param_shapes
+from tests.conftest import SMALL
+
+
+def test_paper_mnist_parameter_count():
+    m = CapsNet("numpy")
+    # conv1 9*9*1*256+256, PrimaryCaps 9*9*256*256+256, W_ij 1152*10*16*8, decoder 160-512-1024-784
+    assert m.n_params() == 20_992 + 5_308_672 + 1_474_560 + 82_432 + 525_312 + 803_600 == 8_215_568
+    assert m.n_primary_capsules == 1152
+    assert {k: tuple(v.shape) for k, v in m.params.items()} == param_shapes(m.config)
+
+
+def test_share_spatial_keeps_large_inputs_small():
+    big = CapsNetConfig(input_shape=(3, 224, 224), n_classes=276)
+    per_position = sum(np.prod(s) for s in param_shapes(big).values())
+    shared = sum(np.prod(s) for s in param_shapes(CapsNetConfig(**{**big.to_dict(), "share_spatial": True})).values())
+    assert 11.5e9 < per_position < 12.5e9        # ~12 billion weights without sharing
+    assert shared < 0.2e9                        # 104*104 positions share one transform per type
+    m = CapsNet("numpy", share_spatial=True, input_shape=(1, 36, 36), n_classes=3)
+    assert tuple(m.params["classcaps.W"].shape) == (1, 32, 3, 16, 8)
+
+
+def test_primary_capsules_follow_the_input_shape():
+    m = CapsNet("numpy", **{**SMALL, "input_shape": (2, 15, 17)})
+    # conv1 3x3 -> 13x15; PrimaryCaps 3x3/2 -> 6x7 positions
+    assert m.primary_hw == (6, 7) and m.n_primary_capsules == 42 * 4
+    x = np.random.default_rng(0).random((2, 2, 15, 17))
+    out = m.loss(x, np.array([0, 3]))
+    assert tuple(out.reconstruction.shape) == (2, 2, 15, 17) and np.isfinite(out.loss)
+
+
+def test_routing_logits_are_per_sample():
+    """A sample's prediction must not depend on what else is in the batch."""
+    m = CapsNet(backends.get("numpy", dtype="float64"), **SMALL)
+    x = np.random.default_rng(0).random((4, 1, 14, 14))
+    alone = m.forward(x[:1]).lengths
+    together = m.forward(x).lengths[:1]
+    np.testing.assert_allclose(alone, together, rtol=1e-12)
+
+
+def test_torch_train_step_builds_no_autograd_graph():
+    torch = pytest.importorskip("torch")
+    m = CapsNet(backends.get("torch"), **SMALL)
+    x = np.random.default_rng(0).random((3, 1, 14, 14)).astype("float32")
+    with torch.enable_grad():  # even with grad mode on, nothing asks for a graph
+        out = m.train_step_grads(x, np.array([0, 1, 2]))
+        seen = []
+
+        def walk(obj, depth=0):
+            if isinstance(obj, torch.Tensor):
+                seen.append(obj)
+            elif isinstance(obj, (list, tuple)) and depth < 4:
+                for o in obj:
+                    walk(o, depth + 1)
+            elif isinstance(obj, dict) and depth < 4:
+                for o in obj.values():
+                    walk(o, depth + 1)
+
+        walk([out.v, out.lengths, out.reconstruction, m.params, m.grads, m.classcaps.trace])
+        m.forward(x, np.array([0, 1, 2]))  # fill the caches again and look at them too
+        for _, layer in m.layers():
+            walk([layer.cache, getattr(layer, "trace", None)])
+    assert len(seen) > 20
+    assert not any(t.requires_grad or t.grad_fn is not None for t in seen)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (np.zeros((2, 14, 14), "float32"), "4-D batch.*add a channel axis"),
+    (np.zeros((2, 3, 14, 14), "float32"), "3 channels but the model expects 1"),
+    (np.zeros((2, 1, 12, 14), "float32"), "12x14 but the model expects 14x14"),
+    (np.zeros((2, 1, 14, 14), "uint8"), "floating point.*astype"),
+    (np.full((2, 1, 14, 14), np.nan, "float32"), "NaN or inf"),
+    (np.full((2, 1, 14, 14), np.inf, "float32"), "NaN or inf"),
+])
+def test_bad_images(bad, match):
+    m = CapsNet("numpy", **SMALL)
+    with pytest.raises(CapsNetError, match=match):
+        m.loss(bad, np.array([0, 1]))
+
+
+@pytest.mark.parametrize("labels,match", [
+    (np.array([0, 4]), r"in \[0, 3\] for 4 classes"),
+    (np.array([-1, 0]), r"in \[0, 3\]"),
+    (np.array([0.0, 1.0]), "must be integers"),
+    (np.array([[0, 1]]), "1-D array of 2"),
+    (np.array([0, 1, 2]), "1-D array of 2"),
+])
+def test_bad_labels(labels, match):
+    m = CapsNet("numpy", **SMALL)
+    with pytest.raises(CapsNetError, match=match):
+        m.loss(np.zeros((2, 1, 14, 14), "float32"), labels)
+
+
+def test_image_smaller_than_receptive_field():
+    with pytest.raises(CapsNetError, match="smaller than the receptive field 17x17"):
+        CapsNet("numpy", input_shape=(1, 16, 16))
+
+
+def test_bad_routing_options():
+    with pytest.raises(ValueError, match="routing gradient mode 'exact'"):
+        CapsNet("numpy", routing_grad="exact", **SMALL)
+    with pytest.raises(ValueError, match="at least one iteration"):
+        CapsNet("numpy", routing_iters=0, **SMALL)
