@@ -1,0 +1,76 @@
+"""Checkpoints: one ``.npz`` of host NumPy arrays -- parameters, optimizer state, and a JSON header
+with the model configuration -- so a checkpoint written on one backend loads on any other.
+
+Writes are atomic: the file is written to a temporary name in the same directory, flushed to disk,
+then renamed over the old one (``os.replace``), so an interruption (Ctrl-C, a crash, a full disk)
+leaves the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zipfile
+
+import numpy as np
+
+from .errors import CapsNetError
+from .model import CapsNet, CapsNetConfig
+
+FORMAT = "pycapsnet-checkpoint-1"
+
+
+def save(path: str, model: CapsNet, optimizer=None, **meta) -> str:
+    arrays = {f"param/{k}": v for k, v in model.state_dict().items()}
+    if optimizer is not None:
+        arrays.update({f"optim/{k}": v for k, v in optimizer.state_dict().items()})
+    header = {"format": FORMAT, "config": model.config.to_dict(), "backend": model.B.label,
+              "optimizer": type(optimizer).__name__.lower() if optimizer is not None else None, **meta}
+    arrays["header"] = np.array(json.dumps(header))
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load(path: str) -> dict:
+    """{'header': dict, 'params': {name: array}, 'optim': {name: array}}; CapsNetError naming the
+    file if it is missing, not a pycapsnet checkpoint, or corrupt."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "checkpoint.npz")
+    if not os.path.exists(path):
+        raise CapsNetError(f"checkpoint not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            files = {k: z[k] for k in z.files}
+        header = json.loads(str(files.pop("header")))
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+        raise CapsNetError(f"{path} is not a readable pycapsnet checkpoint ({type(e).__name__}: {e})") from None
+    if header.get("format") != FORMAT:
+        raise CapsNetError(f"{path}: unknown checkpoint format {header.get('format')!r} (expected {FORMAT})")
+    params = {k[6:]: v for k, v in files.items() if k.startswith("param/")}
+    optim = {k[6:]: v for k, v in files.items() if k.startswith("optim/")}
+    return {"header": header, "params": params, "optim": optim, "path": path}
+
+
+def config_of(ckpt: dict) -> CapsNetConfig:
+    return CapsNetConfig(**ckpt["header"]["config"])
+
+
+def load_model(path: str, backend, **overrides) -> tuple:
+    """Build the checkpoint's architecture on ``backend`` and load its weights -> (model, ckpt)."""
+    ckpt = load(path)
+    cfg = config_of(ckpt)
+    if overrides:
+        cfg = CapsNetConfig(**{**cfg.to_dict(), **overrides})
+    model = CapsNet(backend, cfg)
+    model.load_state_dict(ckpt["params"])
+    return model, ckpt

