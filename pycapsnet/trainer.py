@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--data-dir", default=None, help="directory with the four MNIST-format IDX files (raw or .gz)")
     p.add_argument("--shift", type=int, default=2, help="random shift augmentation in pixels, 0 = off (default: 2)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N training images (quick runs)")
+    p.add_argument("--limit-test", type=int, default=None, help="evaluate on only the first N test images")
+    p.add_argument("--conv-channels", type=int, default=256, help="conv1 channels (default: 256, the paper's)")
+    p.add_argument("--primary-types", type=int, default=32, help="primary capsule types (default: 32)")
+    p.add_argument("--share-spatial", action="store_true",
+                   help="one routing transform per primary capsule type, shared over positions")
     p.add_argument("--out", default=None, help="output directory (default: runs/<backend>)")
     p.add_argument("--resume", default=None, metavar="CKPT",
                    help="continue from a checkpoint file or run directory (architecture from the checkpoint)")
@@ -113,6 +118,8 @@ def train(args, backend_name: str) -> dict:
     train_set, test_set = data.load(args.dataset, args.data_dir)
     if args.limit:
         train_set = data.Split(train_set.x[:args.limit], train_set.y[:args.limit])
+    if args.limit_test:
+        test_set = data.Split(test_set.x[:args.limit_test], test_set.y[:args.limit_test])
     ckpt = checkpoint.load(args.resume) if args.resume else None
     out_dir = args.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", B.name))
 
@@ -123,7 +130,8 @@ def train(args, backend_name: str) -> dict:
         if args.eval_only:
             raise CapsNetError("--eval-only needs a trained model: pass --resume CHECKPOINT")
         cfg = CapsNetConfig(input_shape=train_set.x.shape[1:], routing_iters=args.routing_iters,
-                            routing_grad=args.routing_grad)
+                            routing_grad=args.routing_grad, conv_channels=args.conv_channels,
+                            primary_types=args.primary_types, share_spatial=args.share_spatial)
         model = CapsNet(B, cfg, seed=args.seed)
     if tuple(test_set.x.shape[1:]) != model.config.input_shape:
         raise CapsNetError(f"the data are {test_set.x.shape[1:]} images but the model expects "

@@ -1,0 +1,234 @@
+"""Optimizers against torch.optim, checkpoints, the trainer's faults and exit codes, and learning."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import backends
+from pycapsnet import CapsNet, CapsNetError, checkpoint, data, optim, trainer
+from tests.conftest import SMALL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--conv-channels", "16", "--primary-types", "4", "--limit", "96", "--limit-test", "40",
+        "--batch-size", "32", "--no-progress"]
+
+
+def _grads_sequence(model, n_steps, rng):
+    x = rng.random((3, *model.config.input_shape))
+    y = rng.integers(0, model.config.n_classes, 3)
+    return x, y
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_optimizer_matches_torch_optim(name):
+    torch = pytest.importorskip("torch")
+    model = CapsNet(backends.get("numpy", dtype="float64"), **SMALL)
+    ref = {k: torch.tensor(v.copy(), requires_grad=True) for k, v in model.state_dict().items()}
+    opt = optim.make(name, model, 1e-2)
+    topt = torch.optim.Adam(ref.values(), lr=1e-2) if name == "adam" else torch.optim.SGD(ref.values(), lr=1e-2, momentum=0.9)
+    rng = np.random.default_rng(0)
+    for step in range(5):
+        x = rng.random((3, 1, 14, 14))
+        y = rng.integers(0, 4, 3)
+        model.train_step_grads(x, y)
+        for k, t in ref.items():  # torch gets exactly the same gradients
+            t.grad = torch.tensor(model.grads[k].copy())
+        opt.step()
+        topt.step()
+    for k, t in ref.items():
+        np.testing.assert_allclose(model.params[k], t.detach().numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def test_adam_keeps_its_moments_between_steps():
+    model = CapsNet("numpy", **SMALL)
+    opt = optim.Adam(model)
+    rng = np.random.default_rng(0)
+    model.train_step_grads(rng.random((2, 1, 14, 14)).astype("float32"), np.array([0, 1]))
+    opt.step()
+    m1 = {k: v.copy() for k, v in opt.state["m"].items()}
+    model.train_step_grads(rng.random((2, 1, 14, 14)).astype("float32"), np.array([2, 3]))
+    opt.step()
+    k = "classcaps.W"
+    np.testing.assert_allclose(opt.state["m"][k], 0.9 * m1[k] + 0.1 * model.grads[k], rtol=1e-5, atol=1e-12)
+    assert opt.step_count == 2
+
+
+def test_checkpoint_is_backend_neutral(tmp_path):
+    pytest.importorskip("torch")
+    model = CapsNet("numpy", seed=4, **SMALL)
+    x = np.random.default_rng(0).random((8, 1, 14, 14)).astype("float32")
+    path = checkpoint.save(str(tmp_path / "c.npz"), model, optim.Adam(model), epoch=1)
+    for spec in ["torch", "numpy"]:
+        other, ckpt = checkpoint.load_model(path, backends.get(spec))
+        np.testing.assert_array_equal(other.predict(x), model.predict(x))
+        np.testing.assert_allclose(other.B.to_numpy(other.forward(x).lengths), model.forward(x).lengths, rtol=1e-5)
+        assert ckpt["header"]["epoch"] == 1 and ckpt["optim"]
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    model = CapsNet("numpy", **SMALL)
+    path = str(tmp_path / "c.npz")
+    checkpoint.save(path, model, epoch=1)
+    before = open(path, "rb").read()
+
+    def interrupted(f, **arrays):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(path, model, epoch=2)
+    assert open(path, "rb").read() == before
+    assert os.listdir(tmp_path) == ["c.npz"]  # no temporary file left behind
+
+
+def test_checkpoint_from_another_architecture_lists_the_mismatches(tmp_path):
+    path = checkpoint.save(str(tmp_path / "c.npz"), CapsNet("numpy", **SMALL))
+    other = CapsNet("numpy", **{**SMALL, "conv_channels": 6, "class_dim": 5})
+    with pytest.raises(CapsNetError) as e:
+        other.load_state_dict(checkpoint.load(path)["params"])
+    msg = str(e.value)
+    assert "conv1.W: checkpoint (3, 3, 1, 8) vs model (3, 3, 1, 6)" in msg
+    assert "classcaps.W: checkpoint" in msg and "decoder1.W" in msg
+
+
+def test_corrupt_checkpoint_is_named(tmp_path):
+    p = tmp_path / "bad.npz"
+    p.write_bytes(b"PK\x03\x04 broken")
+    with pytest.raises(CapsNetError, match="bad.npz is not a readable pycapsnet checkpoint"):
+        checkpoint.load(str(p))
+
+
+def _main(argv, backend="numpy"):
+    return trainer.main(backend, argv)
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_writes_everything_and_resume_continues(tmp_path):
+    out = str(tmp_path / "run")
+    assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
+    for f in ["checkpoint.npz", "metrics.jsonl", "reconstructions.png", "curves.png"]:
+        assert os.path.getsize(os.path.join(out, f)) > 0, f
+    assert _main(FAST + ["--epochs", "2", "--resume", out]) == 0
+    assert [m["epoch"] for m in _metrics(out)] == [1, 2]
+    # the same two epochs without the stop give the same weights: resume loses nothing
+    straight = str(tmp_path / "straight")
+    assert _main(FAST + ["--epochs", "2", "--out", straight]) == 0
+    a, b = checkpoint.load(out)["params"], checkpoint.load(straight)["params"]
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    assert _main(FAST + ["--eval-only", "--resume", out]) == 0
+
+
+def test_train_on_idx_files(tmp_path):
+    from tests.test_data import write_mnist_dir
+
+    tr, te = data.load_embedded()
+    d = write_mnist_dir(str(tmp_path / "mnist"), data.Split(tr.x[:64], tr.y[:64]), data.Split(te.x[:20], te.y[:20]))
+    assert _main(FAST + ["--epochs", "1", "--dataset", "mnist", "--data-dir", d, "--out", str(tmp_path / "o")]) == 0
+
+
+def test_ctrl_c_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "run")
+    assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
+    before = open(os.path.join(out, "checkpoint.npz"), "rb").read()
+    calls = {"n": 0}
+    real = CapsNet.train_step_grads
+
+    def interrupt_mid_epoch(self, x, y):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(self, x, y)
+
+    monkeypatch.setattr(CapsNet, "train_step_grads", interrupt_mid_epoch)
+    assert _main(FAST + ["--epochs", "3", "--resume", out]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert open(os.path.join(out, "checkpoint.npz"), "rb").read() == before
+    assert checkpoint.load(out)["header"]["epoch"] == 1
+
+
+def test_nan_loss_stops_with_a_message(tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "run")
+    assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
+    real = CapsNet.train_step_grads
+
+    def nan_loss(self, x, y):
+        o = real(self, x, y)
+        o.loss = float("nan")
+        return o
+
+    monkeypatch.setattr(CapsNet, "train_step_grads", nan_loss)
+    assert _main(FAST + ["--epochs", "2", "--resume", out]) == 3
+    err = capsys.readouterr().err
+    assert "loss became nan at epoch 2, step 1" in err and "last good checkpoint" in err
+    assert checkpoint.load(out)["header"]["epoch"] == 1
+
+
+def test_cli_errors_are_one_line_and_nonzero(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cases = [
+        (["--out", str(blocker / "sub")], "cannot write to output directory"),
+        (["--data-dir", str(tmp_path / "nope")], "is not a directory"),
+        (["--eval-only"], "--eval-only needs a trained model"),
+        (["--resume", str(tmp_path / "missing.npz")], "checkpoint not found"),
+        (["--dtype", "float32", "--dataset", "mnist"], "needs --data-dir"),
+    ]
+    for argv, message in cases:
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "train_numpy.py"), *FAST, "--epochs", "1", *argv],
+                           capture_output=True, text=True, cwd=str(tmp_path))
+        assert r.returncode == 2, (argv, r.stderr)
+        assert message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train_torch.py"), "--device", "cuda:0", *FAST],
+                       capture_output=True, text=True, cwd=str(tmp_path))
+    has_gpu = backends.gpu_unavailable_reason("torch") is None
+    if not has_gpu:
+        assert r.returncode == 2 and "torch.cuda.is_available() is False" in r.stderr
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train_cupy.py"), *FAST],
+                       capture_output=True, text=True, cwd=str(tmp_path))
+    if backends.gpu_unavailable_reason("cupy") is not None:
+        assert r.returncode == 2 and "cupy" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_learns_real_digits(backend):
+    """300 Adam steps (batch 32, 2.4 epochs) of a small CapsNet on the embedded digits must reach
+    >= 93% on the 1,000 held-out ones.  A logistic regression on the same split reaches 88.7% and
+    chance is 10%, so passing needs the conv + capsule stack to work; the run measured 96.7% on both
+    backends when this threshold was set."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    tr, te = data.load_embedded()
+    model = CapsNet(backends.get(backend), conv_channels=32, primary_types=8)
+    opt = optim.Adam(model, 2e-3)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        idx = rng.integers(0, len(tr), 32)
+        model.train_step_grads(tr.x[idx], tr.y[idx])
+        opt.step()
+    acc = (model.predict(te.x) == te.y).mean()
+    assert acc >= 0.93, f"{backend}: {100 * acc:.1f}% on held-out digits"
+
+
+def test_seeded_float64_runs_agree_across_backends():
+    pytest.importorskip("torch")
+    tr, _ = data.load_embedded()
+    losses = {}
+    for spec in ["numpy", "torch"]:
+        model = CapsNet(backends.get(spec, dtype="float64"), seed=7, conv_channels=16, primary_types=4)
+        opt = optim.Adam(model, 1e-3)
+        rng = np.random.default_rng(1)
+        losses[spec] = []
+        for x, y in list(data.batches(data.Split(tr.x[:160], tr.y[:160]), 32, rng, shift=2)):
+            losses[spec].append(model.train_step_grads(x, y).loss)
+            opt.step()
+    np.testing.assert_allclose(losses["torch"], losses["numpy"], rtol=1e-9)
+    assert losses["numpy"][-1] < losses["numpy"][0]
