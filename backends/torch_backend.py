@@ -2,6 +2,8 @@
 autograd -- every gradient is computed by pycapsnet's hand-written backward."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .base import Backend, BackendError
@@ -11,6 +13,10 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, dtype: str = "float32", device: str = "cpu"):
+        # Large CPU tensors (the im2col matrix is ~190 MB at batch 64) on transparent huge pages:
+        # 2-3x faster to fill than on 4 KB pages.  NumPy does this by default; PyTorch reads this
+        # switch when its allocator starts, so it only helps if torch was not used before.
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         try:
             import torch
         except ImportError as e:
@@ -32,6 +38,9 @@ class TorchBackend(Backend):
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self.device = str(self._device)
+        if self._device.type == "cpu":
+            # col2im's strided adds are memory-bound and run best split over the batch
+            self.threads = max(1, min(4, os.cpu_count() or 1))
 
     def _float(self, dtype=None):
         return getattr(self.torch, dtype or self.dtype)

@@ -40,7 +40,7 @@ class Layer:
 
 
 class Conv2d(Layer):
-    """2-D convolution on channels-last images, as one matrix product over im2col windows.
+    """2-D convolution on channels-last images, as matrix products over im2col windows.
 
     y[n, oh, ow, :] = b + sum_{i, j, c} x[n, s*oh + i - p, s*ow + j - p, c] * W[i, j, c, :]
 
@@ -48,7 +48,14 @@ class Conv2d(Layer):
 
     With X = im2col(x) (N*OH*OW, kh*kw*C_in) the layer is Y = X W + b, hence
       dW = X^T dY,   db = sum_rows dY,   dX = dY W^T,   dx = col2im(dX)   (col2im is im2col's adjoint).
+
+    The batch is processed in chunks of at most ``chunk_bytes`` of im2col matrix: for PrimaryCaps
+    at batch 64 the whole X would be 190 MB (ten times the input it is made from).  Forward keeps
+    only x; backward rebuilds each chunk's X for dW -- one cheap gather -- and scatters each
+    chunk's dX straight into dx, so neither X nor dX of the whole batch ever exists.
     """
+
+    chunk_bytes = 48 * 2**20
 
     def __init__(self, backend, c_in, c_out, kernel, stride=1, padding=0, rng=None, init=None):
         super().__init__(backend)
@@ -65,28 +72,45 @@ class Conv2d(Layer):
         k, s, p = self.k, self.stride, self.padding
         return (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
 
-    def forward(self, x):
-        # x: (N, H, W, C_in) -> y: (N, OH, OW, C_out)
+    def _chunks(self, x):
+        """Slices of the batch whose im2col matrices hold at most chunk_bytes."""
         n, h, w, _ = x.shape
         oh, ow = self.output_hw(h, w)
-        cols = self.B.im2col(x, self.k, self.k, self.stride, self.padding)  # (N*OH*OW, k*k*C_in)
-        W = self.B.xp.reshape(self.params["W"], (-1, self.c_out))
-        y = cols @ W + self.params["b"]
-        self.cache = (cols, tuple(x.shape))
-        return self.B.xp.reshape(y, (n, oh, ow, self.c_out))
+        per_sample = oh * ow * self.k * self.k * self.c_in * x.dtype.itemsize
+        step = max(1, self.chunk_bytes // max(1, per_sample))
+        return [slice(a, min(a + step, n)) for a in range(0, n, step)]
+
+    def _im2col(self, x):
+        return self.B.im2col(x, self.k, self.k, self.stride, self.padding)  # (n*OH*OW, k*k*C_in)
+
+    def forward(self, x):
+        # x: (N, H, W, C_in) -> y: (N, OH, OW, C_out)
+        xp = self.B.xp
+        n, h, w, _ = x.shape
+        oh, ow = self.output_hw(h, w)
+        W = xp.reshape(self.params["W"], (-1, self.c_out))
+        parts = [self._im2col(x[sl]) @ W for sl in self._chunks(x)]
+        y = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
+        self.cache = x
+        return xp.reshape(y + self.params["b"], (n, oh, ow, self.c_out))
 
     def backward(self, dy):
         xp = self.B.xp
-        cols, x_shape = self.cache
+        x, self.cache = self.cache, None
+        n, h, w, _ = x.shape
+        rows = dy.shape[1] * dy.shape[2]  # OH*OW rows of X per image
         dy = xp.reshape(dy, (-1, self.c_out))  # (N*OH*OW, C_out)
         W = xp.reshape(self.params["W"], (-1, self.c_out))
-        self.grads["W"] += xp.reshape(xp.matrix_transpose(cols) @ dy, self.params["W"].shape)
+        dW = xp.reshape(self.grads["W"], W.shape)  # a view: accumulate in place
         self.grads["b"] += xp.sum(dy, axis=0)
-        self.cache = None  # the im2col matrix is the biggest array of a step: free it before dX
-        if not self.input_grad:
-            return None
-        dcols = dy @ xp.matrix_transpose(W)  # (N*OH*OW, k*k*C_in)
-        return self.B.col2im(dcols, x_shape, self.k, self.k, self.stride, self.padding)
+        dx = self.B.zeros(tuple(x.shape), dtype=self.B._dtype_name(x)) if self.input_grad else None
+        for sl in self._chunks(x):
+            dy_c = dy[sl.start * rows:sl.stop * rows]
+            dW += xp.matrix_transpose(self._im2col(x[sl])) @ dy_c
+            if dx is not None:
+                dcols = dy_c @ xp.matrix_transpose(W)  # (n_c*OH*OW, k*k*C_in)
+                dx[sl] = self.B.col2im(dcols, tuple(x[sl].shape), self.k, self.k, self.stride, self.padding)
+        return dx
 
 
 class ReLU(Layer):
@@ -99,7 +123,7 @@ class ReLU(Layer):
 
     def backward(self, dy):
         y, self.cache = self.cache, None
-        return self.B.xp.where(y > 0, dy, 0)
+        return dy * (y > 0)  # a multiply by the 0/1 mask: ~5x faster than where() on NumPy
 
 
 class Sigmoid(Layer):
