@@ -221,13 +221,21 @@ class CapsNet:
         self._cache = {"x": x, "y": y_host, "v": v, "mask": None}
         if reconstruct:
             chosen = y_host if y_host is not None else self.B.to_numpy(xp.argmax(lengths, axis=1))
-            mask = self.B.asarray(np.eye(self.config.n_classes)[chosen])      # (N, J)
-            z = xp.reshape(v * mask[..., None], (n, -1))                       # masked capsules (N, J*D)
-            for layer in self.decoder:
-                z = layer.forward(z)
-            out.reconstruction = xp.reshape(z, (n, *self.config.input_shape))
-            self._cache["mask"] = mask
+            out.reconstruction, self._cache["mask"] = self._decode(v, chosen)
         return out
+
+    def _decode(self, v, classes):
+        xp = self.B.xp
+        mask = self.B.asarray(np.eye(self.config.n_classes)[classes])   # (N, J)
+        z = xp.reshape(v * mask[..., None], (v.shape[0], -1))           # masked capsules (N, J*D)
+        for layer in self.decoder:
+            z = layer.forward(z)
+        return xp.reshape(z, (v.shape[0], *self.config.input_shape)), mask
+
+    def decode(self, v, classes):
+        """Reconstruction from class capsules v (N, J, D), keeping only capsule ``classes[n]`` of
+        each sample (the others masked to 0), as the decoder sees them."""
+        return self._decode(self.B.asarray(v), np.asarray(classes, np.int64))[0]
 
     def loss(self, x, y) -> Outputs:
         """Forward with the label mask plus both losses; ``backward()`` then fills the gradients."""

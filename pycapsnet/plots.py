@@ -61,22 +61,37 @@ def perturbation_grid(decoded, steps, path, title=""):
     return path
 
 
-def coupling_heatmaps(couplings, grid_hw, types, path, title=""):
+def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title=""):
     """couplings: list over routing iterations of c_ij (I, J) for one input, I = positions * types.
 
-    One panel per iteration: rows = input capsules (summed over types per position would hide the
-    point, so all I rows are shown), columns = class capsules."""
+    Top row: c_ij per iteration (rows = primary capsules i, columns = class capsules j), on one colour
+    scale fitted to the data (the coefficients start at 1/J and move by a few hundredths, which a 0..1
+    scale would hide).  Bottom row: for class ``chosen``, c_ij averaged over the capsule types at
+    each position of the primary grid -- where in the image that class draws its evidence from."""
     plt = _plt()
     R = len(couplings)
-    fig, axes = plt.subplots(1, R, figsize=(2.6 * R + 0.8, 5), squeeze=False)
-    for r, c in enumerate(couplings):
+    cs = [np.asarray(c) for c in couplings]
+    lo, hi = min(c.min() for c in cs), max(c.max() for c in cs)
+    rows = 2 if chosen is not None else 1
+    fig, axes = plt.subplots(rows, R, figsize=(2.8 * R + 1.2, 4.6 * rows), squeeze=False,
+                             gridspec_kw={"height_ratios": [2, 1] if rows == 2 else [1]})
+    for r, c in enumerate(cs):
         ax = axes[0, r]
-        im = ax.imshow(np.asarray(c), aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+        im = ax.imshow(c, aspect="auto", cmap="viridis", vmin=lo, vmax=hi, interpolation="nearest")
         ax.set_title(f"iteration {r + 1}", fontsize=9)
         ax.set_xlabel("class capsule j", fontsize=8)
         if r == 0:
             ax.set_ylabel(f"primary capsule i ({grid_hw[0]}x{grid_hw[1]} positions x {types} types)", fontsize=8)
-    fig.colorbar(im, ax=axes.ravel().tolist(), label="c_ij")
+    fig.colorbar(im, ax=axes[0].tolist(), label="c_ij")
+    if chosen is not None:
+        maps = [c[:, chosen].reshape(grid_hw[0], grid_hw[1], types).mean(-1) for c in cs]
+        mlo, mhi = min(m.min() for m in maps), max(m.max() for m in maps)
+        for r, m in enumerate(maps):
+            ax = axes[1, r]
+            im2 = ax.imshow(m, cmap="magma", vmin=mlo, vmax=mhi, interpolation="nearest")
+            ax.set_xticks([]), ax.set_yticks([])
+            ax.set_xlabel(f"c_i,{chosen} by position (mean over types)", fontsize=7)
+        fig.colorbar(im2, ax=axes[1].tolist(), label=f"mean c_i,{chosen}")
     fig.suptitle(title or "coupling coefficients c_ij per routing iteration", fontsize=9)
     fig.savefig(path, dpi=110)
     plt.close(fig)

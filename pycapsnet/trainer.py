@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
         p.add_argument("--backend", default="numpy", choices=backends.NAMES, help="array backend (default: numpy)")
     if backend in (None, "torch"):
         p.add_argument("--device", default=None, help="torch device: cpu (default), cuda, cuda:N")
-    p.add_argument("--epochs", type=int, default=15, help="total epochs (default: 15)")
+    p.add_argument("--epochs", type=int, default=12, help="total epochs (default: 12)")
     p.add_argument("--batch-size", type=int, default=32, help="training batch size (default: 32)")
     p.add_argument("--lr", type=float, default=2e-3, help="initial learning rate (default: 2e-3)")
     p.add_argument("--lr-decay", type=float, default=0.85, help="learning rate x this after every epoch (default: 0.85)")

@@ -22,6 +22,9 @@ def test_share_spatial_keeps_large_inputs_small():
     shared = sum(np.prod(s) for s in param_shapes(CapsNetConfig(**{**big.to_dict(), "share_spatial": True})).values())
     assert 11.5e9 < per_position < 12.5e9        # ~12 billion weights without sharing
     assert shared < 0.2e9                        # 104*104 positions share one transform per type
+    routing = lambda cfg: int(np.prod(param_shapes(cfg)["classcaps.W"]))
+    assert routing(big) == 104 * 104 * 32 * 276 * 16 * 8 == 12_227_444_736
+    assert routing(CapsNetConfig(**{**big.to_dict(), "share_spatial": True})) == 32 * 276 * 16 * 8 == 1_130_496
     m = CapsNet("numpy", share_spatial=True, input_shape=(1, 36, 36), n_classes=3)
     assert tuple(m.params["classcaps.W"].shape) == (1, 32, 3, 16, 8)
 

@@ -1,0 +1,349 @@
+"""Benchmark: pycapsnet's hand-written backends against a PyTorch-autograd CapsNet, and against the
+GEMM floor of a train step.
+
+    python benchmarks/bench.py                         # numpy + torch vs autograd, batch 64, float32
+    python benchmarks/bench.py --backends numpy torch cupy torch:cuda --ref-device cuda   # on a GPU
+    python benchmarks/bench.py --scaling               # + throughput vs batch / routing, memory vs size
+    python benchmarks/bench.py --quick                 # a seconds-long smoke run (used by the tests)
+
+Every implementation runs in its own fresh process (so memory is measured cleanly) with the same
+seeded weights (pycapsnet's initialisation, copied into the reference) and the same batch of real
+digits.  Throughput is the median over --steps timed steps after --warmup untimed ones; a train
+step is forward + loss + backward + Adam update.  Peak memory is the process's resident-set
+high-water mark during the timed steps minus its size before the model was built (so it counts
+parameters, gradients, optimizer state and every temporary); on a GPU, the allocator's peak.
+
+The GEMM floor is the time of the step's unavoidable matrix products alone, on preallocated
+operands, with the backend's own matmul: conv1 forward and weight gradient, the PrimaryCaps
+convolution's three products (forward, weight gradient, input gradient), the routing transforms
+(û = W u, dW, du) and the decoder's (forward, dW, dX).  efficiency = floor / step time.
+Results: a table on stdout and JSON (--json, default benchmarks/results.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+QUICK = dict(conv_channels=16, primary_types=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# workers: one measurement each, in a fresh process
+# ---------------------------------------------------------------------------------------------
+def _batch(n, size=28, seed=0):
+    from pycapsnet import data
+
+    tr, _ = data.load_embedded()
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(tr), n)
+    x, y = tr.x[idx], tr.y[idx]
+    if size != 28:  # larger inputs for the memory scaling: the digit on a bigger canvas
+        big = np.zeros((n, 1, size, size), np.float32)
+        o = (size - 28) // 2
+        big[:, :, o:o + 28, o:o + 28] = x
+        x = big
+    return x, y
+
+
+def _median_time(fn, warmup, steps, sync):
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)), times
+
+
+def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
+    """Measure one implementation: 'numpy', 'torch', 'torch:cuda', 'cupy', 'autograd', 'autograd:cuda'."""
+    import backends
+    from backends.base import process_memory, reset_process_peak
+
+    x, y = _batch(batch, input_size)
+    cfg = dict(config, input_shape=(1, input_size, input_size))
+    is_ref = impl.startswith("autograd")
+    device = impl.split(":", 1)[1] if ":" in impl else "cpu"
+    if is_ref:
+        import torch
+
+        from benchmarks.autograd_capsnet import AutogradCapsNet
+        from pycapsnet import CapsNet
+
+        cuda = device.startswith("cuda")
+        if cuda and not torch.cuda.is_available():
+            return {"impl": impl, "error": "no CUDA GPU for the autograd reference"}
+        sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
+        mem0 = process_memory()["current"]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        host = CapsNet("numpy", seed=0, **cfg)  # pycapsnet's initialisation, copied over
+        ref = AutogradCapsNet(host.config, host.state_dict(), device=device, dtype=getattr(torch, dtype))
+        del host
+        opt = torch.optim.Adam(ref.parameters(), 1e-3)
+        xt = torch.as_tensor(x, dtype=getattr(torch, dtype), device=device)
+        yt = torch.as_tensor(y, device=device)
+
+        def train():
+            opt.zero_grad(set_to_none=False)
+            loss, _, _ = ref.loss(xt, yt)
+            loss.backward()
+            opt.step()
+
+        def evaluate():
+            with torch.no_grad():
+                ref.forward(xt)[1].argmax(1)
+
+        label = f"autograd torch:{device}"
+        mem_fn = (lambda: torch.cuda.max_memory_allocated()) if cuda else None
+        reset = (lambda: torch.cuda.reset_peak_memory_stats()) if cuda else reset_process_peak
+        n_params = sum(p.numel() for p in ref.parameters())
+    else:
+        from pycapsnet import CapsNet, optim
+
+        try:
+            B = backends.get(impl, dtype=dtype)
+        except backends.BackendError as e:
+            return {"impl": impl, "error": str(e)}
+        sync = B.synchronize
+        mem0 = process_memory()["current"]
+        B.reset_peak_memory()
+        model = CapsNet(B, seed=0, **cfg)
+        opt = optim.Adam(model, 1e-3)
+        xb = B.asarray(x)
+
+        def train():
+            model.train_step_grads(xb, y)
+            opt.step()
+
+        def evaluate():
+            model.predict(xb)
+
+        label = B.label.replace(f"/{dtype}", "")
+        on_gpu = B.device.startswith("cuda")
+        mem_fn = (lambda: B.memory()["peak"]) if on_gpu else None
+        reset = B.reset_peak_memory if on_gpu else reset_process_peak
+        n_params = model.n_params()
+
+    # warm up, then measure the train step's peak memory over the timed steps
+    for _ in range(warmup):
+        train()
+    sync()
+    reset()
+    t_train, all_train = _median_time(train, 0, steps, sync)
+    if mem_fn is None:
+        peak = process_memory()["peak"] - mem0
+    else:
+        peak = mem_fn()
+    t_eval, _ = _median_time(evaluate, 1, steps, sync)
+    return {"impl": impl, "label": label, "batch": batch, "dtype": dtype, "input_size": input_size,
+            "params": int(n_params), "train_step_s": t_train, "train_samples_per_s": batch / t_train,
+            "train_step_all_s": all_train, "eval_samples_per_s": batch / t_eval,
+            "peak_train_mem_mb": peak / 2**20, "routing_iters": cfg.get("routing_iters", 3),
+            "share_spatial": bool(cfg.get("share_spatial", False))}
+
+
+def gemm_floor(impl, batch, dtype, reps, config):
+    """Seconds of a train step's unavoidable matrix products, with the backend's own matmul."""
+    import backends
+    from pycapsnet import CapsNet
+
+    name = "torch" + impl[len("autograd"):] if impl.startswith("autograd") else impl
+    try:
+        B = backends.get(name, dtype=dtype)
+    except backends.BackendError as e:
+        return {"impl": impl, "error": str(e)}
+    cfg = CapsNet("numpy", **config).config  # the geometry only
+    from pycapsnet.model import _geometry
+
+    P, _ = _geometry(cfg)
+    c, h, w = cfg.input_shape
+    k1, C1, k2 = cfg.conv_kernel, cfg.conv_channels, cfg.primary_kernel
+    T, K, J, D = cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim
+    h1 = (h - k1 + 1) * (w - k1 + 1)
+    rng = np.random.default_rng(0)
+    r = lambda *s: B.asarray(rng.standard_normal(s).astype(dtype))
+    products = []  # (name, A, B) with A @ B
+
+    def mm(label, m, k, n, batch_dims=()):
+        products.append((label, r(*batch_dims, m, k), r(*batch_dims, k, n)))
+
+    n = batch
+    mm("conv1 forward", n * h1, k1 * k1 * c, C1)
+    mm("conv1 dW", k1 * k1 * c, n * h1, C1)
+    mm("primary forward", n * P, k2 * k2 * C1, T * K)
+    mm("primary dW", k2 * k2 * C1, n * P, T * K)
+    mm("primary dX", n * P, T * K, k2 * k2 * C1)
+    mm("classcaps u_hat", n, K, J * D, (P, T))
+    mm("classcaps dW", J * D, n, K, (P, T))
+    mm("classcaps du", n, J * D, K, (P, T))
+    sizes = (J * D, *cfg.decoder_hidden, c * h * w)
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        mm(f"decoder {a}->{b} forward", n, a, b)
+        mm(f"decoder {a}->{b} dW", a, n, b)
+        mm(f"decoder {a}->{b} dX", n, b, a)
+    per = {}
+    for label, A, Bm in products:
+        t, _ = _median_time(lambda: A @ Bm, 1, reps, B.synchronize)
+        flops = 2 * np.prod(A.shape[:-1]) * A.shape[-1] * Bm.shape[-1]
+        per[label] = {"s": t, "gflops": flops / 1e9, "gflop_per_s": flops / 1e9 / t}
+    total = sum(p["s"] for p in per.values())
+    gflop = sum(p["gflops"] for p in per.values())
+    return {"impl": impl, "floor_s": total, "gflop": gflop, "gflop_per_s": gflop / total, "products": per}
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver
+# ---------------------------------------------------------------------------------------------
+def _spawn(kind, impl, args, **extra):
+    payload = {"kind": kind, "impl": impl, "batch": args.batch_size, "dtype": args.dtype, "warmup": args.warmup,
+               "steps": args.steps, "config": args.config, **extra}
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(payload)],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"impl": impl, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(lines[-1])
+
+
+def _run_worker(payload):
+    p = json.loads(payload)
+    if p["kind"] == "floor":
+        out = gemm_floor(p["impl"], p["batch"], p["dtype"], p["steps"], p["config"])
+    else:
+        out = worker(p["impl"], p["batch"], p["dtype"], p["warmup"], p["steps"], p["config"],
+                     p.get("input_size", 28))
+    print(json.dumps(out))
+
+
+def _fmt_table(rows, cols):
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
+    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", nargs="+", default=["numpy", "torch"],
+                   help="numpy, torch, torch:cuda, cupy (default: numpy torch)")
+    p.add_argument("--ref-device", default="cpu", help="device of the autograd reference (cpu or cuda)")
+    p.add_argument("--no-reference", action="store_true", help="skip the autograd reference")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5, help="timed steps; the median is reported")
+    p.add_argument("--scaling", action="store_true", help="also the scaling tables (several minutes)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 1 timed step: a smoke run")
+    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results.json"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _run_worker(args.worker)
+        return 0
+    args.config = dict(QUICK) if args.quick else {}
+    if args.quick:
+        args.warmup, args.steps, args.batch_size = 1, 1, min(args.batch_size, 8)
+
+    impls = list(args.backends) + ([] if args.no_reference else [f"autograd:{args.ref_device}"])
+    results = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
+                           "cpus": os.cpu_count(), "python": platform.python_version()},
+               "settings": {k: v for k, v in vars(args).items() if k != "worker"}, "main": [], "floor": {}}
+    for impl in impls:
+        print(f"measuring {impl} ...", file=sys.stderr, flush=True)
+        results["main"].append(_spawn("step", impl, args))
+    for impl in impls:
+        results["floor"][impl] = _spawn("floor", impl, args)
+    ref = next((r for r in results["main"] if r["impl"].startswith("autograd") and "error" not in r), None)
+    rows = []
+    for r in results["main"]:
+        if "error" in r:
+            rows.append({"implementation": r["impl"], "train samples/s": "skipped: " + r["error"][:70]})
+            continue
+        floor = results["floor"].get(r["impl"], {})
+        row = {"implementation": r["label"] + (" (hand-written)" if not r["impl"].startswith("autograd") else ""),
+               "train samples/s": f"{r['train_samples_per_s']:.1f}", "eval samples/s": f"{r['eval_samples_per_s']:.1f}",
+               "peak train MB": f"{r['peak_train_mem_mb']:.0f}"}
+        if ref and r is not ref:
+            r["speedup_vs_autograd"] = r["train_samples_per_s"] / ref["train_samples_per_s"]
+            r["memory_vs_autograd"] = r["peak_train_mem_mb"] / ref["peak_train_mem_mb"]
+            row["train vs autograd"] = f"{r['speedup_vs_autograd']:.2f}x"
+            row["memory vs autograd"] = f"{r['memory_vs_autograd']:.2f}x"
+        if "floor_s" in floor:
+            r["gemm_floor_s"] = floor["floor_s"]
+            r["step_over_floor"] = r["train_step_s"] / floor["floor_s"]
+            row["GEMM floor s"] = f"{floor['floor_s']:.3f} ({floor['gflop_per_s']:.0f} GFLOP/s)"
+            row["step / floor"] = f"{r['step_over_floor']:.2f}"
+        rows.append(row)
+    cfg_txt = "tiny model (--quick)" if args.quick else "paper MNIST CapsNet"
+    print(f"\n{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up")
+    print(_fmt_table(rows, ["implementation", "train samples/s", "eval samples/s", "peak train MB",
+                            "train vs autograd", "memory vs autograd", "GEMM floor s", "step / floor"]))
+
+    if args.scaling:
+        results["scaling"] = scaling(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nJSON: {args.json}")
+    return 0
+
+
+def scaling(args):
+    """Throughput vs batch size and routing iterations; memory vs input size (+/- share_spatial)."""
+    impl = args.backends[0]
+    out = {"impl": impl, "batch": [], "routing": [], "input_size": []}
+    base = dict(args.config)
+    batches = [16, 32, 64, 128, 256] if not args.quick else [4, 8]
+    for b in batches:
+        a = argparse.Namespace(**{**vars(args), "batch_size": b})
+        r = _spawn("step", impl, a)
+        out["batch"].append(r)
+    for iters in ([1, 2, 3, 4, 5] if not args.quick else [1, 3]):
+        a = argparse.Namespace(**{**vars(args), "config": {**base, "routing_iters": iters}})
+        out["routing"].append(_spawn("step", impl, a))
+    sizes = [28, 64, 128] if not args.quick else [28, 36]
+    small_batch = 8 if not args.quick else 2
+    for size in sizes:
+        for share in (False, True):
+            a = argparse.Namespace(**{**vars(args), "batch_size": small_batch, "warmup": 1, "steps": 2 if not args.quick else 1,
+                                      "config": {**base, "share_spatial": share}})
+            out["input_size"].append(_spawn("step", impl, a, input_size=size))
+
+    def ok(r):
+        return "error" not in r
+
+    print(f"\nscaling ({impl}, {args.dtype}):")
+    print(_fmt_table([{"batch": r["batch"], "train samples/s": f"{r['train_samples_per_s']:.1f}",
+                       "eval samples/s": f"{r['eval_samples_per_s']:.1f}", "peak train MB": f"{r['peak_train_mem_mb']:.0f}"}
+                      for r in out["batch"] if ok(r)], ["batch", "train samples/s", "eval samples/s", "peak train MB"]))
+    print()
+    print(_fmt_table([{"routing iterations": r["routing_iters"], "train samples/s": f"{r['train_samples_per_s']:.1f}",
+                       "eval samples/s": f"{r['eval_samples_per_s']:.1f}"} for r in out["routing"] if ok(r)],
+                     ["routing iterations", "train samples/s", "eval samples/s"]))
+    print()
+    print(_fmt_table([{"input": f"{r['input_size']}x{r['input_size']}", "share_spatial": r["share_spatial"],
+                       "parameters": f"{r['params']:,}", "peak train MB": f"{r['peak_train_mem_mb']:.0f}",
+                       "train samples/s": f"{r['train_samples_per_s']:.2f}"} for r in out["input_size"] if ok(r)],
+                     ["input", "share_spatial", "parameters", "peak train MB", "train samples/s"]))
+    print(f"(input-size rows: batch {small_batch})")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""``pycapsnet``: the study tools on the command line.
+
+    pycapsnet gradcheck  [--backend numpy] [--dtype float64]         finite differences vs backward
+    pycapsnet crosscheck --a numpy --b torch:cuda [--checkpoint C]   same batch on two backends
+    pycapsnet inspect    CHECKPOINT --out DIR                        reconstructions, Figure 4, c_ij
+    pycapsnet train      [--backend numpy] [training flags]          the trainer of the train_*.py scripts
+    pycapsnet evaluate   CHECKPOINT [--backend torch --device cuda]  test accuracy of a checkpoint
+
+Exit codes: 0 success, 1 a check failed, 2 bad input (the message says what and how to fix it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from .errors import BackendError, CapsNetError
+
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+
+
+def _table(rows, cols):
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in cols]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(str(r[c]).ljust(w) for c, w in zip(cols, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _backend(spec, dtype, device=None):
+    import backends
+
+    return backends.get(spec, device=device, dtype=dtype)
+
+
+# ---- gradcheck ---------------------------------------------------------------------------------
+def cmd_gradcheck(args):
+    from . import gradcheck
+
+    B = _backend(args.backend, args.dtype)
+    print(f"finite-difference checks on {B.label} ({args.samples} sampled entries per tensor, "
+          f"fourth-order central differences)", flush=True)
+    results = gradcheck.run_all(B, samples=args.samples, tol=args.tol, seed=args.seed)
+    rows = [{"layer": r.layer, "tensor": r.tensor, "max abs err": f"{r.max_abs:.2e}",
+             "max rel err": f"{r.max_rel:.2e}", "entries": r.n_checked, "kinks": r.kinks,
+             "result": "pass" if r.passed else "FAIL"} for r in results]
+    print(_table(rows, ["layer", "tensor", "max abs err", "max rel err", "entries", "kinks", "result"]))
+    failed = [r for r in results if not r.passed]
+    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed (tolerance {results[0].tol:g} relative)")
+    return 1 if failed else 0
+
+
+# ---- crosscheck --------------------------------------------------------------------------------
+def _split_spec(spec):
+    """'torch:cuda' -> ('torch', 'cuda'); 'numpy' -> ('numpy', None)."""
+    name, _, device = spec.partition(":")
+    return name, device or None
+
+
+def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0, perturb=None, config=None):
+    """Run one batch on two backends with the same weights; per tensor, how far apart they are.
+
+    Returns rows {tensor, kind, max_abs, max_rel} with max_rel = max|a - b| / max|a| (the
+    tensor's own scale, so entries near zero do not inflate it).  ``perturb`` = (name, factor)
+    multiplies side b's gradient of ``name`` by ``factor`` -- a check that the check can fail."""
+    from . import checkpoint as ckpt_mod
+    from . import data
+    from .model import CapsNet
+
+    models, outputs = [], []
+    for spec in (spec_a, spec_b):
+        name, device = _split_spec(spec)
+        B = _backend(name, dtype, device)
+        if checkpoint:
+            model, _ = ckpt_mod.load_model(checkpoint, B)
+        else:
+            model = CapsNet(B, seed=seed, **(config or {}))
+        models.append(model)
+    if perturb and perturb[0] not in models[1].params:
+        raise CapsNetError(f"--perturb-grad: no parameter {perturb[0]!r}; names: " + ", ".join(models[1].params))
+    cfg = models[0].config
+    if cfg.input_shape == (1, 28, 28):
+        _, test = data.load_embedded()
+        x, y = test.x[:batch].astype(dtype), test.y[:batch]
+    else:
+        rng = np.random.default_rng(seed)
+        x, y = rng.random((batch, *cfg.input_shape)).astype(dtype), rng.integers(0, cfg.n_classes, batch)
+    for k, model in enumerate(models):
+        model.zero_grad()
+        out = model.loss(x, y)
+        dx = model.backward(input_grad=True)
+        B = model.B
+        res = {"loss": ("forward", np.array(out.loss)), "v_j (class capsules)": ("forward", B.to_numpy(out.v)),
+               "|v_j| (lengths)": ("forward", B.to_numpy(out.lengths)),
+               "reconstruction": ("forward", B.to_numpy(out.reconstruction)), "dL/dx (input)": ("gradient", B.to_numpy(dx))}
+        for name, g in model.grads.items():
+            g = B.to_numpy(g)
+            if k == 1 and perturb and perturb[0] == name:
+                g = g * perturb[1]
+            res[f"dL/d {name}"] = ("gradient", g)
+        outputs.append(res)
+    rows = []
+    for tensor, (kind, a) in outputs[0].items():
+        b = outputs[1][tensor][1]
+        scale = float(np.abs(a).max(initial=0)) or 1.0
+        diff = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max(initial=0))
+        rows.append({"tensor": tensor, "kind": kind, "max_abs": diff, "max_rel": diff / scale})
+    return rows, models
+
+
+def cmd_crosscheck(args):
+    if args.perturb:
+        name, _, factor = args.perturb.partition("=")
+        perturb = (name, float(factor or 1.01))
+    else:
+        perturb = None
+    tol = args.rtol if args.rtol is not None else TOLERANCE[args.dtype]
+    rows, models = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, perturb)
+    src = args.checkpoint or f"seeded initialisation (seed {args.seed})"
+    print(f"{models[0].B.label}  vs  {models[1].B.label}: {args.batch} test digits, weights from {src}")
+    table = [{"tensor": r["tensor"], "kind": r["kind"], "max |a-b|": f"{r['max_abs']:.2e}",
+              "max |a-b| / max |a|": f"{r['max_rel']:.2e}", "result": "agree" if r["max_rel"] <= tol else "DISAGREE"}
+             for r in rows]
+    print(_table(table, ["tensor", "kind", "max |a-b|", "max |a-b| / max |a|", "result"]))
+    bad = [r for r in rows if r["max_rel"] > tol]
+    print(f"\n{len(rows) - len(bad)} agree, {len(bad)} disagree (tolerance {tol:g} of each tensor's scale, {args.dtype})")
+    return 1 if bad else 0
+
+
+# ---- inspect -----------------------------------------------------------------------------------
+PERTURB_STEPS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)
+
+
+def cmd_inspect(args):
+    from . import checkpoint as ckpt_mod
+    from . import data, plots
+    from .trainer import save_reconstructions
+
+    B = _backend(args.backend, "float32", args.device)
+    model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
+    if model.config.input_shape != (1, 28, 28) and not args.data_dir:
+        raise CapsNetError(f"this checkpoint expects {model.config.input_shape} images; give --data-dir")
+    _, test = data.load(args.dataset, args.data_dir)
+    if not 0 <= args.index < len(test):
+        raise CapsNetError(f"--index must be in [0, {len(test) - 1}], got {args.index}")
+    os.makedirs(args.out, exist_ok=True)
+    written = [save_reconstructions(model, test, os.path.join(args.out, "reconstructions.png"))]
+
+    x, y = test.x[args.index:args.index + 1], int(test.y[args.index])
+    out = model.forward(x)
+    pred = int(B.to_numpy(B.xp.argmax(out.lengths, axis=1))[0])
+    v = B.to_numpy(out.v)                                   # (1, J, D)
+    D = v.shape[-1]
+    # Figure 4: move each dimension of the predicted capsule over [-0.25, 0.25], decode each
+    tweaked = np.repeat(v, D * len(PERTURB_STEPS), axis=0)  # (D*S, J, D)
+    for d in range(D):
+        for k, step in enumerate(PERTURB_STEPS):
+            tweaked[d * len(PERTURB_STEPS) + k, pred, d] += step
+    decoded = B.to_numpy(model.decode(tweaked, np.full(len(tweaked), pred)))
+    decoded = decoded.reshape(D, len(PERTURB_STEPS), *decoded.shape[1:])
+    written.append(plots.perturbation_grid(
+        decoded, PERTURB_STEPS, os.path.join(args.out, "perturbation.png"),
+        f"test digit {args.index} (label {y}, predicted {pred}): each of the {D} dimensions of capsule {pred} "
+        "moved over [-0.25, 0.25], then decoded"))
+    couplings = [B.to_numpy(c)[0] for c in model.classcaps.coupling]   # per iteration (I, J)
+    written.append(plots.coupling_heatmaps(
+        couplings, model.primary_hw, model.config.primary_types, os.path.join(args.out, "coupling.png"), pred,
+        f"coupling coefficients c_ij for test digit {args.index} (label {y}, predicted {pred})"))
+    np.savez(os.path.join(args.out, "coupling.npz"), *couplings)
+    for p in written:
+        print(p)
+    return 0
+
+
+# ---- train / evaluate ----------------------------------------------------------------------------
+def cmd_train(args):
+    from .trainer import run
+
+    return run(args, args.backend)
+
+
+def cmd_evaluate(args):
+    from .trainer import run
+
+    args.resume, args.eval_only = args.checkpoint, True
+    for k, v in {"dtype": "float32", "limit": None, "limit_test": None, "out": None, "no_progress": False}.items():
+        setattr(args, k, getattr(args, k, v))
+    return run(args, args.backend)
+
+
+def build_parser():
+    from . import data
+    from .trainer import add_arguments
+
+    p = argparse.ArgumentParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    names = ("numpy", "cupy", "torch")
+
+    g = sub.add_parser("gradcheck", help="finite-difference checks of every layer and the full loss")
+    g.add_argument("--backend", default="numpy", help="numpy, torch, torch:cuda, cupy (default: numpy)")
+    g.add_argument("--dtype", default="float64", choices=("float64", "float32"))
+    g.add_argument("--samples", type=int, default=20, help="entries sampled per tensor (default: 20)")
+    g.add_argument("--tol", type=float, default=None, help="max relative error (default: 1e-6 in float64)")
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(fn=cmd_gradcheck)
+
+    c = sub.add_parser("crosscheck", help="same weights and batch on two backends or devices")
+    c.add_argument("--a", default="numpy", help="first side, e.g. numpy, torch, torch:cuda, cupy (default: numpy)")
+    c.add_argument("--b", default="torch", help="second side (default: torch)")
+    c.add_argument("--checkpoint", default=None, help="weights from this checkpoint (default: seeded initialisation)")
+    c.add_argument("--dtype", default="float64", choices=("float64", "float32"))
+    c.add_argument("--rtol", type=float, default=None, help="tolerance (default: 1e-9 float64, 1e-4 float32)")
+    c.add_argument("--batch", type=int, default=8)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--perturb-grad", dest="perturb", metavar="NAME=FACTOR", default=None,
+                   help="multiply side b's gradient NAME by FACTOR (shows that a disagreement is caught)")
+    c.set_defaults(fn=cmd_crosscheck)
+
+    i = sub.add_parser("inspect", help="PNGs: reconstructions, capsule-dimension perturbations, coupling c_ij")
+    i.add_argument("checkpoint")
+    i.add_argument("--out", default="inspect", help="output directory (default: ./inspect)")
+    i.add_argument("--index", type=int, default=0, help="which test image to perturb and route (default: 0)")
+    i.add_argument("--backend", default="numpy", choices=names)
+    i.add_argument("--device", default=None)
+    i.add_argument("--dataset", default="embedded", choices=data.DATASETS)
+    i.add_argument("--data-dir", default=None)
+    i.set_defaults(fn=cmd_inspect)
+
+    t = sub.add_parser("train", help="train (the same trainer as train_<backend>.py)")
+    add_arguments(t, None)
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("evaluate", help="test accuracy of a checkpoint")
+    e.add_argument("checkpoint")
+    e.add_argument("--backend", default="numpy", choices=names)
+    e.add_argument("--device", default=None)
+    e.add_argument("--dataset", default="embedded", choices=data.DATASETS)
+    e.add_argument("--data-dir", default=None)
+    e.set_defaults(fn=cmd_evaluate)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (CapsNetError, BackendError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

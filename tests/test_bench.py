@@ -1,0 +1,28 @@
+"""The benchmark's smoke run: the real command, a tiny model, one timed step (no timing asserted)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmark_quick_run_writes_a_complete_table(tmp_path):
+    pytest.importorskip("torch", reason="the benchmark's reference is PyTorch autograd")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "train vs autograd" in r.stdout and "step / floor" in r.stdout
+    res = json.loads(out.read_text())
+    impls = {m["impl"]: m for m in res["main"]}
+    assert set(impls) == {"numpy", "torch", "autograd:cpu"}
+    for name, m in impls.items():
+        assert "error" not in m, (name, m)
+        assert m["train_samples_per_s"] > 0 and m["eval_samples_per_s"] > 0 and m["peak_train_mem_mb"] > 0
+        assert res["floor"][name]["floor_s"] > 0
+    assert impls["numpy"]["speedup_vs_autograd"] > 0 and impls["numpy"]["step_over_floor"] > 0
+    products = res["floor"]["numpy"]["products"]
+    assert {"primary forward", "primary dW", "primary dX", "classcaps u_hat"} <= set(products)

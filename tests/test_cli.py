@@ -1,0 +1,127 @@
+"""The `pycapsnet` command: each subcommand's outputs, exit codes, and that crosscheck catches a
+perturbed gradient."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import backends
+from pycapsnet import CapsNet, checkpoint, cli
+from tests.conftest import SMALL
+
+PAPER_SMALL = dict(conv_channels=16, primary_types=4)  # 28x28 digits, a quick model
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ck") / "checkpoint.npz")
+    return checkpoint.save(path, CapsNet("numpy", seed=1, **PAPER_SMALL), epoch=1)
+
+
+def test_gradcheck_passes_and_prints_a_table(capsys):
+    assert cli.main(["gradcheck", "--samples", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "max rel err" in out and "ClassCaps routing=full" in out and "CapsNet routing=final" in out
+    assert "0 failed" in out and "FAIL" not in out
+
+
+def test_gradcheck_fails_on_a_broken_backward(monkeypatch, capsys):
+    from pycapsnet import layers
+
+    real = layers.Linear.backward
+
+    def broken(self, dy):
+        dx = real(self, dy)
+        self.grads["b"] *= 1.001  # a 0.1% error in one bias gradient
+        return dx
+
+    monkeypatch.setattr(layers.Linear, "backward", broken)
+    assert cli.main(["gradcheck", "--samples", "4"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_crosscheck_agrees_and_catches_a_perturbation(ckpt, capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["crosscheck", "--a", "numpy", "--b", "torch", "--checkpoint", ckpt, "--batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "dL/d classcaps.W" in out and "0 disagree" in out
+    rc = cli.main(["crosscheck", "--a", "numpy", "--b", "torch", "--checkpoint", ckpt, "--batch", "4",
+                   "--perturb-grad", "primary.W=1.0001"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert [line for line in out.splitlines() if line.startswith("dL/d primary.W")][0].rstrip().endswith("DISAGREE")
+    assert "1 disagree" in out
+
+
+def test_crosscheck_float32_tolerance_follows_the_dtype(capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["crosscheck", "--dtype", "float32", "--batch", "2"]) == 0
+    assert "tolerance 0.0001" in capsys.readouterr().out
+
+
+def test_crosscheck_torch_cpu_vs_cuda_needs_a_gpu(capsys):
+    pytest.importorskip("torch")
+    if backends.gpu_unavailable_reason("torch") is None:
+        pytest.skip("a GPU is present: the comparison itself runs in test_gpu_crosscheck")
+    assert cli.main(["crosscheck", "--a", "torch:cpu", "--b", "torch:cuda"]) == 2
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(backends.gpu_unavailable_reason("torch") is not None,
+                    reason=f"torch:cuda: {backends.gpu_unavailable_reason('torch')}")
+def test_gpu_crosscheck(ckpt):
+    assert cli.main(["crosscheck", "--a", "torch:cpu", "--b", "torch:cuda", "--checkpoint", ckpt]) == 0
+
+
+def test_inspect_writes_three_pictures(ckpt, tmp_path):
+    out = str(tmp_path / "ins")
+    assert cli.main(["inspect", ckpt, "--out", out, "--index", "3"]) == 0
+    for name in ["reconstructions.png", "perturbation.png", "coupling.png"]:
+        with open(os.path.join(out, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    c = np.load(os.path.join(out, "coupling.npz"))
+    assert len(c.files) == 3  # one (I, J) matrix per routing iteration
+    first = c["arr_0"]
+    assert first.shape == (6 * 6 * 4, 10)
+    np.testing.assert_allclose(first, 0.1, rtol=1e-6)  # b = 0: uniform coupling in iteration 1
+    np.testing.assert_allclose(c["arr_2"].sum(1), 1.0, rtol=1e-5)
+
+
+def test_figure4_perturbation_moves_one_dimension(ckpt):
+    model, _ = checkpoint.load_model(ckpt, backends.get("numpy"))
+    v = np.zeros((2, 10, 16), np.float32)
+    v[1, 3, 5] = 0.25
+    rec = model.decode(v, [3, 3])
+    assert rec.shape == (2, 1, 28, 28) and not np.allclose(rec[0], rec[1])
+    # capsules other than the chosen one are masked out
+    v2 = v.copy()
+    v2[:, 7] = 1.0
+    np.testing.assert_allclose(model.decode(v2, [3, 3]), rec)
+
+
+def test_evaluate_and_train_subcommands(ckpt, tmp_path, capsys):
+    assert cli.main(["evaluate", ckpt]) == 0
+    printed = capsys.readouterr()
+    assert "test accuracy" in printed.out + printed.err
+    out = str(tmp_path / "run")
+    assert cli.main(["train", "--conv-channels", "8", "--primary-types", "2", "--limit", "64", "--limit-test", "20",
+                     "--epochs", "1", "--no-progress", "--out", out]) == 0
+    assert os.path.exists(os.path.join(out, "checkpoint.npz"))
+
+
+def test_errors_exit_2_without_traceback(tmp_path):
+    bad = tmp_path / "nope.npz"
+    for argv, msg in [(["inspect", str(bad)], "checkpoint not found"),
+                      (["evaluate", str(bad)], "checkpoint not found"),
+                      (["crosscheck", "--a", "jax"], "unknown backend 'jax'"),
+                      (["crosscheck", "--perturb-grad", "nope=2"], "no parameter 'nope'")]:
+        r = subprocess.run([sys.executable, "-m", "pycapsnet.cli", *argv], capture_output=True, text=True)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert msg in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+
+
+def test_console_entry_point_is_declared():
+    setup = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py")).read()
+    assert "pycapsnet=pycapsnet.cli:main" in setup
