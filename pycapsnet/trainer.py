@@ -146,6 +146,7 @@ def train(args, backend_name: str) -> dict:
         return {"test_acc": acc, "test_loss": loss}
 
     _prepare_out(out_dir)
+    args.resolved_out = out_dir  # for the Ctrl-C message
     opt = optim.make(args.optimizer, model, args.lr)
     start = 0
     if ckpt:
@@ -187,18 +188,21 @@ def train(args, backend_name: str) -> dict:
                 "train_samples_per_s": round(seen / train_time, 1), "backend": B.label}
         with open(metrics_path, "a") as f:
             f.write(json.dumps(last) + "\n")
+        _plot_curves(metrics_path, os.path.join(out_dir, "curves.png"))
         save_reconstructions(model, test_set, os.path.join(out_dir, "reconstructions.png"),
                              title=f"epoch {epoch + 1}: test accuracy {100 * test_acc:.2f}%")
         checkpoint.save(ckpt_path, model, opt, epoch=epoch + 1, test_acc=test_acc, seed=args.seed)
         _say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
              f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s ({last['train_samples_per_s']:.0f} samples/s)")
-    if os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        if records:
-            plots.training_curves(records, os.path.join(out_dir, "curves.png"))
     _say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {out_dir}")
     return last
+
+
+def _plot_curves(metrics_path, png_path):
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if records:
+        plots.training_curves(records, png_path)
 
 
 def run(args, backend_name: str) -> int:
@@ -213,8 +217,9 @@ def run(args, backend_name: str) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
-        print("\ninterrupted: the last checkpoint written is intact; continue with --resume <out dir>",
-              file=sys.stderr)
+        out = getattr(args, "resolved_out", None)
+        where = f"continue with --resume {out}" if out else "nothing was written yet"
+        print(f"\ninterrupted: the last checkpoint written is intact; {where}", file=sys.stderr)
         return 130
 
 
