@@ -44,6 +44,9 @@ class NumpyBackend(Backend):
         # and NumPy's C loop does them in one pass without temporaries.
         return self.lib.einsum(subscripts, *operands, optimize=False)
 
+    def contiguous(self, x):
+        return self.lib.ascontiguousarray(x)
+
     def windows(self, x, kh, kw, stride):
         # sliding_window_view appends the window axes: (N, H-kh+1, W-kw+1, C, kh, kw); keep every
         # stride-th window, then move C last -> (N, OH, OW, kh, kw, C).  All views.

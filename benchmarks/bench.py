@@ -11,7 +11,11 @@ seeded weights (pycapsnet's initialisation, copied into the reference) and the s
 digits.  Throughput is the median over --steps timed steps after --warmup untimed ones; a train
 step is forward + loss + backward + Adam update.  Peak memory is the process's resident-set
 high-water mark during the timed steps minus its size before the model was built (so it counts
-parameters, gradients, optimizer state and every temporary); on a GPU, the allocator's peak.
+parameters, gradients, optimizer state and every temporary); on a GPU, the allocator's peak.  On
+the CPU it is measured in a separate run with glibc's mmap threshold fixed at 1 MiB
+(MALLOC_MMAP_THRESHOLD_), so that freed arrays leave the resident set and the high-water mark
+measures live memory, not what the allocator happened to retain; that setting slows every
+implementation (page faults), so throughput comes from a run without it.
 
 The GEMM floor is the time of the step's unavoidable matrix products alone, on preallocated
 operands, with the backend's own matmul: conv1 forward and weight gradient, the PrimaryCaps
@@ -209,16 +213,31 @@ def gemm_floor(impl, batch, dtype, reps, config):
 # ---------------------------------------------------------------------------------------------
 # the driver
 # ---------------------------------------------------------------------------------------------
-def _spawn(kind, impl, args, **extra):
+LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+
+
+def _spawn(kind, impl, args, env_extra=None, **extra):
     payload = {"kind": kind, "impl": impl, "batch": args.batch_size, "dtype": args.dtype, "warmup": args.warmup,
                "steps": args.steps, "config": args.config, **extra}
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(payload)],
                           capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"impl": impl, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
     return json.loads(lines[-1])
+
+
+def _measure(impl, args, **extra):
+    """Throughput from one fresh process; peak memory from another with LIVE_MEMORY_ENV."""
+    speed = _spawn("step", impl, args, **extra)
+    if "error" in speed:
+        return speed
+    mem_args = argparse.Namespace(**{**vars(args), "warmup": 1, "steps": min(args.steps, 2)})
+    mem = _spawn("step", impl, mem_args, env_extra=LIVE_MEMORY_ENV, **extra)
+    if "error" not in mem:
+        speed["peak_train_mem_mb"] = mem["peak_train_mem_mb"]
+    return speed
 
 
 def _run_worker(payload):
@@ -266,7 +285,7 @@ def main(argv=None):
                "settings": {k: v for k, v in vars(args).items() if k != "worker"}, "main": [], "floor": {}}
     for impl in impls:
         print(f"measuring {impl} ...", file=sys.stderr, flush=True)
-        results["main"].append(_spawn("step", impl, args))
+        results["main"].append(_measure(impl, args))
     for impl in impls:
         results["floor"][impl] = _spawn("floor", impl, args)
     ref = next((r for r in results["main"] if r["impl"].startswith("autograd") and "error" not in r), None)
@@ -312,8 +331,7 @@ def scaling(args):
     batches = [16, 32, 64, 128, 256] if not args.quick else [4, 8]
     for b in batches:
         a = argparse.Namespace(**{**vars(args), "batch_size": b})
-        r = _spawn("step", impl, a)
-        out["batch"].append(r)
+        out["batch"].append(_measure(impl, a))
     for iters in ([1, 2, 3, 4, 5] if not args.quick else [1, 3]):
         a = argparse.Namespace(**{**vars(args), "config": {**base, "routing_iters": iters}})
         out["routing"].append(_spawn("step", impl, a))
@@ -323,7 +341,7 @@ def scaling(args):
         for share in (False, True):
             a = argparse.Namespace(**{**vars(args), "batch_size": small_batch, "warmup": 1, "steps": 2 if not args.quick else 1,
                                       "config": {**base, "share_spatial": share}})
-            out["input_size"].append(_spawn("step", impl, a, input_size=size))
+            out["input_size"].append(_measure(impl, a, input_size=size))
 
     def ok(r):
         return "error" not in r

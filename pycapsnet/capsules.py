@@ -71,7 +71,7 @@ class ClassCaps(Layer):
         n = u.shape[0]
         ut = xp.permute_dims(u, (1, 2, 0, 3))                                   # (P, T, N, K)
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))  # (P|1, T, J*D, K)
-        u_hat = ut @ xp.matrix_transpose(Wm)                                     # (P, T, N, J*D)
+        u_hat = ut @ self.B.contiguous(xp.matrix_transpose(Wm))                   # (P, T, N, J*D)
         u_hat = xp.reshape(u_hat, (self.P * self.T, n, self.J, self.D))          # û_j|i (I, N, J, D)
         v, self.trace = routing_forward(self.B, u_hat, self.iters, self.fixed_coupling)
         self.cache = (ut, u_hat)

@@ -90,3 +90,24 @@ def test_transfers_dtypes_and_memory(spec):
     mem = B.memory()
     assert mem["peak"] > 0 and mem["kind"]
     B.synchronize()
+
+
+@pytest.mark.parametrize("subscripts,shape_a,shape_b", [
+    ("inj,injd->njd", (5, 3, 4), (5, 3, 4, 6)),       # routing: s_j = sum_i c_ij u_hat (broadcast path)
+    ("injd,njd->inj", (5, 3, 4, 6), (3, 4, 6)),       # agreement (broadcast path)
+    ("qinj,qnjd->injd", (3, 5, 3, 4), (3, 3, 4, 6)),  # routing backward (stacked outer-product path)
+    ("inj,njd->injd", (5, 3, 4), (3, 4, 6)),          # outer product (falls back to torch.einsum)
+    ("ab,bc->ac", (2, 3), (3, 4)),                    # matmul (falls back)
+    ("ij,ij->", (3, 4), (3, 4)),
+])
+def test_torch_einsum_fast_paths_match_torch_einsum(subscripts, shape_a, shape_b):
+    torch = pytest.importorskip("torch")
+    B = backends.get("torch", dtype="float64")
+    rng = np.random.default_rng(0)
+    a, b = (torch.tensor(rng.standard_normal(s)) for s in (shape_a, shape_b))
+    ref = torch.einsum(subscripts, a, b)
+    out = B.einsum(subscripts, a, b)
+    assert tuple(out.shape) == tuple(ref.shape)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(backends.get("numpy", dtype="float64").einsum(subscripts, a.numpy(), b.numpy()),
+                               ref.numpy(), rtol=1e-12, atol=1e-12)
