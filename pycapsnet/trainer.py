@@ -227,7 +227,7 @@ def main(backend: str | None = None, argv=None) -> int:
     """Entry point of the per-backend scripts: ``sys.exit(main("numpy"))``."""
     p = argparse.ArgumentParser(
         prog=f"train_{backend}.py" if backend else "pycapsnet train",
-        description=f"Train a CapsNet (Sabour et al. 2017) with hand-written gradients"
+        description="Train a CapsNet (Sabour et al. 2017) with hand-written gradients"
                     + (f" on the {backend} backend." if backend else "."))
     add_arguments(p, backend)
     args = p.parse_args(argv)

@@ -28,5 +28,4 @@ def assert_close(actual, expected, rtol, what=""):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=what)
 
 
-SMALL = dict(input_shape=(1, 14, 14), conv_channels=8, conv_kernel=3, primary_types=4, primary_dim=4,
-             primary_kernel=3, primary_stride=2, n_classes=4, class_dim=6, decoder_hidden=(16, 24))
+from pycapsnet.gradcheck import SMALL  # noqa: E402,F401  (a 14x14 CapsNet small enough for float64 checks)

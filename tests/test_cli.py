@@ -9,7 +9,6 @@ import pytest
 
 import backends
 from pycapsnet import CapsNet, checkpoint, cli
-from tests.conftest import SMALL
 
 PAPER_SMALL = dict(conv_channels=16, primary_types=4)  # 28x28 digits, a quick model
 

@@ -16,12 +16,6 @@ FAST = ["--conv-channels", "16", "--primary-types", "4", "--limit", "96", "--lim
         "--batch-size", "32", "--no-progress"]
 
 
-def _grads_sequence(model, n_steps, rng):
-    x = rng.random((3, *model.config.input_shape))
-    y = rng.integers(0, model.config.n_classes, 3)
-    return x, y
-
-
 @pytest.mark.parametrize("name", ["adam", "sgd"])
 def test_optimizer_matches_torch_optim(name):
     torch = pytest.importorskip("torch")
