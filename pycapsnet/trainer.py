@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--resume", default=None, metavar="CKPT",
                    help="continue from a checkpoint file or run directory (architecture from the checkpoint)")
     p.add_argument("--eval-only", action="store_true", help="only evaluate the --resume checkpoint on the test set")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh even if --out already holds a checkpoint (it is replaced)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (per-epoch lines only)")
 
 
@@ -146,6 +148,14 @@ def train(args, backend_name: str) -> dict:
         return {"test_acc": acc, "test_loss": loss}
 
     _prepare_out(out_dir)
+    ckpt_path = os.path.join(out_dir, CHECKPOINT)
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    if not ckpt:
+        if os.path.exists(ckpt_path) and not getattr(args, "overwrite", False):
+            raise CapsNetError(f"{out_dir} already holds a checkpoint from an earlier run; continue it with "
+                               f"--resume {out_dir}, train into another directory with --out DIR, or replace "
+                               "it with --overwrite")
+        open(metrics_path, "w").close()  # a fresh run starts a fresh record
     args.resolved_out = out_dir  # for the Ctrl-C message
     opt = optim.make(args.optimizer, model, args.lr)
     start = 0
@@ -154,8 +164,6 @@ def train(args, backend_name: str) -> dict:
             opt.load_state_dict(ckpt["optim"])
         start = int(ckpt["header"].get("epoch", 0))
         _say(f"resuming after epoch {start} from {ckpt['path']}")
-    ckpt_path = os.path.join(out_dir, CHECKPOINT)
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
     last = {}
     for epoch in range(start, args.epochs):
         opt.lr = optim.exponential_lr(args.lr, args.lr_decay, epoch)

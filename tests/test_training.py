@@ -121,6 +121,17 @@ def test_train_writes_everything_and_resume_continues(tmp_path):
     assert _main(FAST + ["--eval-only", "--resume", out]) == 0
 
 
+def test_a_fresh_run_never_overwrites_a_trained_checkpoint(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
+    before = open(os.path.join(out, "checkpoint.npz"), "rb").read()
+    assert _main(FAST + ["--epochs", "1", "--out", out]) == 2
+    assert f"already holds a checkpoint from an earlier run; continue it with --resume {out}" in capsys.readouterr().err
+    assert open(os.path.join(out, "checkpoint.npz"), "rb").read() == before
+    assert _main(FAST + ["--epochs", "1", "--out", out, "--overwrite", "--seed", "5"]) == 0
+    assert [m["epoch"] for m in _metrics(out)] == [1]  # a fresh record, not appended to the old one
+
+
 def test_train_on_idx_files(tmp_path):
     from tests.test_data import write_mnist_dir
 
