@@ -95,30 +95,16 @@ class TorchBackend(Backend):
             super().reset_peak_memory()
 
 
-def _broadcast_contract(subscripts, a, b):
-    """A two-operand einsum as broadcast multiply + sum, when that reads each element once: when the
-    full product of the two operands is no larger than the bigger of them (every index of the small
-    operand also indexes the big one, e.g. 'inj,injd->njd').  torch.einsum maps such contractions
-    to bmm, which first copies the big operand into a batch-major layout; here it is read in place,
-    2-3x faster for the routing sums.  Returns None when the rule does not apply."""
+def _parse(subscripts):
+    """'ab,bc->ac' -> ('ab', 'bc', 'ac'); None for forms the fast paths do not handle (ellipsis,
+    implicit output, an index repeated within one operand)."""
     if "..." in subscripts or "->" not in subscripts:
         return None
     ins, out = subscripts.replace(" ", "").split("->")
-    sa, sb = ins.split(",")
-    if len(set(sa)) != len(sa) or len(set(sb)) != len(sb):
+    parts = ins.split(",")
+    if len(parts) != 2 or any(len(set(t)) != len(t) for t in (*parts, out)):
         return None
-    big, small, s_big, s_small = (a, b, sa, sb) if a.numel() >= b.numel() else (b, a, sb, sa)
-    if not set(s_small) <= set(s_big) or not set(out) <= set(s_big):
-        return None
-    # the small operand, permuted to the big one's index order with 1s where it lacks an index
-    order = [s_small.index(c) for c in s_big if c in s_small]
-    shape = [small.shape[s_small.index(c)] if c in s_small else 1 for c in s_big]
-    prod = big * small.permute(order).reshape(shape)
-    summed = [k for k, c in enumerate(s_big) if c not in out]
-    if summed:
-        prod = prod.sum(dim=summed)
-    kept = [c for c in s_big if c in out]
-    return prod.permute([kept.index(c) for c in out])
+    return parts[0], parts[1], out
 
 
 def _to_order(t, subs, order):
@@ -128,19 +114,37 @@ def _to_order(t, subs, order):
     return t.permute(present).reshape(shape)
 
 
+def _broadcast_contract(subscripts, a, b):
+    """A two-operand einsum as broadcast multiply + sum, when that reads each element once: when the
+    full product of the two operands is no larger than the bigger of them (every index of the small
+    operand also indexes the big one, e.g. 'inj,injd->njd').  torch.einsum maps such contractions
+    to bmm, which first copies the big operand into a batch-major layout; here it is read in place,
+    2-3x faster for the routing sums.  Returns None when the rule does not apply."""
+    parsed = _parse(subscripts)
+    if parsed is None:
+        return None
+    sa, sb, out = parsed
+    big, small, s_big, s_small = (a, b, sa, sb) if a.numel() >= b.numel() else (b, a, sb, sa)
+    if not set(s_small) <= set(s_big) or not set(out) <= set(s_big):
+        return None
+    prod = big * _to_order(small, s_small, s_big)
+    summed = [k for k, c in enumerate(s_big) if c not in out]
+    if summed:
+        prod = prod.sum(dim=summed)
+    kept = [c for c in s_big if c in out]
+    return prod.permute([kept.index(c) for c in out])
+
+
 def _stacked_outer_sum(subscripts, a, b):
     """'qA,qB->O' where every index of A and B appears in O and vice versa: a sum over q of outer
     products (the routing backward's 'qinj,qnjd->injd').  Accumulated in place slice by slice
     (addcmul_), 5x faster than torch.einsum, which builds it as a bmm into a transposed layout."""
-    if "..." in subscripts or "->" not in subscripts:
+    parsed = _parse(subscripts)
+    if parsed is None:
         return None
-    ins, out = subscripts.replace(" ", "").split("->")
-    sa, sb = ins.split(",")
-    q = sa[:1]
-    if not q or sb[:1] != q or q in out or q in sa[1:] + sb[1:]:
-        return None
-    A, Bs = sa[1:], sb[1:]
-    if set(A) | set(Bs) != set(out) or len(set(out)) != len(out) or len(set(A)) != len(A) or len(set(Bs)) != len(Bs):
+    sa, sb, out = parsed
+    q, A, Bs = sa[:1], sa[1:], sb[1:]
+    if not q or sb[:1] != q or q in out or set(A) | set(Bs) != set(out):
         return None
     acc = _to_order(a[0], A, out) * _to_order(b[0], Bs, out)
     for k in range(1, a.shape[0]):

@@ -39,6 +39,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from pycapsnet.cli import format_table  # noqa: E402
+
 QUICK = dict(conv_channels=16, primary_types=4)
 
 
@@ -164,15 +166,15 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
 def gemm_floor(impl, batch, dtype, reps, config):
     """Seconds of a train step's unavoidable matrix products, with the backend's own matmul."""
     import backends
-    from pycapsnet import CapsNet
 
     name = "torch" + impl[len("autograd"):] if impl.startswith("autograd") else impl
     try:
         B = backends.get(name, dtype=dtype)
     except backends.BackendError as e:
         return {"impl": impl, "error": str(e)}
-    cfg = CapsNet("numpy", **config).config  # the geometry only
-    from pycapsnet.model import _geometry
+    from pycapsnet.model import CapsNetConfig, _geometry
+
+    cfg = CapsNetConfig(**config)  # the geometry only: no model is built
 
     P, _ = _geometry(cfg)
     c, h, w = cfg.input_shape
@@ -250,13 +252,6 @@ def _run_worker(payload):
     print(json.dumps(out))
 
 
-def _fmt_table(rows, cols):
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
-    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)) for r in rows]
-    return "\n".join(out)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="+", default=["numpy", "torch"],
@@ -311,7 +306,7 @@ def main(argv=None):
         rows.append(row)
     cfg_txt = "tiny model (--quick)" if args.quick else "paper MNIST CapsNet"
     print(f"\n{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up")
-    print(_fmt_table(rows, ["implementation", "train samples/s", "eval samples/s", "peak train MB",
+    print(format_table(rows, ["implementation", "train samples/s", "eval samples/s", "peak train MB",
                             "train vs autograd", "memory vs autograd", "GEMM floor s", "step / floor"]))
 
     if args.scaling:
@@ -347,15 +342,15 @@ def scaling(args):
         return "error" not in r
 
     print(f"\nscaling ({impl}, {args.dtype}):")
-    print(_fmt_table([{"batch": r["batch"], "train samples/s": f"{r['train_samples_per_s']:.1f}",
+    print(format_table([{"batch": r["batch"], "train samples/s": f"{r['train_samples_per_s']:.1f}",
                        "eval samples/s": f"{r['eval_samples_per_s']:.1f}", "peak train MB": f"{r['peak_train_mem_mb']:.0f}"}
                       for r in out["batch"] if ok(r)], ["batch", "train samples/s", "eval samples/s", "peak train MB"]))
     print()
-    print(_fmt_table([{"routing iterations": r["routing_iters"], "train samples/s": f"{r['train_samples_per_s']:.1f}",
+    print(format_table([{"routing iterations": r["routing_iters"], "train samples/s": f"{r['train_samples_per_s']:.1f}",
                        "eval samples/s": f"{r['eval_samples_per_s']:.1f}"} for r in out["routing"] if ok(r)],
                      ["routing iterations", "train samples/s", "eval samples/s"]))
     print()
-    print(_fmt_table([{"input": f"{r['input_size']}x{r['input_size']}", "share_spatial": r["share_spatial"],
+    print(format_table([{"input": f"{r['input_size']}x{r['input_size']}", "share_spatial": r["share_spatial"],
                        "parameters": f"{r['params']:,}", "peak train MB": f"{r['peak_train_mem_mb']:.0f}",
                        "train samples/s": f"{r['train_samples_per_s']:.2f}"} for r in out["input_size"] if ok(r)],
                      ["input", "share_spatial", "parameters", "peak train MB", "train samples/s"]))

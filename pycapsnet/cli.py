@@ -21,10 +21,12 @@ from .errors import BackendError, CapsNetError
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 
 
-def _table(rows, cols):
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in cols]
+def format_table(rows, cols):
+    """Plain-text table of dict rows (a missing key prints empty); used here and by the benchmark."""
+    cell = lambda r, c: str(r.get(c, ""))
+    widths = [max([len(c)] + [len(cell(r, c)) for r in rows]) for c in cols]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(str(r[c]).ljust(w) for c, w in zip(cols, widths)) for r in rows]
+    lines += ["  ".join(cell(r, c).ljust(w) for c, w in zip(cols, widths)) for r in rows]
     return "\n".join(lines)
 
 
@@ -45,19 +47,13 @@ def cmd_gradcheck(args):
     rows = [{"layer": r.layer, "tensor": r.tensor, "max abs err": f"{r.max_abs:.2e}",
              "max rel err": f"{r.max_rel:.2e}", "entries": r.n_checked, "kinks": r.kinks,
              "result": "pass" if r.passed else "FAIL"} for r in results]
-    print(_table(rows, ["layer", "tensor", "max abs err", "max rel err", "entries", "kinks", "result"]))
+    print(format_table(rows, ["layer", "tensor", "max abs err", "max rel err", "entries", "kinks", "result"]))
     failed = [r for r in results if not r.passed]
     print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed (tolerance {results[0].tol:g} relative)")
     return 1 if failed else 0
 
 
 # ---- crosscheck --------------------------------------------------------------------------------
-def _split_spec(spec):
-    """'torch:cuda' -> ('torch', 'cuda'); 'numpy' -> ('numpy', None)."""
-    name, _, device = spec.partition(":")
-    return name, device or None
-
-
 def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0, perturb=None, config=None):
     """Run one batch on two backends with the same weights; per tensor, how far apart they are.
 
@@ -70,8 +66,7 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
 
     models, outputs = [], []
     for spec in (spec_a, spec_b):
-        name, device = _split_spec(spec)
-        B = _backend(name, dtype, device)
+        B = _backend(spec, dtype)  # backends.get reads 'torch:cuda' as name and device
         if checkpoint:
             model, _ = ckpt_mod.load_model(checkpoint, B)
         else:
@@ -122,7 +117,7 @@ def cmd_crosscheck(args):
     table = [{"tensor": r["tensor"], "kind": r["kind"], "max |a-b|": f"{r['max_abs']:.2e}",
               "max |a-b| / max |a|": f"{r['max_rel']:.2e}", "result": "agree" if r["max_rel"] <= tol else "DISAGREE"}
              for r in rows]
-    print(_table(table, ["tensor", "kind", "max |a-b|", "max |a-b| / max |a|", "result"]))
+    print(format_table(table, ["tensor", "kind", "max |a-b|", "max |a-b| / max |a|", "result"]))
     bad = [r for r in rows if r["max_rel"] > tol]
     print(f"\n{len(rows) - len(bad)} agree, {len(bad)} disagree (tolerance {tol:g} of each tensor's scale, {args.dtype})")
     return 1 if bad else 0

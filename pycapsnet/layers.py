@@ -97,7 +97,6 @@ class Conv2d(Layer):
     def backward(self, dy):
         xp = self.B.xp
         x, self.cache = self.cache, None
-        n, h, w, _ = x.shape
         rows = dy.shape[1] * dy.shape[2]  # OH*OW rows of X per image
         dy = xp.reshape(dy, (-1, self.c_out))  # (N*OH*OW, C_out)
         W = xp.reshape(self.params["W"], (-1, self.c_out))

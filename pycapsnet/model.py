@@ -104,7 +104,8 @@ class CapsNet:
         if overrides:
             cfg = CapsNetConfig(**{**cfg.to_dict(), **overrides})
         self.config = cfg
-        c, h, w = self._check_geometry(cfg)
+        self.n_positions, self.primary_hw = _geometry(cfg)  # primary capsule grid; checks the input size
+        c, h, w = cfg.input_shape
         rng = np.random.default_rng(seed)
         B = self.B
         self.conv1 = Conv2d(B, c, cfg.conv_channels, cfg.conv_kernel, rng=rng, init=he_uniform)
@@ -125,10 +126,6 @@ class CapsNet:
         self._cache = None
 
     # ---- structure ------------------------------------------------------------------------------
-    def _check_geometry(self, cfg):
-        self.n_positions, self.primary_hw = _geometry(cfg)
-        return cfg.input_shape
-
     @property
     def n_primary_capsules(self) -> int:
         return self.n_positions * self.config.primary_types
