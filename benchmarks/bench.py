@@ -172,13 +172,14 @@ def gemm_floor(impl, batch, dtype, reps, config):
         B = backends.get(name, dtype=dtype)
     except backends.BackendError as e:
         return {"impl": impl, "error": str(e)}
+    from pycapsnet.fourier import half_spectrum
     from pycapsnet.model import CapsNetConfig, _geometry
 
     cfg = CapsNetConfig(**config)  # the geometry only: no model is built
 
-    P, _ = _geometry(cfg)
+    P, P_hw = _geometry(cfg)
     c, h, w = cfg.input_shape
-    k1, C1, k2 = cfg.conv_kernel, cfg.conv_channels, cfg.primary_kernel
+    k1, C1, k2, s2 = cfg.conv_kernel, cfg.conv_channels, cfg.primary_kernel, cfg.primary_stride
     T, K, J, D = cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim
     h1 = (h - k1 + 1) * (w - k1 + 1)
     rng = np.random.default_rng(0)
@@ -202,14 +203,49 @@ def gemm_floor(impl, batch, dtype, reps, config):
         mm(f"decoder {a}->{b} forward", n, a, b)
         mm(f"decoder {a}->{b} dW", a, n, b)
         mm(f"decoder {a}->{b} dX", n, b, a)
+    direct = len(products)  # the products above: the floor of the im2col formulation
+
+    # What the step runs with primary_conv="fourier" instead of the three PrimaryCaps products
+    # (pycapsnet/fourier.py): the grid transforms of input, kernel and output, and per frequency
+    # the stacked [X_r; X_i] products -- two each for forward, weight gradient and input gradient.
+    oh, ow = P_hw
+    kq = -(-k2 // s2)
+    n_h, n_w = oh - 1 + kq, ow - 1 + kq
+    F = len(half_spectrum(n_h, n_w)[1])
+    Cp, O = s2 * s2 * C1, T * K
+    mm("fourier input transform", 2 * F, n_h * n_w, n * Cp)
+    for part in ("forward", "dW", "dX"):
+        mm(f"fourier kernel transform ({part})", F, kq * kq, Cp * O)  # x2: real and imaginary rows
+        mm(f"fourier kernel transform ({part}) im", F, kq * kq, Cp * O)
+    mm("fourier forward", 2 * n, Cp, O, (F,))
+    mm("fourier forward im", 2 * n, Cp, O, (F,))
+    mm("fourier dW", Cp, 2 * n, O, (F,))
+    mm("fourier dW im", Cp, 2 * n, O, (F,))
+    mm("fourier dX", 2 * n, O, Cp, (F,))
+    mm("fourier dX im", 2 * n, O, Cp, (F,))
+    mm("fourier output transform", oh * ow, 2 * F, n * O)
+    mm("fourier output transform dY", 2 * F, oh * ow, n * O)
+    mm("fourier input transform dX", n_h * n_w, 2 * F, n * Cp)
+
     per = {}
     for label, A, Bm in products:
         t, _ = _median_time(lambda: A @ Bm, 1, reps, B.synchronize)
         flops = 2 * np.prod(A.shape[:-1]) * A.shape[-1] * Bm.shape[-1]
         per[label] = {"s": t, "gflops": flops / 1e9, "gflop_per_s": flops / 1e9 / t}
-    total = sum(p["s"] for p in per.values())
-    gflop = sum(p["gflops"] for p in per.values())
-    return {"impl": impl, "floor_s": total, "gflop": gflop, "gflop_per_s": gflop / total, "products": per}
+        del A, Bm
+
+    def floor(labels):
+        t = sum(per[k]["s"] for k in labels)
+        g = sum(per[k]["gflops"] for k in labels)
+        return t, g
+
+    labels = [p[0] for p in products]
+    im2col = labels[:direct]
+    fourier = [k for k in im2col if not k.startswith("primary")] + labels[direct:]
+    total, gflop = floor(im2col)
+    f_total, f_gflop = floor(fourier)
+    return {"impl": impl, "floor_s": total, "gflop": gflop, "gflop_per_s": gflop / total,
+            "fourier_floor_s": f_total, "fourier_gflop": f_gflop, "products": per}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +300,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps; the median is reported")
     p.add_argument("--scaling", action="store_true", help="also the scaling tables (several minutes)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 timed step: a smoke run")
+    p.add_argument("--primary-conv", choices=("fourier", "im2col"), default="fourier",
+                   help="how the hand-written PrimaryCaps convolves (default fourier, as in training)")
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -271,6 +309,7 @@ def main(argv=None):
         _run_worker(args.worker)
         return 0
     args.config = dict(QUICK) if args.quick else {}
+    args.config["primary_conv"] = args.primary_conv
     if args.quick:
         args.warmup, args.steps, args.batch_size = 1, 1, min(args.batch_size, 8)
 
@@ -303,11 +342,20 @@ def main(argv=None):
             r["step_over_floor"] = r["train_step_s"] / floor["floor_s"]
             row["GEMM floor s"] = f"{floor['floor_s']:.3f} ({floor['gflop_per_s']:.0f} GFLOP/s)"
             row["step / floor"] = f"{r['step_over_floor']:.2f}"
+            # the products this step itself runs: the autograd reference and primary_conv=im2col
+            # run the im2col ones; the fourier PrimaryCaps runs fewer (see gemm_floor)
+            fourier = not r["impl"].startswith("autograd") and args.primary_conv == "fourier"
+            own = floor["fourier_floor_s"] if fourier else floor["floor_s"]
+            r["own_floor_s"], r["step_over_own_floor"] = own, r["train_step_s"] / own
+            row["own products s"] = f"{own:.3f}"
+            row["step / own"] = f"{r['step_over_own_floor']:.2f}"
         rows.append(row)
     cfg_txt = "tiny model (--quick)" if args.quick else "paper MNIST CapsNet"
-    print(f"\n{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up")
+    print(f"\n{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up;"
+          f" hand-written PrimaryCaps: {args.primary_conv}")
     print(format_table(rows, ["implementation", "train samples/s", "eval samples/s", "peak train MB",
-                            "train vs autograd", "memory vs autograd", "GEMM floor s", "step / floor"]))
+                            "train vs autograd", "memory vs autograd", "GEMM floor s", "step / floor",
+                            "own products s", "step / own"]))
 
     if args.scaling:
         results["scaling"] = scaling(args)

@@ -34,6 +34,7 @@ import numpy as np
 import backends as _backends
 
 from .capsules import CapsuleLength, ClassCaps, PrimaryCaps
+from .fourier import FourierConv2d
 from .layers import Conv2d, Linear, ReLU, Sigmoid
 from .losses import MarginLoss, ReconstructionLoss
 from .model import CapsNet
@@ -178,7 +179,11 @@ def layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
                                  lambda s, dv: squash_backward(xp, s, squash(xp, s)[1], dv)), r(3, 4, 5))
     add("softmax", _FunctionLayer(lambda b: softmax(xp, b),
                                   lambda b, dc: softmax_backward(xp, softmax(xp, b), dc)), 3 * r(4, 6))
-    add("PrimaryCaps", PrimaryCaps(B, 3, types=2, dim=4, kernel=3, stride=2, rng=rng), r(2, 7, 7, 3))
+    add("FourierConv2d 3x3/2 pad1", FourierConv2d(B, 3, 5, 3, 2, 1, rng=rng), r(2, 7, 8, 3))
+    add("FourierConv2d 5x5/3", FourierConv2d(B, 2, 3, 5, 3, 0, rng=rng), r(2, 13, 11, 2))
+    for conv in ("fourier", "im2col"):
+        add(f"PrimaryCaps {conv}", PrimaryCaps(B, 3, types=2, dim=4, kernel=3, stride=2, rng=rng, conv=conv),
+            r(2, 7, 7, 3))
     for mode in ("full", "final"):
         for share in (False, True):
             cc = ClassCaps(B, positions=4, types=2, in_dim=4, n_classes=3, out_dim=5, iters=3,
@@ -211,13 +216,16 @@ def model_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3,
     dx = model.backward(input_grad=True)
     tensors = {"input": x, **model.params}
     analytic = {"input": dx, **model.grads}
-    label = f"CapsNet routing={model.config.routing_grad}{' shared' if model.config.share_spatial else ''}"
+    c = model.config
+    label = (f"CapsNet routing={c.routing_grad}{' shared' if c.share_spatial else ''}"
+             f"{' im2col' if c.primary_conv == 'im2col' else ''}")
     return check_tensors(B, label, lambda: model.loss(x, y).loss, tensors, analytic,
                          samples, eps, tol, floor, seed)
 
 
 def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=None, seed=0):
-    """Every layer check and the full-loss checks in both routing modes (and shared transforms)."""
+    """Every layer check and the full-loss checks in both routing modes, with shared transforms, and
+    with the im2col PrimaryCaps (the default convolves by FourierConv2d)."""
     B = _backends.get(backend, device=device, dtype=dtype)
     if tol is None:
         tol = 1e-6 if B.dtype == "float64" else 2e-2
@@ -226,4 +234,5 @@ def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=None,
     for mode in ("full", "final"):
         results += model_checks(B, samples, eps, tol, seed=seed, routing_grad=mode)
     results += model_checks(B, samples, eps, tol, seed=seed, share_spatial=True)
+    results += model_checks(B, samples, eps, tol, seed=seed, primary_conv="im2col")
     return results

@@ -33,6 +33,7 @@ class CapsNetConfig:
     primary_dim: int = 8
     primary_kernel: int = 9
     primary_stride: int = 2
+    primary_conv: str = "fourier"         # "fourier" | "im2col": how PrimaryCaps convolves (same result)
     class_dim: int = 16
     routing_iters: int = 3
     routing_grad: str = "full"            # "full" | "final"
@@ -112,7 +113,8 @@ class CapsNet:
         self.conv1.input_grad = False  # the image needs no gradient in training
         self.relu1 = ReLU(B)
         self.primary = PrimaryCaps(B, cfg.conv_channels, cfg.primary_types, cfg.primary_dim,
-                                   cfg.primary_kernel, cfg.primary_stride, rng=rng)
+                                   cfg.primary_kernel, cfg.primary_stride, rng=rng,
+                                   conv=cfg.primary_conv)
         self.classcaps = ClassCaps(B, self.n_positions, cfg.primary_types, cfg.primary_dim, cfg.n_classes,
                                    cfg.class_dim, cfg.routing_iters, cfg.routing_grad, cfg.share_spatial, rng=rng)
         self.length = CapsuleLength(B)

@@ -18,7 +18,8 @@ def _assert_all_pass(results):
 def test_every_layer():
     results = gradcheck.layer_checks(B64, samples=25)
     names = {r.layer for r in results}
-    for expected in ["Conv2d 3x3/2 pad1", "ReLU", "Sigmoid", "Linear", "squash", "softmax", "PrimaryCaps",
+    for expected in ["Conv2d 3x3/2 pad1", "ReLU", "Sigmoid", "Linear", "squash", "softmax",
+                     "FourierConv2d 3x3/2 pad1", "FourierConv2d 5x5/3", "PrimaryCaps fourier", "PrimaryCaps im2col",
                      "ClassCaps routing=full", "ClassCaps routing=final", "ClassCaps routing=full shared",
                      "CapsuleLength", "MarginLoss", "ReconstructionLoss"]:
         assert expected in names
@@ -31,6 +32,12 @@ def test_full_loss_every_parameter_and_input(mode, share):
     results = gradcheck.model_checks(B64, samples=15, routing_grad=mode, share_spatial=share)
     assert {r.tensor for r in results} >= {"input", "conv1.W", "conv1.b", "primary.W", "primary.b",
                                            "classcaps.W", "decoder1.W", "decoder3.b"}
+    _assert_all_pass(results)
+
+
+def test_full_loss_with_the_im2col_primarycaps():
+    results = gradcheck.model_checks(B64, samples=15, primary_conv="im2col")
+    assert results[0].layer.endswith("im2col")
     _assert_all_pass(results)
 
 

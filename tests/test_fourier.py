@@ -1,0 +1,114 @@
+"""FourierConv2d against Conv2d: the same layer, so the same outputs and gradients to rounding, on
+every backend and for any geometry.  (Finite differences of FourierConv2d are in test_gradcheck;
+the autograd oracle, which convolves with torch.nn.functional.conv2d, checks it inside the model.)"""
+import numpy as np
+import pytest
+
+import backends
+from pycapsnet import CapsNet
+from pycapsnet.fourier import FourierConv2d, dft_matrices, half_spectrum
+from pycapsnet.layers import Conv2d
+from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, SMALL, assert_close
+
+# (c_in, c_out, kernel, stride, padding, height, width)
+GEOMETRIES = [
+    (3, 4, 3, 1, 0, 6, 6),       # stride 1
+    (3, 5, 3, 2, 1, 7, 8),       # padding, odd rectangular input
+    (2, 3, 9, 2, 0, 20, 20),     # PrimaryCaps' geometry
+    (4, 3, 5, 3, 0, 17, 13),     # kernel not a multiple of the stride; input cropped
+    (2, 2, 4, 2, 2, 9, 11),      # even kernel, padding 2
+    (1, 6, 9, 1, 0, 28, 28),     # conv1's geometry
+    (3, 4, 1, 1, 0, 5, 5),       # 1x1
+    (3, 2, 2, 3, 0, 8, 8),       # stride larger than the kernel
+]
+
+
+def _pair(B, geometry):
+    c_in, c_out, k, s, p, h, w = geometry
+    direct = Conv2d(B, c_in, c_out, k, s, p, rng=np.random.default_rng(0))
+    fourier = FourierConv2d(B, c_in, c_out, k, s, p, rng=np.random.default_rng(0))
+    rng = np.random.default_rng(1)
+    x = B.asarray(rng.standard_normal((3, h, w, c_in)))
+    return direct, fourier, x, rng
+
+
+def _compare(B, geometry, rtol):
+    direct, fourier, x, rng = _pair(B, geometry)
+    y_d, y_f = direct.forward(x), fourier.forward(x)
+    assert_close(B.to_numpy(y_f), B.to_numpy(y_d), rtol, "output")
+    dy = B.asarray(rng.standard_normal(tuple(y_d.shape)))
+    dx_d, dx_f = direct.backward(dy), fourier.backward(dy)
+    assert_close(B.to_numpy(dx_f), B.to_numpy(dx_d), rtol, "input gradient")
+    for name in ("W", "b"):
+        assert_close(B.to_numpy(fourier.grads[name]), B.to_numpy(direct.grads[name]), rtol, f"d{name}")
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_fourier_conv_equals_im2col_conv_float64(backend, geometry):
+    _compare(backends.get(backend, dtype="float64"), geometry, 1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS)
+def test_fourier_conv_equals_im2col_conv_float32(backend):
+    _compare(backends.get(backend, dtype="float32"), GEOMETRIES[2], 1e-5)
+
+
+def test_gradients_accumulate_and_input_grad_can_be_skipped():
+    B = backends.get("numpy", dtype="float64")
+    direct, fourier, x, rng = _pair(B, GEOMETRIES[1])
+    dy = rng.standard_normal(tuple(direct.forward(x).shape))
+    for _ in range(2):  # two backward passes add up, as every layer's do
+        fourier.forward(x)
+        fourier.backward(dy)
+    direct.forward(x)
+    direct.backward(dy)
+    assert_close(fourier.grads["W"], 2 * direct.grads["W"], 1e-12, "accumulated dW")
+    fourier.input_grad = False
+    fourier.forward(x)
+    assert fourier.backward(dy) is None
+
+
+@pytest.mark.parametrize("n_h,n_w", [(10, 10), (7, 7), (6, 9), (1, 4)])
+def test_half_spectrum_keeps_one_of_each_conjugate_pair(n_h, n_w):
+    freqs, alpha = half_spectrum(n_h, n_w)
+    keys = {tuple(f) for f in freqs}
+    partners = {((-a) % n_h, (-b) % n_w) for a, b in freqs}
+    assert keys | partners == {(a, b) for a in range(n_h) for b in range(n_w)}   # every frequency covered
+    assert sum(alpha) == n_h * n_w                                               # ... exactly once
+    self_conjugate = [(a, b) for a, b in freqs if ((-a) % n_h, (-b) % n_w) == (a, b)]
+    assert sorted(alpha[[tuple(f) in self_conjugate for f in freqs]]) == [1.0] * len(self_conjugate)
+
+
+def test_transforms_invert_on_the_valid_outputs():
+    """Fy (X V) equals the direct correlation for a 1-channel grid: the convolution theorem itself."""
+    n, kq, o = 10, 5, 6
+    Fx, Fw, Fy = dft_matrices(n, n, kq, o, o)
+    rng = np.random.default_rng(0)
+    xs, ws = rng.standard_normal((n, n)), rng.standard_normal((kq, kq))
+    X, V = (Fx @ xs.ravel()).reshape(-1, 2), (Fw @ ws.ravel()).reshape(-1, 2)
+    Y = np.stack([X[:, 0] * V[:, 0] - X[:, 1] * V[:, 1], X[:, 0] * V[:, 1] + X[:, 1] * V[:, 0]], 1)
+    direct = np.array([[np.sum(xs[p:p + kq, q:q + kq] * ws) for q in range(o)] for p in range(o)])
+    np.testing.assert_allclose((Fy @ Y.ravel()).reshape(o, o), direct, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_model_with_either_convolution_gives_the_same_loss_and_gradients(backend):
+    B = backends.get(backend, dtype="float64")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((3, 1, 14, 14)), np.array([0, 2, 3])
+    grads = {}
+    for conv in ("fourier", "im2col"):
+        m = CapsNet(B, seed=0, **SMALL, primary_conv=conv)
+        m.zero_grad()
+        loss = m.loss(x, y).loss
+        m.backward()
+        grads[conv] = (loss, {k: B.to_numpy(g) for k, g in m.grads.items()})
+    assert abs(grads["fourier"][0] - grads["im2col"][0]) < 1e-12
+    for k, g in grads["im2col"][1].items():
+        assert_close(grads["fourier"][1][k], g, 1e-10, k)
+
+
+def test_unknown_convolution_is_refused():
+    with pytest.raises(ValueError, match="unknown convolution 'fft'.*fourier.*im2col"):
+        CapsNet("numpy", **SMALL, primary_conv="fft")
