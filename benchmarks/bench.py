@@ -232,7 +232,6 @@ def gemm_floor(impl, batch, dtype, reps, config):
         t, _ = _median_time(lambda: A @ Bm, 1, reps, B.synchronize)
         flops = 2 * np.prod(A.shape[:-1]) * A.shape[-1] * Bm.shape[-1]
         per[label] = {"s": t, "gflops": flops / 1e9, "gflop_per_s": flops / 1e9 / t}
-        del A, Bm
 
     def floor(labels):
         t = sum(per[k]["s"] for k in labels)
