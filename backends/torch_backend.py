@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from .base import Backend, BackendError
+from .base import Backend, BackendError, keep_freed_memory
 
 
 class TorchBackend(Backend):
@@ -41,6 +41,7 @@ class TorchBackend(Backend):
         if self._device.type == "cpu":
             # col2im's strided adds are memory-bound and run best split over the batch
             self.threads = max(1, min(4, os.cpu_count() or 1))
+            keep_freed_memory()  # PyTorch's CPU allocator is glibc's malloc: same reasoning as NumPy
 
     def _float(self, dtype=None):
         return getattr(self.torch, dtype or self.dtype)

@@ -15,7 +15,9 @@ parameters, gradients, optimizer state and every temporary); on a GPU, the alloc
 the CPU it is measured in a separate run with glibc's mmap threshold fixed at 1 MiB
 (MALLOC_MMAP_THRESHOLD_), so that freed arrays leave the resident set and the high-water mark
 measures live memory, not what the allocator happened to retain; that setting slows every
-implementation (page faults), so throughput comes from a run without it.
+implementation (page faults), so throughput comes from a run without it.  In the speed run every
+implementation, the autograd reference included, runs with the allocator setting the CPU backends
+make (``backends.base.keep_freed_memory``: freed blocks are reused instead of returned to the OS).
 
 The GEMM floor is the time of the step's unavoidable matrix products alone, on preallocated
 operands, with the backend's own matmul: conv1 forward and weight gradient, the PrimaryCaps
@@ -78,8 +80,9 @@ def _median_time(fn, warmup, steps, sync):
 def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
     """Measure one implementation: 'numpy', 'torch', 'torch:cuda', 'cupy', 'autograd', 'autograd:cuda'."""
     import backends
-    from backends.base import process_memory, reset_process_peak
+    from backends.base import keep_freed_memory, process_memory, reset_process_peak
 
+    keep_freed_memory()  # what the CPU backends do (backends/base.py): the reference gets it too
     x, y = _batch(batch, input_size)
     cfg = dict(config, input_shape=(1, input_size, input_size))
     is_ref = impl.startswith("autograd")

@@ -98,7 +98,7 @@ class FourierConv2d(Conv2d):
     """``Conv2d`` (same parameters, same initialisation from the same rng, same results) computed
     per spatial frequency; see the module docstring for the math."""
 
-    freq_chunk = 13  # frequencies whose transformed weights exist at one time (13 x 2 MB for PrimaryCaps)
+    freq_chunk = 26  # frequencies whose transformed weights exist at one time (26 x 2 MB for PrimaryCaps)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -112,9 +112,14 @@ class FourierConv2d(Conv2d):
             kq = math.ceil(k / s)                       # taps per phase
             n_h, n_w = oh - 1 + kq, ow - 1 + kq         # phase grid: every p + t, no wrap-around
             Fx, Fw, Fy = dft_matrices(n_h, n_w, kq, oh, ow)
+            F = Fx.shape[0] // 2
+            chunks = [slice(a, min(a + self.freq_chunk, F)) for a in range(0, F, self.freq_chunk)]
+            # per chunk of frequencies, the kernel transform's real rows then its imaginary rows: one
+            # product per chunk reads the 25 x C'C_out kernel grid once for both parts
+            Fw_chunks = [self.B.asarray(np.concatenate([Fw[0::2][fs], Fw[1::2][fs]])) for fs in chunks]
             self._plans[(h, w)] = dict(oh=oh, ow=ow, kq=kq, n_h=n_h, n_w=n_w, padded=(h + 2 * p, w + 2 * p),
-                                       F=Fx.shape[0] // 2, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy),
-                                       Fw_re=self.B.asarray(Fw[0::2]), Fw_im=self.B.asarray(Fw[1::2]))
+                                       F=F, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy),
+                                       chunks=list(zip(chunks, Fw_chunks)))
         return self._plans[(h, w)]
 
     # ---- step 1: stride to channels, and back -----------------------------------------------------
@@ -165,14 +170,9 @@ class FourierConv2d(Conv2d):
         dW = xp.reshape(xp.permute_dims(dW, (0, 2, 1, 3, 4, 5)), (s * kq, s * kq, self.c_in, self.c_out))
         return dW[:self.k, :self.k]
 
-    def _chunks(self, g):
-        F, step = g["F"], self.freq_chunk
-        return [slice(a, min(a + step, F)) for a in range(0, F, step)]
-
-    def _spectrum_of_kernel(self, ws, g, fs):
-        """V = V_r + i V_i for frequencies fs: two (|fs|, C', C_out) arrays."""
-        xp, shape = self.B.xp, (fs.stop - fs.start, -1, self.c_out)
-        return xp.reshape(g["Fw_re"][fs] @ ws, shape), xp.reshape(g["Fw_im"][fs] @ ws, shape)
+    def _spectrum_of_kernel(self, ws, Fw, fs):
+        """V = V_r + i V_i for frequencies fs: V_r = V[0], V_i = V[1], (2, |fs|, C', C_out)."""
+        return self.B.xp.reshape(Fw @ ws, (2, fs.stop - fs.start, -1, self.c_out))
 
     # ---- forward / backward ---------------------------------------------------------------------
     def forward(self, x):
@@ -184,8 +184,8 @@ class FourierConv2d(Conv2d):
         X = xp.reshape(g["Fx"] @ self._input_to_grid(x, g), (F, 2 * n, -1))   # [X_r; X_i] (F, 2N, C')
         ws = self._kernel_to_grid(g)
         Y = self.B.zeros((F, 2, n, self.c_out), dtype=self.B._dtype_name(x))   # Y_r, Y_i per frequency
-        for fs in self._chunks(g):
-            Vr, Vi = self._spectrum_of_kernel(ws, g, fs)
+        for fs, Fw in g["chunks"]:
+            Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)
             XVr, XVi = X[fs] @ Vr, X[fs] @ Vi             # [X_r V_r; X_i V_r], [X_r V_i; X_i V_i]
             Y[fs, 0] = XVr[:, :n] - XVi[:, n:]             # Y_r = X_r V_r - X_i V_i
             Y[fs, 1] = XVi[:, :n] + XVr[:, n:]             # Y_i = X_r V_i + X_i V_r
@@ -208,14 +208,14 @@ class FourierConv2d(Conv2d):
         ws = self._kernel_to_grid(g) if self.input_grad else None
         dws = self.B.zeros((g["kq"] ** 2, X.shape[-1] * self.c_out), dtype=self.B._dtype_name(X))  # dL/d ws
         dX = self.B.zeros((F, 2, n, X.shape[-1]), dtype=self.B._dtype_name(X)) if self.input_grad else None
-        for fs in self._chunks(g):
+        for fs, Fw in g["chunks"]:
             XT = xp.matrix_transpose(X[fs])                                    # [X_r^T, X_i^T] (f, C', 2N)
-            dVr = xp.reshape(XT @ dY_ri[fs], (fs.stop - fs.start, -1))        # X_r^T dY_r + X_i^T dY_i
-            dVi = xp.reshape(XT @ dY_ir[fs], (fs.stop - fs.start, -1))        # X_r^T dY_i - X_i^T dY_r
-            dws += xp.matrix_transpose(g["Fw_re"][fs]) @ dVr                   # back to the kernel grid,
-            dws += xp.matrix_transpose(g["Fw_im"][fs]) @ dVi                   # one chunk at a time
+            dV = xp.stack([XT @ dY_ri[fs],                                     # dV_r = X_r^T dY_r + X_i^T dY_i
+                           XT @ dY_ir[fs]])                                    # dV_i = X_r^T dY_i - X_i^T dY_r
+            dws += xp.matrix_transpose(Fw) @ xp.reshape(dV, (Fw.shape[0], -1))  # back to the kernel grid
+            del dV
             if dX is not None:
-                Vr, Vi = self._spectrum_of_kernel(ws, g, fs)  # made again: 5x W is too much to keep
+                Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)  # made again: 5x W is too much to keep
                 dYVr = dY_ri[fs] @ xp.matrix_transpose(Vr)                     # [dY_r V_r^T; dY_i V_r^T]
                 dYVi = dY_ri[fs] @ xp.matrix_transpose(Vi)                     # [dY_r V_i^T; dY_i V_i^T]
                 dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                          # dX_r = dY_r V_r^T + dY_i V_i^T
