@@ -98,7 +98,7 @@ class FourierConv2d(Conv2d):
     """``Conv2d`` (same parameters, same initialisation from the same rng, same results) computed
     per spatial frequency; see the module docstring for the math."""
 
-    freq_chunk = 26  # frequencies whose transformed weights exist at one time (26 x 2 MB for PrimaryCaps)
+    freq_chunk = 13  # frequencies whose transformed weights exist at one time (13 x 2 MB for PrimaryCaps)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -208,12 +208,13 @@ class FourierConv2d(Conv2d):
         ws = self._kernel_to_grid(g) if self.input_grad else None
         dws = self.B.zeros((g["kq"] ** 2, X.shape[-1] * self.c_out), dtype=self.B._dtype_name(X))  # dL/d ws
         dX = self.B.zeros((F, 2, n, X.shape[-1]), dtype=self.B._dtype_name(X)) if self.input_grad else None
+        dV = self.B.zeros((2, self.freq_chunk, X.shape[-1], self.c_out), dtype=self.B._dtype_name(X))
         for fs, Fw in g["chunks"]:
+            m = fs.stop - fs.start
             XT = xp.matrix_transpose(X[fs])                                    # [X_r^T, X_i^T] (f, C', 2N)
-            dV = xp.stack([XT @ dY_ri[fs],                                     # dV_r = X_r^T dY_r + X_i^T dY_i
-                           XT @ dY_ir[fs]])                                    # dV_i = X_r^T dY_i - X_i^T dY_r
-            dws += xp.matrix_transpose(Fw) @ xp.reshape(dV, (Fw.shape[0], -1))  # back to the kernel grid
-            del dV
+            dV[0, :m] = XT @ dY_ri[fs]                                         # dV_r = X_r^T dY_r + X_i^T dY_i
+            dV[1, :m] = XT @ dY_ir[fs]                                         # dV_i = X_r^T dY_i - X_i^T dY_r
+            dws += xp.matrix_transpose(Fw) @ xp.reshape(dV[:, :m], (2 * m, -1))  # back to the kernel grid
             if dX is not None:
                 Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)  # made again: 5x W is too much to keep
                 dYVr = dY_ri[fs] @ xp.matrix_transpose(Vr)                     # [dY_r V_r^T; dY_i V_r^T]
