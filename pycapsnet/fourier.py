@@ -42,6 +42,11 @@ backward; the weight-gradient spectrum dV likewise.  Keeping V from forward to b
 transform (~5% of a step) but costs 109 MB at the paper's size, which would put the torch backend's
 peak memory above the autograd reference's.  Forward keeps only the transformed input X.
 
+When it does not pay.  The kernel is transformed once per step whatever the batch (three passes
+over 5x W), so at small batches the transforms outweigh the saved products: for PrimaryCaps on
+28 x 28 the im2col ``Conv2d`` is faster at batch 16, and on 64 x 64 or 128 x 128 inputs at batch 8
+(README, "Speed and memory").  ``CapsNetConfig.primary_conv`` chooses.
+
 Valid (padding-0 after ``padding``) convolutions of any stride and rectangular size.  The numbers
 equal ``Conv2d``'s to rounding (the tests check 1e-12 in float64); finite differences and the
 autograd oracle check the gradients independently.
