@@ -25,7 +25,7 @@ class NumpyBackend(Backend):
         self.lib = np  # the array module itself (numpy or cupy)
         # im2col/col2im copies are memory-bound and single-threaded in NumPy: split them over cores.
         self.threads = max(1, min(4, os.cpu_count() or 1))
-        keep_freed_memory()  # reuse freed temporaries rather than fault in fresh pages each step
+        keep_freed_memory()  # reuse freed temporaries rather than fault in fresh pages (CuPy: host side)
 
     def _float(self, dtype=None):
         return self.lib.dtype(dtype or self.dtype)

@@ -175,12 +175,12 @@ def gemm_floor(impl, batch, dtype, reps, config):
         B = backends.get(name, dtype=dtype)
     except backends.BackendError as e:
         return {"impl": impl, "error": str(e)}
-    from pycapsnet.fourier import half_spectrum
+    from pycapsnet.fourier import half_spectrum, phase_grid
     from pycapsnet.model import CapsNetConfig, _geometry
 
     cfg = CapsNetConfig(**config)  # the geometry only: no model is built
 
-    P, P_hw = _geometry(cfg)
+    P, _ = _geometry(cfg)
     c, h, w = cfg.input_shape
     k1, C1, k2, s2 = cfg.conv_kernel, cfg.conv_channels, cfg.primary_kernel, cfg.primary_stride
     T, K, J, D = cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim
@@ -211,15 +211,13 @@ def gemm_floor(impl, batch, dtype, reps, config):
     # What the step runs with primary_conv="fourier" instead of the three PrimaryCaps products
     # (pycapsnet/fourier.py): the grid transforms of input, kernel and output, and per frequency
     # the stacked [X_r; X_i] products -- two each for forward, weight gradient and input gradient.
-    oh, ow = P_hw
-    kq = -(-k2 // s2)
-    n_h, n_w = oh - 1 + kq, ow - 1 + kq
+    oh, ow, kq, n_h, n_w = phase_grid(h - k1 + 1, w - k1 + 1, k2, s2)
     F = len(half_spectrum(n_h, n_w)[1])
     Cp, O = s2 * s2 * C1, T * K
     mm("fourier input transform", 2 * F, n_h * n_w, n * Cp)
-    for part in ("forward", "dW", "dX"):
-        mm(f"fourier kernel transform ({part})", F, kq * kq, Cp * O)  # x2: real and imaginary rows
-        mm(f"fourier kernel transform ({part}) im", F, kq * kq, Cp * O)
+    mm("fourier kernel transform (forward)", 2 * F, kq * kq, Cp * O)   # real and imaginary rows
+    mm("fourier kernel transform (again, for dX)", 2 * F, kq * kq, Cp * O)
+    mm("fourier kernel gradient transform", kq * kq, 2 * F, Cp * O)
     mm("fourier forward", 2 * n, Cp, O, (F,))
     mm("fourier forward im", 2 * n, Cp, O, (F,))
     mm("fourier dW", Cp, 2 * n, O, (F,))

@@ -75,6 +75,14 @@ def half_spectrum(n_h: int, n_w: int):
     return np.array(freqs), np.array(alpha)
 
 
+def phase_grid(h: int, w: int, kernel: int, stride: int, padding: int = 0):
+    """Geometry of step 1 for an (h, w) input: output size (oh, ow), taps per phase kq = ceil(k/s),
+    and the phase grid (n_h, n_w) = (oh - 1 + kq, ow - 1 + kq) that holds every p + t."""
+    oh, ow = (h + 2 * padding - kernel) // stride + 1, (w + 2 * padding - kernel) // stride + 1
+    kq = math.ceil(kernel / stride)
+    return oh, ow, kq, oh - 1 + kq, ow - 1 + kq
+
+
 def dft_matrices(n_h: int, n_w: int, kq: int, oh: int, ow: int):
     """The three constant real transforms (float64), rows/columns ordered (frequency, re|im):
 
@@ -112,15 +120,13 @@ class FourierConv2d(Conv2d):
     def _plan(self, h, w):
         """Geometry and transforms for an (h, w) input, made once per input size."""
         if (h, w) not in self._plans:
-            s, k, p = self.stride, self.k, self.padding
-            oh, ow = self.output_hw(h, w)
-            kq = math.ceil(k / s)                       # taps per phase
-            n_h, n_w = oh - 1 + kq, ow - 1 + kq         # phase grid: every p + t, no wrap-around
+            p = self.padding
+            oh, ow, kq, n_h, n_w = phase_grid(h, w, self.k, self.stride, p)
             Fx, Fw, Fy = dft_matrices(n_h, n_w, kq, oh, ow)
             F = Fx.shape[0] // 2
             chunks = [slice(a, min(a + self.freq_chunk, F)) for a in range(0, F, self.freq_chunk)]
             # per chunk of frequencies, the kernel transform's real rows then its imaginary rows: one
-            # product per chunk reads the 25 x C'C_out kernel grid once for both parts
+            # product per chunk reads the kq^2 x C'C_out kernel grid once for both parts
             Fw_chunks = [self.B.asarray(np.concatenate([Fw[0::2][fs], Fw[1::2][fs]])) for fs in chunks]
             self._plans[(h, w)] = dict(oh=oh, ow=ow, kq=kq, n_h=n_h, n_w=n_w, padded=(h + 2 * p, w + 2 * p),
                                        F=F, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy),
@@ -213,7 +219,8 @@ class FourierConv2d(Conv2d):
         ws = self._kernel_to_grid(g) if self.input_grad else None
         dws = self.B.zeros((g["kq"] ** 2, X.shape[-1] * self.c_out), dtype=self.B._dtype_name(X))  # dL/d ws
         dX = self.B.zeros((F, 2, n, X.shape[-1]), dtype=self.B._dtype_name(X)) if self.input_grad else None
-        dV = self.B.zeros((2, self.freq_chunk, X.shape[-1], self.c_out), dtype=self.B._dtype_name(X))
+        widest = max(fs.stop - fs.start for fs, _ in g["chunks"])  # one dV buffer serves every chunk
+        dV = self.B.zeros((2, widest, X.shape[-1], self.c_out), dtype=self.B._dtype_name(X))
         for fs, Fw in g["chunks"]:
             m = fs.stop - fs.start
             XT = xp.matrix_transpose(X[fs])                                    # [X_r^T, X_i^T] (f, C', 2N)
