@@ -62,6 +62,10 @@ class Backend(abc.ABC):
     def zeros(self, shape, dtype=None):
         return self.xp.zeros(tuple(shape), dtype=self._float(dtype), **self._device_kw())
 
+    def empty(self, shape, dtype=None):
+        """Uninitialised: for buffers that are written in full before they are read."""
+        return self.xp.empty(tuple(shape), dtype=self._float(dtype), **self._device_kw())
+
     def _device_kw(self):
         return {}
 

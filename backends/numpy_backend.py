@@ -41,6 +41,10 @@ class NumpyBackend(Backend):
         return np.asarray(x)
 
     def einsum(self, subscripts, *operands):
+        if len(operands) == 2 and self.lib is np:
+            out = _stacked_outer_sum(subscripts, *operands)
+            if out is not None:
+                return out
         # optimize=False: the contractions the layers use are batched (no BLAS path exists for them)
         # and NumPy's C loop does them in one pass without temporaries.
         return self.lib.einsum(subscripts, *operands, optimize=False)
@@ -53,3 +57,37 @@ class NumpyBackend(Backend):
         # stride-th window, then move C last -> (N, OH, OW, kh, kw, C).  All views.
         v = self.lib.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(1, 2))
         return v[:, ::stride, ::stride].transpose(0, 1, 2, 4, 5, 3)
+
+
+def _stacked_outer_sum(subscripts, a, b):
+    """'qA,qB->O', a sum over q of outer products whose output ends with the indices only B has
+    (the routing backward's 'qinj,qnjd->injd'), as one broadcast matmul: per output position a
+    (1, Q) @ (Q, D) product, (I,N,J,1,Q) @ (N,J,Q,D).  NumPy's einsum loop takes twice as long
+    on it.  None when the form does not apply."""
+    if "..." in subscripts or "->" not in subscripts:
+        return None
+    ins, out = subscripts.replace(" ", "").split("->")
+    parts = ins.split(",")
+    if len(parts) != 2:
+        return None
+    sa, sb = parts
+    q = sa[:1]
+    if not q or sb[:1] != q or q in out or len(set(sa + sb + out)) != len(set(sa) | set(sb)):
+        return None
+    A, Bs = sa[1:], sb[1:]
+    only_b = [c for c in out if c not in A]
+    if set(A) | set(Bs) != set(out) or out[len(out) - len(only_b):] != "".join(only_b) or not only_b:
+        return None
+    lead = out[:len(out) - len(only_b)]                     # batch indices: all of A, some of B
+    if len(set(A)) != len(A) or len(set(Bs)) != len(Bs):
+        return None
+    # a -> (lead..., 1, Q);  b -> (lead with 1 where absent..., Q, prod(only_b))
+    # (contiguous copies: the matmul loop is 2x slower on strided operands; they are small)
+    a_v = np.ascontiguousarray(np.moveaxis(a, 0, -1).transpose([A.index(c) for c in lead] + [len(A)]))[..., None, :]
+    b_perm = [Bs.index(c) + 1 for c in lead if c in Bs] + [0] + [Bs.index(c) + 1 for c in only_b]
+    b_t = np.ascontiguousarray(b.transpose(b_perm))
+    b_shape = [b.shape[Bs.index(c) + 1] if c in Bs else 1 for c in lead]
+    d = [b.shape[Bs.index(c) + 1] for c in only_b]
+    b_v = b_t.reshape(b_shape + [b.shape[0], int(np.prod(d))])
+    res = a_v @ b_v                                          # (lead..., 1, prod(only_b))
+    return res.reshape([a.shape[A.index(c) + 1] for c in lead] + d)

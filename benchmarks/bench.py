@@ -217,7 +217,8 @@ def gemm_floor(impl, batch, dtype, reps, config):
     mm("fourier input transform", 2 * F, n_h * n_w, n * Cp)
     mm("fourier kernel transform (forward)", 2 * F, kq * kq, Cp * O)   # real and imaginary rows
     mm("fourier kernel transform (again, for dX)", 2 * F, kq * kq, Cp * O)
-    mm("fourier kernel gradient transform", kq * kq, 2 * F, Cp * O)
+    mm("fourier kernel gradient transform", kq * kq, F, Cp * O)      # dws = Fw_r^T dV_r + Fw_i^T dV_i
+    mm("fourier kernel gradient transform im", kq * kq, F, Cp * O)
     mm("fourier forward", 2 * n, Cp, O, (F,))
     mm("fourier forward im", 2 * n, Cp, O, (F,))
     mm("fourier dW", Cp, 2 * n, O, (F,))

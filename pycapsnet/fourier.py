@@ -38,9 +38,12 @@ Three steps, each a real linear map, so each backward is the transposed map:
 
 The transformed weights V are 5x larger than W (52 complex frequencies x 4 phases against 81 taps),
 so they are made, used and dropped ``freq_chunk`` frequencies at a time, in forward and again in
-backward; the weight-gradient spectrum dV likewise.  Keeping V from forward to backward saves one
-transform (~5% of a step) but costs 109 MB at the paper's size, which would put the torch backend's
-peak memory above the autograd reference's.  Forward keeps only the transformed input X.
+backward for dX.  Keeping V from forward to backward would save one transform (~5% of a step) but
+cost 109 MB, which would put the torch backend's peak memory above the autograd reference's.
+Forward keeps the transformed input X and the kernel grid ws (as large as W).  The weight-gradient
+spectrum dV is made ``channel_block`` phase channels at a time for all frequencies and turned back
+into dW at once (dws = Fw_r^T dV_r + Fw_i^T dV_i sums over all 52 frequencies in one product per
+part), so neither it nor a running sum over frequency chunks ever exists in full.
 
 When it does not pay.  The kernel is transformed once per step whatever the batch (three passes
 over 5x W), so at small batches the transforms outweigh the saved products: for PrimaryCaps on
@@ -111,7 +114,8 @@ class FourierConv2d(Conv2d):
     """``Conv2d`` (same parameters, same initialisation from the same rng, same results) computed
     per spatial frequency; see the module docstring for the math."""
 
-    freq_chunk = 13  # frequencies whose transformed weights exist at one time (13 x 2 MB for PrimaryCaps)
+    freq_chunk = 13       # frequencies whose transformed weights V exist at one time (13 x 2 MB for PrimaryCaps)
+    channel_block = 256   # phase channels whose weight-gradient spectrum dV exists at one time (27 MB)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -119,19 +123,24 @@ class FourierConv2d(Conv2d):
 
     def _plan(self, h, w):
         """Geometry and transforms for an (h, w) input, made once per input size."""
-        if (h, w) not in self._plans:
-            p = self.padding
-            oh, ow, kq, n_h, n_w = phase_grid(h, w, self.k, self.stride, p)
+        key = (h, w, self.freq_chunk, self.channel_block)
+        if key not in self._plans:
+            p, s = self.padding, self.stride
+            oh, ow, kq, n_h, n_w = phase_grid(h, w, self.k, s, p)
             Fx, Fw, Fy = dft_matrices(n_h, n_w, kq, oh, ow)
             F = Fx.shape[0] // 2
+            Fw_r, Fw_i = Fw[0::2], Fw[1::2]                                    # V_r = Fw_r ws, V_i = Fw_i ws
             chunks = [slice(a, min(a + self.freq_chunk, F)) for a in range(0, F, self.freq_chunk)]
-            # per chunk of frequencies, the kernel transform's real rows then its imaginary rows: one
-            # product per chunk reads the kq^2 x C'C_out kernel grid once for both parts
-            Fw_chunks = [self.B.asarray(np.concatenate([Fw[0::2][fs], Fw[1::2][fs]])) for fs in chunks]
-            self._plans[(h, w)] = dict(oh=oh, ow=ow, kq=kq, n_h=n_h, n_w=n_w, padded=(h + 2 * p, w + 2 * p),
-                                       F=F, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy),
-                                       chunks=list(zip(chunks, Fw_chunks)))
-        return self._plans[(h, w)]
+            c_phase = s * s * self.c_in
+            blocks = [slice(a, min(a + self.channel_block, c_phase)) for a in range(0, c_phase, self.channel_block)]
+            # per chunk of frequencies, the real rows then the imaginary rows: one product per chunk
+            # reads the kq^2 x C'C_out kernel grid once for both parts
+            Fw_chunks = [self.B.asarray(np.concatenate([Fw_r[fs], Fw_i[fs]])) for fs in chunks]
+            self._plans[key] = dict(oh=oh, ow=ow, kq=kq, n_h=n_h, n_w=n_w, padded=(h + 2 * p, w + 2 * p),
+                                    F=F, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy),
+                                    Fw_rT=self.B.asarray(Fw_r.T), Fw_iT=self.B.asarray(Fw_i.T),
+                                    chunks=list(zip(chunks, Fw_chunks)), blocks=blocks)
+        return self._plans[key]
 
     # ---- step 1: stride to channels, and back -----------------------------------------------------
     def _fit(self, x, rows, cols):
@@ -161,25 +170,41 @@ class FourierConv2d(Conv2d):
         dx = self._fit(dx, *g["padded"])
         return dx[:, p:p + h, p:p + w, :] if p else dx
 
-    def _kernel_to_grid(self, g):
-        """W (k, k, C_in, C_out) -> ws (kq*kq, C'*C_out), the kernel zero-padded to s*kq and split
-        into its s x s phases like the input."""
-        xp, s, kq = self.B.xp, self.stride, g["kq"]
-        W = self.params["W"]
-        if s * kq != self.k:
-            padded = self.B.zeros((s * kq, s * kq, self.c_in, self.c_out), dtype=self.B._dtype_name(W))
-            padded[:self.k, :self.k] = W
-            W = padded
-        W = xp.reshape(W, (kq, s, kq, s, self.c_in, self.c_out))
-        W = self.B.contiguous(xp.permute_dims(W, (0, 2, 1, 3, 4, 5)))        # (kq, kq, s, s, C, O)
-        return xp.reshape(W, (kq * kq, -1))
+    def _phases(self, channels=None):
+        """Each kernel phase (r_h, r_w) within the phase channels ``channels`` (a slice of C'; all by
+        default): (r_h, r_w, taps a', taps b', its channels c in C_in, their offset in ``channels``).
+        Phase (r_h, r_w) holds kernel rows s*a' + r_h, columns s*b' + r_w (ceil((k - r)/s) taps;
+        none when the stride exceeds the kernel) as phase channels c' = (r_h*s + r_w)*C_in + c."""
+        s, k, c_in = self.stride, self.k, self.c_in
+        lo, hi = (0, s * s * c_in) if channels is None else (channels.start, channels.stop)
+        out = []
+        for rh in range(s):
+            for rw in range(s):
+                first = (rh * s + rw) * c_in
+                a, b = max(lo, first), min(hi, first + c_in)
+                if a < b:
+                    out.append((rh, rw, len(range(rh, k, s)), len(range(rw, k, s)),
+                                slice(a - first, b - first), slice(a - lo, b - lo)))
+        return out
 
-    def _grid_to_kernel(self, dws, g):
-        """Adjoint of ``_kernel_to_grid``: (kq*kq, C'*C_out) -> (k, k, C_in, C_out)."""
-        xp, s, kq = self.B.xp, self.stride, g["kq"]
-        dW = xp.reshape(dws, (kq, kq, s, s, self.c_in, self.c_out))
-        dW = xp.reshape(xp.permute_dims(dW, (0, 2, 1, 3, 4, 5)), (s * kq, s * kq, self.c_in, self.c_out))
-        return dW[:self.k, :self.k]
+    def _kernel_to_grid(self, g):
+        """W (k, k, C_in, C_out) -> ws (kq*kq, C', C_out): the kernel split into its s x s phases
+        like the input, each zero-padded to kq x kq taps."""
+        kq, s, W = g["kq"], self.stride, self.params["W"]
+        ws = self.B.zeros((kq, kq, s * s * self.c_in, self.c_out), dtype=self.B._dtype_name(W))
+        for rh, rw, ta, tb, c, at in self._phases():
+            ws[:ta, :tb, at] = W[rh::s, rw::s, c]
+        return self.B.xp.reshape(ws, (kq * kq, -1))
+
+    def _add_grid_to_kernel(self, dws, channels, g):
+        """Adjoint of ``_kernel_to_grid`` for the phase channels ``channels``, added into dL/dW:
+        dws (kq*kq, |channels|*C_out), each phase's taps back to their kernel rows, columns and
+        channels (the zero padding has no gradient)."""
+        s, kq = self.stride, g["kq"]
+        dws = self.B.xp.reshape(dws, (kq, kq, -1, self.c_out))
+        for rh, rw, ta, tb, c, at in self._phases(channels):
+            dW_phase = self.grads["W"][rh::s, rw::s, c]   # a view: += writes into grads["W"]
+            dW_phase += dws[:ta, :tb, at]
 
     def _spectrum_of_kernel(self, ws, Fw, fs):
         """V = V_r + i V_i for frequencies fs: V_r = V[0], V_i = V[1], (2, |fs|, C', C_out)."""
@@ -194,20 +219,20 @@ class FourierConv2d(Conv2d):
         F = g["F"]
         X = xp.reshape(g["Fx"] @ self._input_to_grid(x, g), (F, 2 * n, -1))   # [X_r; X_i] (F, 2N, C')
         ws = self._kernel_to_grid(g)
-        Y = self.B.zeros((F, 2, n, self.c_out), dtype=self.B._dtype_name(x))   # Y_r, Y_i per frequency
+        Y = self.B.empty((F, 2, n, self.c_out), dtype=self.B._dtype_name(x))   # Y_r, Y_i per frequency
         for fs, Fw in g["chunks"]:
             Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)
             XVr, XVi = X[fs] @ Vr, X[fs] @ Vi             # [X_r V_r; X_i V_r], [X_r V_i; X_i V_i]
             Y[fs, 0] = XVr[:, :n] - XVi[:, n:]             # Y_r = X_r V_r - X_i V_i
             Y[fs, 1] = XVi[:, :n] + XVr[:, n:]             # Y_i = X_r V_i + X_i V_r
         y = g["Fy"] @ xp.reshape(Y, (2 * F, n * self.c_out))                  # (OH*OW, N*C_out)
-        self.cache = (X, tuple(x.shape))
+        self.cache = (X, ws, tuple(x.shape))  # ws (26 MB for PrimaryCaps) saves remaking it for dX
         y = xp.reshape(y, (g["oh"], g["ow"], n, self.c_out))
         return xp.permute_dims(y, (2, 0, 1, 3)) + self.params["b"]
 
     def backward(self, dy):
         xp = self.B.xp
-        (X, x_shape), self.cache = self.cache, None
+        (X, ws, x_shape), self.cache = self.cache, None
         n, h, w, _ = x_shape
         g = self._plan(h, w)
         F = g["F"]
@@ -216,25 +241,21 @@ class FourierConv2d(Conv2d):
         dY = xp.reshape(xp.matrix_transpose(g["Fy"]) @ dyg, (F, 2, n, self.c_out))
         dY_ri = xp.reshape(dY, (F, 2 * n, self.c_out))                        # [dY_r; dY_i]
         dY_ir = xp.concat([dY[:, 1], -dY[:, 0]], axis=1)                       # [dY_i; -dY_r]
-        ws = self._kernel_to_grid(g) if self.input_grad else None
-        dws = self.B.zeros((g["kq"] ** 2, X.shape[-1] * self.c_out), dtype=self.B._dtype_name(X))  # dL/d ws
-        dX = self.B.zeros((F, 2, n, X.shape[-1]), dtype=self.B._dtype_name(X)) if self.input_grad else None
-        widest = max(fs.stop - fs.start for fs, _ in g["chunks"])  # one dV buffer serves every chunk
-        dV = self.B.zeros((2, widest, X.shape[-1], self.c_out), dtype=self.B._dtype_name(X))
-        for fs, Fw in g["chunks"]:
-            m = fs.stop - fs.start
-            XT = xp.matrix_transpose(X[fs])                                    # [X_r^T, X_i^T] (f, C', 2N)
-            dV[0, :m] = XT @ dY_ri[fs]                                         # dV_r = X_r^T dY_r + X_i^T dY_i
-            dV[1, :m] = XT @ dY_ir[fs]                                         # dV_i = X_r^T dY_i - X_i^T dY_r
-            dws += xp.matrix_transpose(Fw) @ xp.reshape(dV[:, :m], (2 * m, -1))  # back to the kernel grid
-            if dX is not None:
-                Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)  # made again: 5x W is too much to keep
-                dYVr = dY_ri[fs] @ xp.matrix_transpose(Vr)                     # [dY_r V_r^T; dY_i V_r^T]
-                dYVi = dY_ri[fs] @ xp.matrix_transpose(Vi)                     # [dY_r V_i^T; dY_i V_i^T]
-                dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                          # dX_r = dY_r V_r^T + dY_i V_i^T
-                dX[fs, 1] = dYVr[:, n:] - dYVi[:, :n]                          # dX_i = dY_i V_r^T - dY_r V_i^T
-        self.grads["W"] += self._grid_to_kernel(dws, g)
-        if dX is None:
+        # dV = X^H dY for all frequencies, a block of phase channels at a time, turned straight
+        # back into dL/dW (the adjoint of V = Fw ws is dws = Fw_r^T dV_r + Fw_i^T dV_i)
+        for cs in g["blocks"]:
+            XT = xp.matrix_transpose(X[:, :, cs])                              # [X_r^T, X_i^T] (F, m, 2N)
+            dVr = xp.reshape(XT @ dY_ri, (F, -1))                              # dV_r = X_r^T dY_r + X_i^T dY_i
+            dVi = xp.reshape(XT @ dY_ir, (F, -1))                              # dV_i = X_r^T dY_i - X_i^T dY_r
+            self._add_grid_to_kernel(g["Fw_rT"] @ dVr + g["Fw_iT"] @ dVi, cs, g)
+        if not self.input_grad:
             return None
+        dX = self.B.empty((F, 2, n, X.shape[-1]), dtype=self.B._dtype_name(X))
+        for fs, Fw in g["chunks"]:
+            Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)  # made again: 5x W is too much to keep
+            dYVr = dY_ri[fs] @ xp.matrix_transpose(Vr)                         # [dY_r V_r^T; dY_i V_r^T]
+            dYVi = dY_ri[fs] @ xp.matrix_transpose(Vi)                         # [dY_r V_i^T; dY_i V_i^T]
+            dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                              # dX_r = dY_r V_r^T + dY_i V_i^T
+            dX[fs, 1] = dYVr[:, n:] - dYVi[:, :n]                              # dX_i = dY_i V_r^T - dY_r V_i^T
         dX = xp.reshape(dX, (2 * F, -1))                                       # (2F, N*C')
         return self._grid_to_input(xp.matrix_transpose(g["Fx"]) @ dX, n, h, w, g)

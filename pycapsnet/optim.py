@@ -48,6 +48,8 @@ class Adam(Optimizer):
     def _slots(self):
         return ("m", "v")
 
+    block = 1 << 20  # elements updated at a time (4 MB of float32): one block's temporaries stay in cache
+
     def step(self):
         xp = self.model.B.xp
         self.step_count += 1
@@ -55,12 +57,15 @@ class Adam(Optimizer):
         c1, c2 = 1 - self.b1 ** t, 1 - self.b2 ** t
         grads = self.model.grads
         for k, p in self.model.params.items():
-            g, m, v = grads[k], self.state["m"][k], self.state["v"][k]
-            m *= self.b1
-            m += (1 - self.b1) * g
-            v *= self.b2
-            v += (1 - self.b2) * (g * g)
-            p -= (self.lr / c1) * m / (xp.sqrt(v / c2) + self.eps)
+            flat = [xp.reshape(a, (-1,)) for a in (p, grads[k], self.state["m"][k], self.state["v"][k])]
+            for a in range(0, flat[0].shape[0], self.block):
+                # views of one block of each array: the in-place updates write through to them
+                w, g, m, v = (f[a:a + self.block] for f in flat)
+                m *= self.b1
+                m += (1 - self.b1) * g
+                v *= self.b2
+                v += (1 - self.b2) * (g * g)
+                w -= (self.lr / c1) * m / (xp.sqrt(v / c2) + self.eps)
 
 
 class SGD(Optimizer):

@@ -7,7 +7,7 @@ Shapes (I input capsules, N samples, J output capsules, D output dims):
     s      s_j    (N, J, D)      weighted sum of predictions
     v      v_j    (N, J, D)      squashed output capsules
 
-Forward, for r = 0 .. R-1 (b^0 = 0):
+Forward, for r = 0 .. R-1 (b^0 = 0, so c^0 = 1/J and s^0 is a plain sum over i):
     c^r = softmax_j(b^r)
     s^r = sum_i c^r_ij û_j|i
     v^r = squash(s^r)
@@ -56,16 +56,24 @@ def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
     function whose exact gradient the "final" mode computes (gradient checks perturb it)."""
     xp = B.xp
     n_in, n, n_out, _ = u_hat.shape
-    b = B.zeros((n_in, n, n_out))
+    b = None  # b^0 = 0
     trace = []
     for r in range(iters):
         last = r == iters - 1
-        c = fixed_coupling if (last and fixed_coupling is not None) else softmax(xp, b)  # (I, N, J)
-        s = B.einsum("inj,injd->njd", c, u_hat)       # s_j = sum_i c_ij û_j|i
+        if last and fixed_coupling is not None:
+            c = fixed_coupling
+            s = B.einsum("inj,injd->njd", c, u_hat)       # s_j = sum_i c_ij û_j|i
+        elif b is None:  # c^0 = softmax(0) = 1/J for every i, j: s^0 is a plain sum of predictions
+            c = B.zeros((n_in, n, n_out)) + 1.0 / n_out
+            s = xp.sum(u_hat, axis=0) / n_out
+        else:
+            c = softmax(xp, b)                            # (I, N, J)
+            s = B.einsum("inj,injd->njd", c, u_hat)
         v, s_norm = squash(xp, s)
         trace.append((c, s, s_norm, v))
         if not last:
-            b = b + B.einsum("injd,njd->inj", u_hat, v)  # agreement û_j|i . v_j
+            agreement = B.einsum("injd,njd->inj", u_hat, v)  # û_j|i . v_j
+            b = agreement if b is None else b + agreement
     return v, trace
 
 
@@ -93,7 +101,6 @@ def routing_backward(B, u_hat, trace, dv, mode: str = "full"):
             dc = B.einsum("injd,njd->inj", u_hat, ds)
             db_r = softmax_backward(xp, c, dc)
             db = db_r if db is None else db + db_r
-    # dû_j|i = sum_q coeffs[q]_ij vecs[q]_j, one contraction over the stacked terms.  (A broadcast
-    # matmul (I,N,J,1,Q) @ (N,J,Q,D) is faster on NumPy, but PyTorch materialises the broadcast
-    # (I,N,J,Q,D) operand: 236 MB at batch 64.)
+    # dû_j|i = sum_q coeffs[q]_ij vecs[q]_j, one contraction over the stacked terms (each backend
+    # picks its fastest form: NumPy a broadcast matmul, PyTorch in-place multiply-adds).
     return B.einsum("qinj,qnjd->injd", xp.stack(coeffs), xp.stack(vecs))

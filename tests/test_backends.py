@@ -96,6 +96,9 @@ def test_transfers_dtypes_and_memory(spec):
     ("inj,injd->njd", (5, 3, 4), (5, 3, 4, 6)),       # routing: s_j = sum_i c_ij u_hat (broadcast path)
     ("injd,njd->inj", (5, 3, 4, 6), (3, 4, 6)),       # agreement (broadcast path)
     ("qinj,qnjd->injd", (3, 5, 3, 4), (3, 3, 4, 6)),  # routing backward (stacked outer-product path)
+    ("qinj,qnjd->nijd", (3, 5, 3, 4), (3, 3, 4, 6)),  # ... other output orders (NumPy's matmul form)
+    ("qinj,qjnd->injd", (3, 5, 3, 4), (3, 4, 3, 6)),
+    ("qin,qndk->indk", (3, 5, 4), (3, 4, 6, 2)),
     ("inj,njd->injd", (5, 3, 4), (3, 4, 6)),          # outer product (falls back to torch.einsum)
     ("ab,bc->ac", (2, 3), (3, 4)),                    # matmul (falls back)
     ("ij,ij->", (3, 4), (3, 4)),

@@ -32,8 +32,10 @@ def _pair(B, geometry):
     return direct, fourier, x, rng
 
 
-def _compare(B, geometry, rtol):
+def _compare(B, geometry, rtol, freq_chunk=None, channel_block=None):
     direct, fourier, x, rng = _pair(B, geometry)
+    if freq_chunk:  # small chunks and blocks: several of each, the last ones shorter
+        fourier.freq_chunk, fourier.channel_block = freq_chunk, channel_block
     y_d, y_f = direct.forward(x), fourier.forward(x)
     assert_close(B.to_numpy(y_f), B.to_numpy(y_d), rtol, "output")
     dy = B.asarray(rng.standard_normal(tuple(y_d.shape)))
@@ -47,6 +49,14 @@ def _compare(B, geometry, rtol):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_fourier_conv_equals_im2col_conv_float64(backend, geometry):
     _compare(backends.get(backend, dtype="float64"), geometry, 1e-12)
+
+
+@pytest.mark.parametrize("geometry", [GEOMETRIES[1], GEOMETRIES[2], GEOMETRIES[3]], ids=str)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_fourier_conv_in_several_frequency_chunks_and_channel_blocks(backend, geometry):
+    """Frequency chunks of 3 and phase-channel blocks of 5: blocks that split a phase's channels,
+    phases split over blocks, and a short last chunk and block."""
+    _compare(backends.get(backend, dtype="float64"), geometry, 1e-12, freq_chunk=3, channel_block=5)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS)
