@@ -209,3 +209,28 @@ def reset_process_peak() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+def parse_einsum_pair(subscripts):
+    """'ab,bc->ac' -> ('ab', 'bc', 'ac'); None for forms the fast paths do not handle (ellipsis,
+    implicit output, an index repeated within one operand)."""
+    if "..." in subscripts or "->" not in subscripts:
+        return None
+    ins, out = subscripts.replace(" ", "").split("->")
+    parts = ins.split(",")
+    if len(parts) != 2 or any(len(set(t)) != len(t) for t in (*parts, out)):
+        return None
+    return parts[0], parts[1], out
+
+
+def stacked_outer_form(subscripts):
+    """'qA,qB->O' with O made of exactly the indices of A and B: a sum over q of outer products
+    (the routing backward's 'qinj,qnjd->injd').  Returns (A, B, O), or None for other forms."""
+    parsed = parse_einsum_pair(subscripts)
+    if parsed is None:
+        return None
+    sa, sb, out = parsed
+    q, A, Bs = sa[:1], sa[1:], sb[1:]
+    if not q or sb[:1] != q or q in out or set(A) | set(Bs) != set(out):
+        return None
+    return A, Bs, out

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from .base import Backend, keep_freed_memory
+from .base import Backend, keep_freed_memory, stacked_outer_form
 
 
 class NumpyBackend(Backend):
@@ -64,23 +64,14 @@ def _stacked_outer_sum(subscripts, a, b):
     (the routing backward's 'qinj,qnjd->injd'), as one broadcast matmul: per output position a
     (1, Q) @ (Q, D) product, (I,N,J,1,Q) @ (N,J,Q,D).  NumPy's einsum loop takes twice as long
     on it.  None when the form does not apply."""
-    if "..." in subscripts or "->" not in subscripts:
+    form = stacked_outer_form(subscripts)
+    if form is None:
         return None
-    ins, out = subscripts.replace(" ", "").split("->")
-    parts = ins.split(",")
-    if len(parts) != 2:
-        return None
-    sa, sb = parts
-    q = sa[:1]
-    if not q or sb[:1] != q or q in out or len(set(sa + sb + out)) != len(set(sa) | set(sb)):
-        return None
-    A, Bs = sa[1:], sb[1:]
-    only_b = [c for c in out if c not in A]
-    if set(A) | set(Bs) != set(out) or out[len(out) - len(only_b):] != "".join(only_b) or not only_b:
+    A, Bs, out = form
+    only_b = [c for c in out if c not in A]                 # must end the output: matmul's columns
+    if not only_b or out[len(out) - len(only_b):] != "".join(only_b):
         return None
     lead = out[:len(out) - len(only_b)]                     # batch indices: all of A, some of B
-    if len(set(A)) != len(A) or len(set(Bs)) != len(Bs):
-        return None
     # a -> (lead..., 1, Q);  b -> (lead with 1 where absent..., Q, prod(only_b))
     # (contiguous copies: the matmul loop is 2x slower on strided operands; they are small)
     a_v = np.ascontiguousarray(np.moveaxis(a, 0, -1).transpose([A.index(c) for c in lead] + [len(A)]))[..., None, :]

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from .base import Backend, BackendError, keep_freed_memory
+from .base import Backend, BackendError, keep_freed_memory, parse_einsum_pair, stacked_outer_form
 
 
 class TorchBackend(Backend):
@@ -96,18 +96,6 @@ class TorchBackend(Backend):
             super().reset_peak_memory()
 
 
-def _parse(subscripts):
-    """'ab,bc->ac' -> ('ab', 'bc', 'ac'); None for forms the fast paths do not handle (ellipsis,
-    implicit output, an index repeated within one operand)."""
-    if "..." in subscripts or "->" not in subscripts:
-        return None
-    ins, out = subscripts.replace(" ", "").split("->")
-    parts = ins.split(",")
-    if len(parts) != 2 or any(len(set(t)) != len(t) for t in (*parts, out)):
-        return None
-    return parts[0], parts[1], out
-
-
 def _to_order(t, subs, order):
     """View ``t`` (indexed by ``subs``) in index order ``order``, with size-1 axes for absent indices."""
     present = [subs.index(c) for c in order if c in subs]
@@ -121,7 +109,7 @@ def _broadcast_contract(subscripts, a, b):
     operand also indexes the big one, e.g. 'inj,injd->njd').  torch.einsum maps such contractions
     to bmm, which first copies the big operand into a batch-major layout; here it is read in place,
     2-3x faster for the routing sums.  Returns None when the rule does not apply."""
-    parsed = _parse(subscripts)
+    parsed = parse_einsum_pair(subscripts)
     if parsed is None:
         return None
     sa, sb, out = parsed
@@ -140,13 +128,10 @@ def _stacked_outer_sum(subscripts, a, b):
     """'qA,qB->O' where every index of A and B appears in O and vice versa: a sum over q of outer
     products (the routing backward's 'qinj,qnjd->injd').  Accumulated in place slice by slice
     (addcmul_), 5x faster than torch.einsum, which builds it as a bmm into a transposed layout."""
-    parsed = _parse(subscripts)
-    if parsed is None:
+    form = stacked_outer_form(subscripts)
+    if form is None:
         return None
-    sa, sb, out = parsed
-    q, A, Bs = sa[:1], sa[1:], sb[1:]
-    if not q or sb[:1] != q or q in out or set(A) | set(Bs) != set(out):
-        return None
+    A, Bs, out = form
     acc = _to_order(a[0], A, out) * _to_order(b[0], Bs, out)
     for k in range(1, a.shape[0]):
         acc.addcmul_(_to_order(a[k], A, out), _to_order(b[k], Bs, out))

@@ -38,6 +38,8 @@ class Adam(Optimizer):
     """m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;
     w <- w - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)   (Kingma & Ba 2015, as torch.optim.Adam)."""
 
+    block = 1 << 20  # elements updated at a time (4 MB of float32): one block's temporaries stay in cache
+
     def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
         super().__init__(model, lr)
         self.b1, self.b2, self.eps = betas[0], betas[1], eps
@@ -47,8 +49,6 @@ class Adam(Optimizer):
 
     def _slots(self):
         return ("m", "v")
-
-    block = 1 << 20  # elements updated at a time (4 MB of float32): one block's temporaries stay in cache
 
     def step(self):
         xp = self.model.B.xp

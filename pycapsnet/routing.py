@@ -60,15 +60,13 @@ def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
     trace = []
     for r in range(iters):
         last = r == iters - 1
-        if last and fixed_coupling is not None:
-            c = fixed_coupling
-            s = B.einsum("inj,injd->njd", c, u_hat)       # s_j = sum_i c_ij û_j|i
-        elif b is None:  # c^0 = softmax(0) = 1/J for every i, j: s^0 is a plain sum of predictions
+        fixed = last and fixed_coupling is not None
+        if b is None and not fixed:  # c^0 = softmax(0) = 1/J for every i, j: s^0 is a plain sum
             c = B.zeros((n_in, n, n_out)) + 1.0 / n_out
             s = xp.sum(u_hat, axis=0) / n_out
         else:
-            c = softmax(xp, b)                            # (I, N, J)
-            s = B.einsum("inj,injd->njd", c, u_hat)
+            c = fixed_coupling if fixed else softmax(xp, b)  # (I, N, J)
+            s = B.einsum("inj,injd->njd", c, u_hat)       # s_j = sum_i c_ij û_j|i
         v, s_norm = squash(xp, s)
         trace.append((c, s, s_norm, v))
         if not last:

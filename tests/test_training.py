@@ -22,6 +22,8 @@ def test_optimizer_matches_torch_optim(name):
     model = CapsNet(backends.get("numpy", dtype="float64"), **SMALL)
     ref = {k: torch.tensor(v.copy(), requires_grad=True) for k, v in model.state_dict().items()}
     opt = optim.make(name, model, 1e-2)
+    if name == "adam":
+        opt.block = 1000  # several blocks per weight matrix, one for the biases
     topt = torch.optim.Adam(ref.values(), lr=1e-2) if name == "adam" else torch.optim.SGD(ref.values(), lr=1e-2, momentum=0.9)
     rng = np.random.default_rng(0)
     for step in range(5):
