@@ -26,3 +26,13 @@ def test_benchmark_quick_run_writes_a_complete_table(tmp_path):
     assert impls["numpy"]["speedup_vs_autograd"] > 0 and impls["numpy"]["step_over_floor"] > 0
     products = res["floor"]["numpy"]["products"]
     assert {"primary forward", "primary dW", "primary dX", "classcaps u_hat"} <= set(products)
+
+
+def test_step_profile_accounts_for_the_whole_step():
+    from benchmarks.profile_step import profile
+
+    step, rows = profile("numpy", batch=2, steps=1, warmup=1)
+    labels = [label for label, _ in rows]
+    assert "PrimaryCaps (convolution + squash) backward" in labels and "Adam" in labels
+    assert all(t > 0 for label, t in rows if not label.startswith("rest"))
+    assert abs(sum(t for _, t in rows) - step) < 1e-9

@@ -1,0 +1,82 @@
+"""Where a train step's time goes: each layer's forward and backward timed inside real steps.
+
+    python benchmarks/profile_step.py                  # numpy, paper CapsNet, float32, batch 64
+    python benchmarks/profile_step.py --backend torch --batch-size 32
+
+Times are per step, averaged over --steps steps after 2 warm-up steps.  "rest" is the step minus the
+timed parts: the decoder, the losses, masking and the glue between layers.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def profile(backend="numpy", batch=64, steps=4, warmup=2):
+    import backends
+    from pycapsnet import data
+    from pycapsnet.model import CapsNet
+    from pycapsnet.optim import Adam
+
+    B = backends.get(backend, dtype="float32")
+    train, _ = data.load_embedded()
+    idx = np.random.default_rng(0).integers(0, len(train), batch)
+    x, y = train.x[idx], train.y[idx]
+    model = CapsNet(B)
+    opt = Adam(model)
+    spent = {}
+
+    def timed(obj, method, label):
+        inner = getattr(obj, method)
+
+        def wrapper(*args, **kwargs):
+            B.synchronize()
+            t = time.perf_counter()
+            out = inner(*args, **kwargs)
+            B.synchronize()
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+            return out
+        setattr(obj, method, wrapper)
+
+    parts = [(model.conv1, "conv1"), (model.primary, "PrimaryCaps (convolution + squash)"),
+             (model.classcaps, "ClassCaps (u_hat = W u, routing)")]
+    for layer, label in parts:
+        timed(layer, "forward", f"{label} forward")
+        timed(layer, "backward", f"{label} backward")
+    timed(opt, "step", "Adam")
+    for k in range(warmup + steps):
+        if k == warmup:
+            spent.clear()
+            B.synchronize()
+            start = time.perf_counter()
+        model.train_step_grads(x, y)
+        opt.step()
+    B.synchronize()
+    step = (time.perf_counter() - start) / steps
+    rows = [(label, t / steps) for label, t in spent.items()]
+    rows.append(("rest (decoder, losses, glue)", step - sum(t for _, t in rows)))
+    return step, rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="numpy", help="numpy, torch, torch:cuda or cupy")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args(argv)
+    step, rows = profile(args.backend, args.batch_size, args.steps)
+    print(f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step ({args.batch_size / step:.1f} samples/s)")
+    for label, t in rows:
+        print(f"  {label:44s} {t:6.3f} s  {100 * t / step:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()
