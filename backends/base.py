@@ -224,13 +224,17 @@ def parse_einsum_pair(subscripts):
 
 
 def stacked_outer_form(subscripts):
-    """'qA,qB->O' with O made of exactly the indices of A and B: a sum over q of outer products
-    (the routing backward's 'qinj,qnjd->injd').  Returns (A, B, O), or None for other forms."""
+    """'qA,qB->O' with O made of exactly the indices of A and B, where A and B each have an index
+    the other lacks: a sum over q of outer products (the routing backward's 'qinj,qnjd->injd').
+    Returns (A, B, O), or None for other forms -- among them the contractions 'inj,injd->njd',
+    where "q" would be a summed index of the big operand and the output is small."""
     parsed = parse_einsum_pair(subscripts)
     if parsed is None:
         return None
     sa, sb, out = parsed
     q, A, Bs = sa[:1], sa[1:], sb[1:]
     if not q or sb[:1] != q or q in out or set(A) | set(Bs) != set(out):
+        return None
+    if not set(A) - set(Bs) or not set(Bs) - set(A):
         return None
     return A, Bs, out

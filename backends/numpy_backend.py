@@ -60,25 +60,31 @@ class NumpyBackend(Backend):
 
 
 def _stacked_outer_sum(subscripts, a, b):
-    """'qA,qB->O', a sum over q of outer products whose output ends with the indices only B has
-    (the routing backward's 'qinj,qnjd->injd'), as one broadcast matmul: per output position a
-    (1, Q) @ (Q, D) product, (I,N,J,1,Q) @ (N,J,Q,D).  NumPy's einsum loop takes twice as long
-    on it.  None when the form does not apply."""
+    """'qA,qB->O', a sum over q of outer products (the routing backward's 'qinj,qnjd->injd'), as
+    one batched matrix product written straight into the output: the indices A and B share are the
+    batch, A's own are the rows, B's own the columns, q the inner dimension.  For the routing form
+    that is, per (n, j), a (I, Q) @ (Q, D) product into the strided (I, D) slice dû[:, n, j, :]
+    (BLAS takes the row stride as its leading dimension): 6 ms, where NumPy's einsum loop takes
+    ~60.  With several row (or column) indices the leading ones become broadcast batch axes.
+    None when the form does not apply."""
     form = stacked_outer_form(subscripts)
     if form is None:
         return None
     A, Bs, out = form
-    only_b = [c for c in out if c not in A]                 # must end the output: matmul's columns
-    if not only_b or out[len(out) - len(only_b):] != "".join(only_b):
-        return None
-    lead = out[:len(out) - len(only_b)]                     # batch indices: all of A, some of B
-    # a -> (lead..., 1, Q);  b -> (lead with 1 where absent..., Q, prod(only_b))
-    # (contiguous copies: the matmul loop is 2x slower on strided operands; they are small)
-    a_v = np.ascontiguousarray(np.moveaxis(a, 0, -1).transpose([A.index(c) for c in lead] + [len(A)]))[..., None, :]
-    b_perm = [Bs.index(c) + 1 for c in lead if c in Bs] + [0] + [Bs.index(c) + 1 for c in only_b]
-    b_t = np.ascontiguousarray(b.transpose(b_perm))
-    b_shape = [b.shape[Bs.index(c) + 1] if c in Bs else 1 for c in lead]
-    d = [b.shape[Bs.index(c) + 1] for c in only_b]
-    b_v = b_t.reshape(b_shape + [b.shape[0], int(np.prod(d))])
-    res = a_v @ b_v                                          # (lead..., 1, prod(only_b))
-    return res.reshape([a.shape[A.index(c) + 1] for c in lead] + d)
+    batch = [c for c in out if c in A and c in Bs]
+    rows = [c for c in out if c not in Bs]
+    cols = [c for c in out if c not in A]
+    # the output, viewed as (batch, rows[:-1], cols[:-1], rows[-1], cols[-1])
+    order = batch + rows[:-1] + cols[:-1] + rows[-1:] + cols[-1:]
+    size = {**{c: a.shape[A.index(c) + 1] for c in A}, **{c: b.shape[Bs.index(c) + 1] for c in Bs}}
+    res = np.empty([size[c] for c in out], dtype=np.result_type(a, b))
+    view = res.transpose([out.index(c) for c in order])
+    # operands in matmul layout (contiguous copies of the stacked terms, which are small next to
+    # the output), with size-1 axes where the other operand's own indices go
+    a_m = np.ascontiguousarray(a.transpose([A.index(c) + 1 for c in batch + rows] + [0]))
+    a_m = a_m.reshape([size[c] for c in batch + rows[:-1]] + [1] * (len(cols) - 1) + [size[rows[-1]], a.shape[0]])
+    b_m = np.ascontiguousarray(b.transpose([Bs.index(c) + 1 for c in batch + cols[:-1]] + [0, Bs.index(cols[-1]) + 1]))
+    b_m = b_m.reshape([size[c] for c in batch] + [1] * (len(rows) - 1) + [size[c] for c in cols[:-1]]
+                      + [b.shape[0], size[cols[-1]]])
+    np.matmul(a_m, b_m, out=view)
+    return res

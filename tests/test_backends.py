@@ -114,3 +114,17 @@ def test_torch_einsum_fast_paths_match_torch_einsum(subscripts, shape_a, shape_b
     np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(backends.get("numpy", dtype="float64").einsum(subscripts, a.numpy(), b.numpy()),
                                ref.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("subscripts,is_outer", [
+    ("qinj,qnjd->injd", True),   # the routing backward's sum of outer products
+    ("qin,qndk->indk", True),
+    ("inj,injd->njd", False),    # contractions of the big operand: the plain einsum is the fast path
+    ("injd,njd->inj", False),
+    ("qij,qij->ij", False),      # no index of its own on either side: not an outer product
+])
+def test_stacked_outer_form_takes_only_sums_of_outer_products(subscripts, is_outer):
+    # The outer-product paths copy or re-lay the operands, which is cheap only when both are small
+    # next to the output; taking 'inj,injd->njd' for one cost ~20 ms per routing sum in NumPy.
+    from backends.base import stacked_outer_form
+    assert (stacked_outer_form(subscripts) is not None) == is_outer
