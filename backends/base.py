@@ -225,8 +225,8 @@ def parse_einsum_pair(subscripts):
 
 def stacked_outer_form(subscripts):
     """'qA,qB->O' with O made of exactly the indices of A and B, where A and B each have an index
-    the other lacks: a sum over q of outer products (the routing backward's 'qinj,qnjd->injd').
-    Returns (A, B, O), or None for other forms -- among them the contractions 'inj,injd->njd',
+    the other lacks: a sum over q of outer products (the routing backward's 'qnji,qnjd->injd').
+    Returns (A, B, O), or None for other forms -- among them the contractions 'nji,injd->njd',
     where "q" would be a summed index of the big operand and the output is small."""
     parsed = parse_einsum_pair(subscripts)
     if parsed is None:

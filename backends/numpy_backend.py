@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from .base import Backend, keep_freed_memory, stacked_outer_form
+from .base import Backend, keep_freed_memory, parse_einsum_pair
 
 
 class NumpyBackend(Backend):
@@ -42,12 +42,13 @@ class NumpyBackend(Backend):
 
     def einsum(self, subscripts, *operands):
         if len(operands) == 2 and self.lib is np:
-            out = _stacked_outer_sum(subscripts, *operands)
+            out = _einsum_as_matmul(subscripts, *operands)
             if out is not None:
                 return out
         # optimize=False: the contractions the layers use are batched (no BLAS path exists for them)
         # and NumPy's C loop does them in one pass without temporaries.
-        return self.lib.einsum(subscripts, *operands, optimize=False)
+        # (its result follows the operands' memory order; the layers expect C order)
+        return self.lib.ascontiguousarray(self.lib.einsum(subscripts, *operands, optimize=False))
 
     def contiguous(self, x):
         return self.lib.ascontiguousarray(x)
@@ -59,32 +60,43 @@ class NumpyBackend(Backend):
         return v[:, ::stride, ::stride].transpose(0, 1, 2, 4, 5, 3)
 
 
-def _stacked_outer_sum(subscripts, a, b):
-    """'qA,qB->O', a sum over q of outer products (the routing backward's 'qinj,qnjd->injd'), as
-    one batched matrix product written straight into the output: the indices A and B share are the
-    batch, A's own are the rows, B's own the columns, q the inner dimension.  For the routing form
-    that is, per (n, j), a (I, Q) @ (Q, D) product into the strided (I, D) slice dû[:, n, j, :]
-    (BLAS takes the row stride as its leading dimension): 6 ms, where NumPy's einsum loop takes
-    ~60.  With several row (or column) indices the leading ones become broadcast batch axes.
+def _einsum_as_matmul(subscripts, a, b):
+    """A two-operand einsum with one summed index, as one batched matrix product on views of the
+    operands, written straight into an output laid out as the einsum's: the indices both operands
+    and the output share are the batch, a's own output indices the rows, b's own the columns.  With
+    several row (or column) indices the leading ones become broadcast batch axes; none becomes a
+    size-1 axis.  NumPy hands each batch's product to BLAS when the matrix views have a unit stride,
+    whatever the batch strides, so nothing is copied.
+
+    Used where NumPy's einsum loop is slow: when the bigger operand's last index is not the summed
+    one.  For routing's 'qnji,qnjd->injd' (a sum of outer products, q summed) that is, per (n, j), a
+    (I, Q) @ (Q, D) product into the strided slice dû[:, n, j, :]: 6 ms where einsum takes ~60; for
+    'nji,injd->njd' a (1, I) @ (I, D) product per (n, j): 8 ms against 11.  'injd,njd->nji' stays
+    with einsum (the summed d is û's contiguous axis: 6 ms against matmul's 11).
     None when the form does not apply."""
-    form = stacked_outer_form(subscripts)
-    if form is None:
+    parsed = parse_einsum_pair(subscripts)
+    if parsed is None:
         return None
-    A, Bs, out = form
-    batch = [c for c in out if c in A and c in Bs]
-    rows = [c for c in out if c not in Bs]
-    cols = [c for c in out if c not in A]
-    # the output, viewed as (batch, rows[:-1], cols[:-1], rows[-1], cols[-1])
-    order = batch + rows[:-1] + cols[:-1] + rows[-1:] + cols[-1:]
-    size = {**{c: a.shape[A.index(c) + 1] for c in A}, **{c: b.shape[Bs.index(c) + 1] for c in Bs}}
-    res = np.empty([size[c] for c in out], dtype=np.result_type(a, b))
-    view = res.transpose([out.index(c) for c in order])
-    # operands in matmul layout (contiguous copies of the stacked terms, which are small next to
-    # the output), with size-1 axes where the other operand's own indices go
-    a_m = np.ascontiguousarray(a.transpose([A.index(c) + 1 for c in batch + rows] + [0]))
-    a_m = a_m.reshape([size[c] for c in batch + rows[:-1]] + [1] * (len(cols) - 1) + [size[rows[-1]], a.shape[0]])
-    b_m = np.ascontiguousarray(b.transpose([Bs.index(c) + 1 for c in batch + cols[:-1]] + [0, Bs.index(cols[-1]) + 1]))
-    b_m = b_m.reshape([size[c] for c in batch] + [1] * (len(rows) - 1) + [size[c] for c in cols[:-1]]
-                      + [b.shape[0], size[cols[-1]]])
-    np.matmul(a_m, b_m, out=view)
+    sa, sb, out = parsed
+    summed = [c for c in sa if c in sb and c not in out]
+    if len(summed) != 1 or set(sa) | set(sb) != set(out) | set(summed):
+        return None
+    if (sa if a.size >= b.size else sb)[-1] == summed[0]:
+        return None  # the bigger operand is summed along its contiguous axis: einsum's loop is faster
+    k = summed[0]
+    batch = [c for c in out if c in sa and c in sb]
+    rows = [c for c in out if c not in sb]
+    cols = [c for c in out if c not in sa]
+
+    def arrange(x, subs, axes):
+        """View of x with the given axes (None: a new size-1 axis)."""
+        v = x.transpose([subs.index(c) for c in axes if c is not None and c in subs])
+        return np.expand_dims(v, tuple(p for p, c in enumerate(axes) if c is None or c not in subs))
+
+    lead = batch + rows[:-1] + cols[:-1]
+    r_in, c_in = rows[-1:] or [None], cols[-1:] or [None]           # the matrix axes (or size 1)
+    a_m = arrange(a, sa, lead + r_in + [k])                          # (lead, rows, k)
+    b_m = arrange(b, sb, lead + [k] + c_in)                          # (lead, k, cols)
+    res = np.empty([dict(zip(sa + sb, a.shape + b.shape))[c] for c in out], dtype=np.result_type(a, b))
+    np.matmul(a_m, b_m, out=arrange(res, out, lead + r_in + c_in))  # (lead, rows, cols), in place
     return res

@@ -106,7 +106,7 @@ def _to_order(t, subs, order):
 def _broadcast_contract(subscripts, a, b):
     """A two-operand einsum as broadcast multiply + sum, when that reads each element once: when the
     full product of the two operands is no larger than the bigger of them (every index of the small
-    operand also indexes the big one, e.g. 'inj,injd->njd').  torch.einsum maps such contractions
+    operand also indexes the big one, e.g. 'nji,injd->njd').  torch.einsum maps such contractions
     to bmm, which first copies the big operand into a batch-major layout; here it is read in place,
     2-3x faster for the routing sums.  Returns None when the rule does not apply."""
     parsed = parse_einsum_pair(subscripts)
@@ -126,7 +126,7 @@ def _broadcast_contract(subscripts, a, b):
 
 def _stacked_outer_sum(subscripts, a, b):
     """'qA,qB->O' where every index of A and B appears in O and vice versa: a sum over q of outer
-    products (the routing backward's 'qinj,qnjd->injd').  Accumulated in place slice by slice
+    products (the routing backward's 'qnji,qnjd->injd').  Accumulated in place slice by slice
     (addcmul_), 5x faster than torch.einsum, which builds it as a bmm into a transposed layout."""
     form = stacked_outer_form(subscripts)
     if form is None:

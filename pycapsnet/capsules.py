@@ -72,7 +72,7 @@ class ClassCaps(Layer):
         shape = (1 if share_spatial else positions, types, n_classes, out_dim, in_dim)
         self._add_param("W", initializers.capsule_transform(rng, shape))
         self.trace = None
-        self.fixed_coupling = None  # (I, N, J): hold the last c_ij fixed (see routing_forward)
+        self.fixed_coupling = None  # (N, J, I): hold the last c_ij fixed (see routing_forward)
 
     def forward(self, u):
         # u: (N, P, T, K) -> v: (N, J, D)
@@ -89,7 +89,7 @@ class ClassCaps(Layer):
     @property
     def coupling(self):
         """c_ij of each routing iteration of the last forward: list of (N, I, J) arrays."""
-        return [self.B.xp.permute_dims(t[0], (1, 0, 2)) for t in self.trace]
+        return [self.B.xp.permute_dims(t[0], (0, 2, 1)) for t in self.trace]
 
     def backward(self, dv):
         xp = self.B.xp

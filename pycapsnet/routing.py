@@ -2,8 +2,10 @@
 
 Shapes (I input capsules, N samples, J output capsules, D output dims):
     u_hat  û_j|i  (I, N, J, D)   predictions; i leads so that W_ij u_i is one batched matmul over i
-    b      b_ij   (I, N, J)      routing logits, per sample (never averaged over the batch)
-    c      c_ij   (I, N, J)      coupling coefficients, softmax of b_ij over the output capsules j
+    b      b_ij   (N, J, I)      routing logits, per sample (never averaged over the batch)
+    c      c_ij   (N, J, I)      coupling coefficients, softmax of b_ij over the output capsules j
+(b and c keep i last: the softmax over j then runs across whole rows, and the sums over i and the
+backward's stacked outer products read them as contiguous (N, J) batches of length-I vectors)
     s      s_j    (N, J, D)      weighted sum of predictions
     v      v_j    (N, J, D)      squashed output capsules
 
@@ -37,13 +39,13 @@ from .squash import squash, squash_backward
 MODES = ("full", "final")
 
 
-def softmax(xp, b, axis=-1):
+def softmax(xp, b, axis=1):
     """Softmax stabilised by subtracting the max (softmax(b) = softmax(b - max b))."""
     e = xp.exp(b - xp.max(b, axis=axis, keepdims=True))
     return e / xp.sum(e, axis=axis, keepdims=True)
 
 
-def softmax_backward(xp, c, dc, axis=-1):
+def softmax_backward(xp, c, dc, axis=1):
     """db = c * (dc - sum_j c dc), from dc_k/db_j = c_k (delta_kj - c_j)."""
     return c * (dc - xp.sum(c * dc, axis=axis, keepdims=True))
 
@@ -52,7 +54,7 @@ def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
     """Returns (v, trace); trace keeps (c^r, s^r, |s^r|, v^r) of every iteration for the backward
     (and for inspection: ``trace[r][0]`` are the coupling coefficients of iteration r).
 
-    ``fixed_coupling`` (I, N, J): use these c_ij in the last iteration instead of softmax(b) -- the
+    ``fixed_coupling`` (N, J, I): use these c_ij in the last iteration instead of softmax(b) -- the
     function whose exact gradient the "final" mode computes (gradient checks perturb it)."""
     xp = B.xp
     n_in, n, n_out, _ = u_hat.shape
@@ -62,15 +64,15 @@ def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
         last = r == iters - 1
         fixed = last and fixed_coupling is not None
         if b is None and not fixed:  # c^0 = softmax(0) = 1/J for every i, j: s^0 is a plain sum
-            c = B.zeros((n_in, n, n_out)) + 1.0 / n_out
+            c = B.zeros((n, n_out, n_in)) + 1.0 / n_out
             s = xp.sum(u_hat, axis=0) / n_out
         else:
-            c = fixed_coupling if fixed else softmax(xp, b)  # (I, N, J)
-            s = B.einsum("inj,injd->njd", c, u_hat)       # s_j = sum_i c_ij û_j|i
+            c = fixed_coupling if fixed else softmax(xp, b)  # (N, J, I)
+            s = B.einsum("nji,injd->njd", c, u_hat)       # s_j = sum_i c_ij û_j|i
         v, s_norm = squash(xp, s)
         trace.append((c, s, s_norm, v))
         if not last:
-            agreement = B.einsum("injd,njd->inj", u_hat, v)  # û_j|i . v_j
+            agreement = B.einsum("injd,njd->nji", u_hat, v)  # û_j|i . v_j
             b = agreement if b is None else b + agreement
     return v, trace
 
@@ -81,7 +83,7 @@ def routing_backward(B, u_hat, trace, dv, mode: str = "full"):
     if mode == "final":
         c, s, s_norm, _ = trace[-1]
         ds = squash_backward(xp, s, s_norm, dv)
-        return B.einsum("inj,njd->injd", c, ds)
+        return B.einsum("nji,njd->injd", c, ds)
     if mode != "full":
         raise ValueError(f"unknown routing gradient mode {mode!r}: use one of {MODES}")
     coeffs, vecs = [], []  # dû = sum_q coeffs[q] (x) vecs[q]
@@ -89,16 +91,16 @@ def routing_backward(B, u_hat, trace, dv, mode: str = "full"):
     for r in reversed(range(len(trace))):
         c, s, s_norm, v = trace[r]
         if db is not None:
-            dv = B.einsum("inj,injd->njd", db, u_hat)
+            dv = B.einsum("nji,injd->njd", db, u_hat)
             coeffs.append(db)
             vecs.append(v)
         ds = squash_backward(xp, s, s_norm, dv)
         coeffs.append(c)
         vecs.append(ds)
         if r > 0:
-            dc = B.einsum("injd,njd->inj", u_hat, ds)
+            dc = B.einsum("injd,njd->nji", u_hat, ds)
             db_r = softmax_backward(xp, c, dc)
             db = db_r if db is None else db + db_r
     # dû_j|i = sum_q coeffs[q]_ij vecs[q]_j, one contraction over the stacked terms (each backend
-    # picks its fastest form: NumPy a broadcast matmul, PyTorch in-place multiply-adds).
-    return B.einsum("qinj,qnjd->injd", xp.stack(coeffs), xp.stack(vecs))
+    # picks its fastest form: NumPy a batched matmul, PyTorch in-place multiply-adds).
+    return B.einsum("qnji,qnjd->injd", xp.stack(coeffs), xp.stack(vecs))

@@ -93,10 +93,14 @@ def test_transfers_dtypes_and_memory(spec):
 
 
 @pytest.mark.parametrize("subscripts,shape_a,shape_b", [
-    ("inj,injd->njd", (5, 3, 4), (5, 3, 4, 6)),       # routing: s_j = sum_i c_ij u_hat (broadcast path)
-    ("injd,njd->inj", (5, 3, 4, 6), (3, 4, 6)),       # agreement (broadcast path)
-    ("qinj,qnjd->injd", (3, 5, 3, 4), (3, 3, 4, 6)),  # routing backward (stacked outer-product path)
-    ("qinj,qnjd->nijd", (3, 5, 3, 4), (3, 3, 4, 6)),  # ... other output orders (NumPy's matmul form)
+    ("nji,injd->njd", (3, 4, 5), (5, 3, 4, 6)),       # routing: s_j = sum_i c_ij u_hat (broadcast path;
+    ("injd,njd->nji", (5, 3, 4, 6), (3, 4, 6)),       # agreement                        NumPy: matmul)
+    ("qnji,qnjd->injd", (3, 3, 4, 5), (3, 3, 4, 6)),  # routing backward (stacked outer-product path)
+    ("inj,injd->njd", (5, 3, 4), (5, 3, 4, 6)),       # ... other index orders
+    ("injd,njd->inj", (5, 3, 4, 6), (3, 4, 6)),
+    ("qinj,qnjd->injd", (3, 5, 3, 4), (3, 3, 4, 6)),
+    ("qinj,qnjd->nijd", (3, 5, 3, 4), (3, 3, 4, 6)),
+    ("ijk,kl->ilj", (2, 3, 4), (4, 5)),               # NumPy's matmul form: two row indices
     ("qinj,qjnd->injd", (3, 5, 3, 4), (3, 4, 3, 6)),
     ("qin,qndk->indk", (3, 5, 4), (3, 4, 6, 2)),
     ("inj,njd->injd", (5, 3, 4), (3, 4, 6)),          # outer product (falls back to torch.einsum)
@@ -118,6 +122,7 @@ def test_torch_einsum_fast_paths_match_torch_einsum(subscripts, shape_a, shape_b
 
 @pytest.mark.parametrize("subscripts,is_outer", [
     ("qinj,qnjd->injd", True),   # the routing backward's sum of outer products
+    ("qnji,qnjd->injd", True),
     ("qin,qndk->indk", True),
     ("inj,injd->njd", False),    # contractions of the big operand: the plain einsum is the fast path
     ("injd,njd->inj", False),
