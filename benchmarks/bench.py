@@ -175,7 +175,7 @@ def gemm_floor(impl, batch, dtype, reps, config):
         B = backends.get(name, dtype=dtype)
     except backends.BackendError as e:
         return {"impl": impl, "error": str(e)}
-    from pycapsnet.fourier import half_spectrum, phase_grid
+    from pycapsnet.fourier import FourierConv2d, half_spectrum, phase_grid
     from pycapsnet.model import CapsNetConfig, _geometry
 
     cfg = CapsNetConfig(**config)  # the geometry only: no model is built
@@ -216,7 +216,8 @@ def gemm_floor(impl, batch, dtype, reps, config):
     Cp, O = s2 * s2 * C1, T * K
     mm("fourier input transform", 2 * F, n_h * n_w, n * Cp)
     mm("fourier kernel transform (forward)", 2 * F, kq * kq, Cp * O)   # real and imaginary rows
-    mm("fourier kernel transform (again, for dX)", 2 * F, kq * kq, Cp * O)
+    if not FourierConv2d.keep_spectrum:  # else forward keeps V for dX
+        mm("fourier kernel transform (again, for dX)", 2 * F, kq * kq, Cp * O)
     mm("fourier kernel gradient transform", kq * kq, F, Cp * O)      # dws = Fw_r^T dV_r + Fw_i^T dV_i
     mm("fourier kernel gradient transform im", kq * kq, F, Cp * O)
     mm("fourier forward", 2 * n, Cp, O, (F,))
@@ -267,9 +268,24 @@ def _spawn(kind, impl, args, env_extra=None, **extra):
     return json.loads(lines[-1])
 
 
-def _measure(impl, args, **extra):
-    """Throughput from one fresh process; peak memory from another with LIVE_MEMORY_ENV."""
-    speed = _spawn("step", impl, args, **extra)
+def _median_run(runs):
+    """Of several speed runs of one implementation, the one with the median train throughput, with
+    every run's throughputs attached (``*_rounds``); the first error if any run failed."""
+    bad = [r for r in runs if "error" in r]
+    if bad:
+        return bad[0]
+    ordered = sorted(runs, key=lambda r: r["train_samples_per_s"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    out["train_samples_per_s_rounds"] = [r["train_samples_per_s"] for r in runs]
+    out["eval_samples_per_s"] = float(np.median([r["eval_samples_per_s"] for r in runs]))
+    out["eval_samples_per_s_rounds"] = [r["eval_samples_per_s"] for r in runs]
+    return out
+
+
+def _measure(impl, args, speed=None, **extra):
+    """Throughput from one fresh process (or ``speed``, measured already); peak memory from another
+    with LIVE_MEMORY_ENV."""
+    speed = speed or _spawn("step", impl, args, **extra)
     if "error" in speed:
         return speed
     mem_args = argparse.Namespace(**{**vars(args), "warmup": 1, "steps": min(args.steps, 2)})
@@ -299,6 +315,10 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="timed steps; the median is reported")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="speed runs per implementation, taken in turn (numpy, torch, reference, numpy, ...); "
+                        "the table reports medians over rounds, and each ratio is the median of the "
+                        "ratios within a round, so that a machine's drift affects both sides alike (default 3)")
     p.add_argument("--scaling", action="store_true", help="also the scaling tables (several minutes)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 timed step: a smoke run")
     p.add_argument("--primary-conv", choices=("fourier", "im2col"), default="fourier",
@@ -312,16 +332,22 @@ def main(argv=None):
     args.config = dict(QUICK) if args.quick else {}
     args.config["primary_conv"] = args.primary_conv
     if args.quick:
-        args.warmup, args.steps, args.batch_size = 1, 1, min(args.batch_size, 8)
+        args.warmup, args.steps, args.batch_size, args.rounds = 1, 1, min(args.batch_size, 8), min(args.rounds, 2)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
 
     impls = list(args.backends) + ([] if args.no_reference else [f"autograd:{args.ref_device}"])
     results = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                            "cpus": os.cpu_count(), "python": platform.python_version()},
                "settings": {k: v for k, v in vars(args).items() if k != "worker"}, "main": [], "floor": {}}
+    runs = {impl: [] for impl in impls}
+    for k in range(args.rounds):
+        for impl in impls:
+            print(f"measuring {impl} (round {k + 1} of {args.rounds}) ...", file=sys.stderr, flush=True)
+            runs[impl].append(_spawn("step", impl, args))
     for impl in impls:
-        print(f"measuring {impl} ...", file=sys.stderr, flush=True)
-        results["main"].append(_measure(impl, args))
-    for impl in impls:
+        print(f"measuring {impl}: memory, GEMM floor ...", file=sys.stderr, flush=True)
+        results["main"].append(_measure(impl, args, speed=_median_run(runs[impl])))
         results["floor"][impl] = _spawn("floor", impl, args)
     ref = next((r for r in results["main"] if r["impl"].startswith("autograd") and "error" not in r), None)
     rows = []
@@ -334,9 +360,12 @@ def main(argv=None):
                "train samples/s": f"{r['train_samples_per_s']:.1f}", "eval samples/s": f"{r['eval_samples_per_s']:.1f}",
                "peak train MB": f"{r['peak_train_mem_mb']:.0f}"}
         if ref and r is not ref:
-            r["speedup_vs_autograd"] = r["train_samples_per_s"] / ref["train_samples_per_s"]
+            per_round = [a / b for a, b in zip(r["train_samples_per_s_rounds"], ref["train_samples_per_s_rounds"])]
+            r["speedup_vs_autograd_rounds"] = per_round
+            r["speedup_vs_autograd"] = float(np.median(per_round))
             r["memory_vs_autograd"] = r["peak_train_mem_mb"] / ref["peak_train_mem_mb"]
-            row["train vs autograd"] = f"{r['speedup_vs_autograd']:.2f}x"
+            row["train vs autograd"] = (f"{r['speedup_vs_autograd']:.2f}x" if len(per_round) == 1 else
+                                        f"{r['speedup_vs_autograd']:.2f}x ({min(per_round):.2f}-{max(per_round):.2f})")
             row["memory vs autograd"] = f"{r['memory_vs_autograd']:.2f}x"
         if "floor_s" in floor:
             r["gemm_floor_s"] = floor["floor_s"]
@@ -352,8 +381,8 @@ def main(argv=None):
             row["step / own"] = f"{r['step_over_own_floor']:.2f}"
         rows.append(row)
     cfg_txt = "tiny model (--quick)" if args.quick else "paper MNIST CapsNet"
-    print(f"\n{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up;"
-          f" hand-written PrimaryCaps: {args.primary_conv}")
+    print(f"\n{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up,"
+          f" median of {args.rounds} rounds (ratio range in brackets); hand-written PrimaryCaps: {args.primary_conv}")
     print(format_table(rows, ["implementation", "train samples/s", "eval samples/s", "peak train MB",
                             "train vs autograd", "memory vs autograd", "GEMM floor s", "step / floor",
                             "own products s", "step / own"]))

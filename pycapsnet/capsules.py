@@ -6,7 +6,7 @@ import numpy as np
 from . import init as initializers
 from .fourier import FourierConv2d
 from .layers import Conv2d, Layer
-from .routing import MODES, routing_backward, routing_forward
+from .routing import MODES, d_u_hat_from_factors, routing_backward_factors, routing_forward
 from .squash import squash, squash_backward
 
 
@@ -55,7 +55,7 @@ class ClassCaps(Layer):
     class j).  With ``share_spatial`` W is (1, T, J, D, K): one transform per capsule *type*, shared
     over the P positions, so the parameter count no longer grows with the image size.
 
-    Backward: from dû (routing_backward),  dW_ij = sum_n dû_j|i u_i^T  (summed over positions
+    Backward: from dû (routing_backward_factors, then d_u_hat_from_factors),  dW_ij = sum_n dû_j|i u_i^T  (summed over positions
     too when shared)  and  du_i = sum_j W_ij^T dû_j|i.
     """
 
@@ -94,8 +94,10 @@ class ClassCaps(Layer):
     def backward(self, dv):
         xp = self.B.xp
         ut, u_hat = self.cache
-        d_u_hat = routing_backward(self.B, u_hat, self.trace, dv, self.routing_grad)
         self.cache = None
+        factors = routing_backward_factors(self.B, u_hat, self.trace, dv, self.routing_grad)
+        del u_hat  # its last use: free û (47 MB at the paper's size) before its gradient is made
+        d_u_hat = d_u_hat_from_factors(self.B, *factors)                         # dû (I, N, J, D)
         dh = xp.reshape(d_u_hat, (self.P, self.T, -1, self.J * self.D))          # (P, T, N, J*D)
         dW = xp.matrix_transpose(dh) @ ut                                         # (P, T, J*D, K)
         if self.share_spatial:

@@ -36,14 +36,18 @@ Three steps, each a real linear map, so each backward is the transposed map:
        dV_r = X_r^T dY_r + X_i^T dY_i,   dV_i = X_r^T dY_i - X_i^T dY_r.
    Stacking [X_r; X_i] as the rows of one matrix makes each a product of twice the height.
 
-The transformed weights V are 5x larger than W (52 complex frequencies x 4 phases against 81 taps),
-so they are made, used and dropped ``freq_chunk`` frequencies at a time, in forward and again in
-backward for dX.  Keeping V from forward to backward would save one transform (~5% of a step) but
-cost 109 MB, which would put the torch backend's peak memory above the autograd reference's.
-Forward keeps the transformed input X and the kernel grid ws (as large as W).  The weight-gradient
-spectrum dV is made ``channel_block`` phase channels at a time for all frequencies and turned back
-into dW at once (dws = Fw_r^T dV_r + Fw_i^T dV_i sums over all 52 frequencies in one product per
-part), so neither it nor a running sum over frequency chunks ever exists in full.
+The transformed weights V are 5x larger than W (52 complex frequencies x 4 phases against 81 taps:
+109 MB for PrimaryCaps).  Forward makes them ``freq_chunk`` frequencies at a time and, with
+``keep_spectrum`` (the default), keeps them with the transformed input X for backward, which uses
+each chunk for dX and frees it.  That saves a third pass of the memory-bound kernel transform (~10%
+of a NumPy step).  The peak does not grow with it: backward frees X before making dX, and
+ClassCaps frees û before making dû, so the step's peak stays below the autograd reference's.
+``keep_spectrum = False`` keeps the kernel grid ws (as large as W) instead and makes V again in
+backward, chunk by chunk: for memory-tight settings (larger inputs), at the cost of that pass.
+The weight-gradient spectrum dV is made ``channel_block`` phase channels at a time for all
+frequencies and turned back into dW at once (dws = Fw_r^T dV_r + Fw_i^T dV_i sums over all 52
+frequencies in one product per part), so neither it nor a running sum over frequency chunks ever
+exists in full.
 
 When it does not pay.  The kernel is transformed once per step whatever the batch (three passes
 over 5x W), so at small batches the transforms outweigh the saved products: for PrimaryCaps on
@@ -115,6 +119,7 @@ class FourierConv2d(Conv2d):
     per spatial frequency; see the module docstring for the math."""
 
     freq_chunk = 13       # frequencies whose transformed weights V exist at one time (13 x 2 MB for PrimaryCaps)
+    keep_spectrum = True  # keep V from forward for dX (False: make it again in backward)
     channel_block = 256   # phase channels whose weight-gradient spectrum dV exists at one time (27 MB)
 
     def __init__(self, *args, **kwargs):
@@ -220,19 +225,24 @@ class FourierConv2d(Conv2d):
         X = xp.reshape(g["Fx"] @ self._input_to_grid(x, g), (F, 2 * n, -1))   # [X_r; X_i] (F, 2N, C')
         ws = self._kernel_to_grid(g)
         Y = self.B.empty((F, 2, n, self.c_out), dtype=self.B._dtype_name(x))   # Y_r, Y_i per frequency
+        kept = []
         for fs, Fw in g["chunks"]:
-            Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)
+            V = self._spectrum_of_kernel(ws, Fw, fs)
+            if self.keep_spectrum:
+                kept.append(V)
+            Vr, Vi = V
             XVr, XVi = X[fs] @ Vr, X[fs] @ Vi             # [X_r V_r; X_i V_r], [X_r V_i; X_i V_i]
             Y[fs, 0] = XVr[:, :n] - XVi[:, n:]             # Y_r = X_r V_r - X_i V_i
             Y[fs, 1] = XVi[:, :n] + XVr[:, n:]             # Y_i = X_r V_i + X_i V_r
         y = g["Fy"] @ xp.reshape(Y, (2 * F, n * self.c_out))                  # (OH*OW, N*C_out)
-        self.cache = (X, ws, tuple(x.shape))  # ws (26 MB for PrimaryCaps) saves remaking it for dX
+        # for backward: X, and V (kept) or else the kernel grid ws to make V again
+        self.cache = (X, kept or None, None if self.keep_spectrum else ws, tuple(x.shape))
         y = xp.reshape(y, (g["oh"], g["ow"], n, self.c_out))
         return xp.permute_dims(y, (2, 0, 1, 3)) + self.params["b"]
 
     def backward(self, dy):
         xp = self.B.xp
-        (X, ws, x_shape), self.cache = self.cache, None
+        (X, kept, ws, x_shape), self.cache = self.cache, None
         n, h, w, _ = x_shape
         g = self._plan(h, w)
         F = g["F"]
@@ -241,21 +251,31 @@ class FourierConv2d(Conv2d):
         dY = xp.reshape(xp.matrix_transpose(g["Fy"]) @ dyg, (F, 2, n, self.c_out))
         dY_ri = xp.reshape(dY, (F, 2 * n, self.c_out))                        # [dY_r; dY_i]
         dY_ir = xp.concat([dY[:, 1], -dY[:, 0]], axis=1)                       # [dY_i; -dY_r]
-        # dV = X^H dY for all frequencies, a block of phase channels at a time, turned straight
-        # back into dL/dW (the adjoint of V = Fw ws is dws = Fw_r^T dV_r + Fw_i^T dV_i)
+        self._weight_grad(X, dY_ri, dY_ir, g)
+        if not self.input_grad:
+            return None
+        c_phase, dtype = X.shape[-1], self.B._dtype_name(X)
+        del X  # its last use: free it before dX, as large, is made
+        dX = self.B.empty((F, 2, n, c_phase), dtype=dtype)
+        for k, (fs, Fw) in enumerate(g["chunks"]):
+            if kept:
+                Vr, Vi = kept[k]
+                kept[k] = None  # each chunk of V is freed once used
+            else:
+                Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)  # made again (keep_spectrum=False)
+            dYVr = dY_ri[fs] @ xp.matrix_transpose(Vr)                         # [dY_r V_r^T; dY_i V_r^T]
+            dYVi = dY_ri[fs] @ xp.matrix_transpose(Vi)                         # [dY_r V_i^T; dY_i V_i^T]
+            dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                              # dX_r = dY_r V_r^T + dY_i V_i^T
+            dX[fs, 1] = dYVr[:, n:] - dYVi[:, :n]                              # dX_i = dY_i V_r^T - dY_r V_i^T
+        dX = xp.matrix_transpose(g["Fx"]) @ xp.reshape(dX, (2 * F, -1))       # (n_h*n_w, N*C'); frees the spectrum
+        return self._grid_to_input(dX, n, h, w, g)
+
+    def _weight_grad(self, X, dY_ri, dY_ir, g):
+        """dV = X^H dY for all frequencies, a block of phase channels at a time, turned straight
+        back into dL/dW (the adjoint of V = Fw ws is dws = Fw_r^T dV_r + Fw_i^T dV_i)."""
+        xp, F = self.B.xp, g["F"]
         for cs in g["blocks"]:
             XT = xp.matrix_transpose(X[:, :, cs])                              # [X_r^T, X_i^T] (F, m, 2N)
             dVr = xp.reshape(XT @ dY_ri, (F, -1))                              # dV_r = X_r^T dY_r + X_i^T dY_i
             dVi = xp.reshape(XT @ dY_ir, (F, -1))                              # dV_i = X_r^T dY_i - X_i^T dY_r
             self._add_grid_to_kernel(g["Fw_rT"] @ dVr + g["Fw_iT"] @ dVi, cs, g)
-        if not self.input_grad:
-            return None
-        dX = self.B.empty((F, 2, n, X.shape[-1]), dtype=self.B._dtype_name(X))
-        for fs, Fw in g["chunks"]:
-            Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)  # made again: 5x W is too much to keep
-            dYVr = dY_ri[fs] @ xp.matrix_transpose(Vr)                         # [dY_r V_r^T; dY_i V_r^T]
-            dYVi = dY_ri[fs] @ xp.matrix_transpose(Vi)                         # [dY_r V_i^T; dY_i V_i^T]
-            dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                              # dX_r = dY_r V_r^T + dY_i V_i^T
-            dX[fs, 1] = dYVr[:, n:] - dYVi[:, :n]                              # dX_i = dY_i V_r^T - dY_r V_i^T
-        dX = xp.reshape(dX, (2 * F, -1))                                       # (2F, N*C')
-        return self._grid_to_input(xp.matrix_transpose(g["Fx"]) @ dX, n, h, w, g)

@@ -279,4 +279,13 @@ class CapsNet:
     def predict(self, x):
         """Class indices (host int64 array) by the longest class capsule."""
         out = self.forward(x, reconstruct=False)
+        self.release()
         return self.B.to_numpy(self.B.xp.argmax(out.lengths, axis=1)).astype(np.int64)
+
+    def release(self):
+        """Drop what forward kept for a backward (the PrimaryCaps spectra and û alone are ~180 MB
+        at batch 64), e.g. after an evaluation, so that it is not held into the next step."""
+        for layer in (self.conv1, self.relu1, self.primary, self.primary.conv, self.classcaps, self.length,
+                      *self.decoder):
+            layer.cache = None
+        self._cache = None

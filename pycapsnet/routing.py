@@ -79,11 +79,23 @@ def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
 
 def routing_backward(B, u_hat, trace, dv, mode: str = "full"):
     """dL/dû_j|i (I, N, J, D) from dL/dv (N, J, D)."""
+    return d_u_hat_from_factors(B, *routing_backward_factors(B, u_hat, trace, dv, mode))
+
+
+def d_u_hat_from_factors(B, coeffs, vecs):
+    """dû_j|i = sum_q coeffs[q]_ij vecs[q]_j, one contraction over the stacked terms (each backend
+    picks its fastest form: NumPy a batched matmul, PyTorch in-place multiply-adds)."""
+    return B.einsum("qnji,qnjd->injd", B.xp.stack(coeffs), B.xp.stack(vecs))
+
+
+def routing_backward_factors(B, u_hat, trace, dv, mode: str = "full"):
+    """The backward up to dû, which is a sum of outer products: returns the lists (coeffs, vecs),
+    coeffs[q] (N, J, I) and vecs[q] (N, J, D), of its terms (``d_u_hat_from_factors`` sums them).
+    Kept apart so that a caller can free û, whose last use this is, before dû is made."""
     xp = B.xp
     if mode == "final":
         c, s, s_norm, _ = trace[-1]
-        ds = squash_backward(xp, s, s_norm, dv)
-        return B.einsum("nji,njd->injd", c, ds)
+        return [c], [squash_backward(xp, s, s_norm, dv)]  # dû_j|i = c_ij ds_j
     if mode != "full":
         raise ValueError(f"unknown routing gradient mode {mode!r}: use one of {MODES}")
     coeffs, vecs = [], []  # dû = sum_q coeffs[q] (x) vecs[q]
@@ -101,6 +113,4 @@ def routing_backward(B, u_hat, trace, dv, mode: str = "full"):
             dc = B.einsum("injd,njd->nji", u_hat, ds)
             db_r = softmax_backward(xp, c, dc)
             db = db_r if db is None else db + db_r
-    # dû_j|i = sum_q coeffs[q]_ij vecs[q]_j, one contraction over the stacked terms (each backend
-    # picks its fastest form: NumPy a batched matmul, PyTorch in-place multiply-adds).
-    return B.einsum("qnji,qnjd->injd", xp.stack(coeffs), xp.stack(vecs))
+    return coeffs, vecs

@@ -95,12 +95,14 @@ def evaluate(model: CapsNet, split: data.Split, batch_size: int = 100, progress:
         pred = model.B.to_numpy(model.B.xp.argmax(out.lengths, axis=1))
         correct += int((pred == y).sum())
         loss_sum += out.loss * len(y)
+    model.release()  # no backward follows: do not carry forward's caches into the next train step
     return correct / len(split), loss_sum / len(split)
 
 
 def save_reconstructions(model, split, path, n=16, title=""):
     x, y = split.x[:n], split.y[:n]
     out = model.forward(x)  # masked by the longest capsule, as at test time
+    model.release()
     B = model.B
     pred = B.to_numpy(B.xp.argmax(out.lengths, axis=1))
     return plots.reconstruction_grid(x, B.to_numpy(out.reconstruction), y, pred, path, title)

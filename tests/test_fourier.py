@@ -32,10 +32,11 @@ def _pair(B, geometry):
     return direct, fourier, x, rng
 
 
-def _compare(B, geometry, rtol, freq_chunk=None, channel_block=None):
+def _compare(B, geometry, rtol, freq_chunk=None, channel_block=None, keep_spectrum=True):
     direct, fourier, x, rng = _pair(B, geometry)
     if freq_chunk:  # small chunks and blocks: several of each, the last ones shorter
         fourier.freq_chunk, fourier.channel_block = freq_chunk, channel_block
+    fourier.keep_spectrum = keep_spectrum  # False: backward makes V again, chunk by chunk
     y_d, y_f = direct.forward(x), fourier.forward(x)
     assert_close(B.to_numpy(y_f), B.to_numpy(y_d), rtol, "output")
     dy = B.asarray(rng.standard_normal(tuple(y_d.shape)))
@@ -51,12 +52,15 @@ def test_fourier_conv_equals_im2col_conv_float64(backend, geometry):
     _compare(backends.get(backend, dtype="float64"), geometry, 1e-12)
 
 
+@pytest.mark.parametrize("keep_spectrum", [True, False], ids=["V kept", "V made again"])
 @pytest.mark.parametrize("geometry", [GEOMETRIES[1], GEOMETRIES[2], GEOMETRIES[3]], ids=str)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_fourier_conv_in_several_frequency_chunks_and_channel_blocks(backend, geometry):
+def test_fourier_conv_in_several_frequency_chunks_and_channel_blocks(backend, geometry, keep_spectrum):
     """Frequency chunks of 3 and phase-channel blocks of 5: blocks that split a phase's channels,
-    phases split over blocks, and a short last chunk and block."""
-    _compare(backends.get(backend, dtype="float64"), geometry, 1e-12, freq_chunk=3, channel_block=5)
+    phases split over blocks, and a short last chunk and block; with the kernel spectrum V kept
+    from forward (the default) and made again in backward."""
+    _compare(backends.get(backend, dtype="float64"), geometry, 1e-12, freq_chunk=3, channel_block=5,
+             keep_spectrum=keep_spectrum)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS)

@@ -110,3 +110,21 @@ def test_bad_routing_options():
         CapsNet("numpy", routing_grad="exact", **SMALL)
     with pytest.raises(ValueError, match="at least one iteration"):
         CapsNet("numpy", routing_iters=0, **SMALL)
+
+
+def test_evaluation_releases_what_forward_kept_for_backward():
+    # After predict/evaluate no backward follows; the caches (the PrimaryCaps spectra, û) must not
+    # be carried into the next train step, where they would add to its peak memory.
+    from pycapsnet import data as data_mod
+    from pycapsnet.trainer import evaluate
+
+    m = CapsNet("numpy", CapsNetConfig(conv_channels=8, primary_types=2), seed=0)
+    x = np.random.default_rng(0).random((2, 1, 28, 28)).astype(np.float32)
+    layers = [m.conv1, m.relu1, m.primary, m.primary.conv, m.classcaps, m.length, *m.decoder]
+    m.forward(x)
+    assert m.primary.conv.cache is not None and m.classcaps.cache is not None
+    m.predict(x)
+    assert all(layer.cache is None for layer in layers)
+    m.forward(x)
+    evaluate(m, data_mod.Split(x, np.array([1, 2])), batch_size=2)
+    assert all(layer.cache is None for layer in layers)
