@@ -216,8 +216,8 @@ def gemm_floor(impl, batch, dtype, reps, config):
     Cp, O = s2 * s2 * C1, T * K
     mm("fourier input transform", 2 * F, n_h * n_w, n * Cp)
     mm("fourier kernel transform (forward)", 2 * F, kq * kq, Cp * O)   # real and imaginary rows
-    if not FourierConv2d.keep_spectrum:  # else forward keeps V for dX
-        mm("fourier kernel transform (again, for dX)", 2 * F, kq * kq, Cp * O)
+    if 2 * F * Cp * O * np.dtype(dtype).itemsize > FourierConv2d.keep_spectrum_mb * 2**20:
+        mm("fourier kernel transform (again, for dX)", 2 * F, kq * kq, Cp * O)  # V not kept for dX
     mm("fourier kernel gradient transform", kq * kq, F, Cp * O)      # dws = Fw_r^T dV_r + Fw_i^T dV_i
     mm("fourier kernel gradient transform im", kq * kq, F, Cp * O)
     mm("fourier forward", 2 * n, Cp, O, (F,))

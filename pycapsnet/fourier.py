@@ -37,13 +37,14 @@ Three steps, each a real linear map, so each backward is the transposed map:
    Stacking [X_r; X_i] as the rows of one matrix makes each a product of twice the height.
 
 The transformed weights V are 5x larger than W (52 complex frequencies x 4 phases against 81 taps:
-109 MB for PrimaryCaps).  Forward makes them ``freq_chunk`` frequencies at a time and, with
-``keep_spectrum`` (the default), keeps them with the transformed input X for backward, which uses
-each chunk for dX and frees it.  That saves a third pass of the memory-bound kernel transform (~10%
-of a NumPy step).  The peak does not grow with it: backward frees X before making dX, and
-ClassCaps frees û before making dû, so the step's peak stays below the autograd reference's.
-``keep_spectrum = False`` keeps the kernel grid ws (as large as W) instead and makes V again in
-backward, chunk by chunk: for memory-tight settings (larger inputs), at the cost of that pass.
+109 MB for PrimaryCaps on MNIST).  Forward makes them ``freq_chunk`` frequencies at a time and,
+when they take at most ``keep_spectrum_mb`` (128 MB by default), keeps them with the transformed
+input X for backward, which uses each chunk for dX and frees it.  That saves a third pass of the
+memory-bound kernel transform (~10% of a NumPy step).  The peak does not grow with it: backward
+frees X before making dX, and ClassCaps frees û before making dû, so the step's peak stays below
+the autograd reference's.  Larger inputs have many more frequencies (a 64 x 64 input: 392, 822 MB
+of V); then forward keeps the kernel grid ws (as large as W) instead, and backward makes V again,
+chunk by chunk.  ``keep_spectrum_mb = 0`` always does that.
 The weight-gradient spectrum dV is made ``channel_block`` phase channels at a time for all
 frequencies and turned back into dW at once (dws = Fw_r^T dV_r + Fw_i^T dV_i sums over all 52
 frequencies in one product per part), so neither it nor a running sum over frequency chunks ever
@@ -119,7 +120,7 @@ class FourierConv2d(Conv2d):
     per spatial frequency; see the module docstring for the math."""
 
     freq_chunk = 13       # frequencies whose transformed weights V exist at one time (13 x 2 MB for PrimaryCaps)
-    keep_spectrum = True  # keep V from forward for dX (False: make it again in backward)
+    keep_spectrum_mb = 128  # keep V from forward for dX when it takes at most this many MB
     channel_block = 256   # phase channels whose weight-gradient spectrum dV exists at one time (27 MB)
 
     def __init__(self, *args, **kwargs):
@@ -215,6 +216,12 @@ class FourierConv2d(Conv2d):
         """V = V_r + i V_i for frequencies fs: V_r = V[0], V_i = V[1], (2, |fs|, C', C_out)."""
         return self.B.xp.reshape(Fw @ ws, (2, fs.stop - fs.start, -1, self.c_out))
 
+    def keeps_spectrum(self, g, x) -> bool:
+        """Whether forward keeps V for backward: when it takes at most ``keep_spectrum_mb`` MB (the
+        paper's PrimaryCaps, 52 frequencies: 109 MB; on a 64 x 64 input, 392 frequencies: 822 MB)."""
+        size = 2 * g["F"] * self.stride ** 2 * self.c_in * self.c_out * x.dtype.itemsize
+        return size <= self.keep_spectrum_mb * 2**20
+
     # ---- forward / backward ---------------------------------------------------------------------
     def forward(self, x):
         # x: (N, H, W, C_in) -> y: (N, OH, OW, C_out)
@@ -225,10 +232,11 @@ class FourierConv2d(Conv2d):
         X = xp.reshape(g["Fx"] @ self._input_to_grid(x, g), (F, 2 * n, -1))   # [X_r; X_i] (F, 2N, C')
         ws = self._kernel_to_grid(g)
         Y = self.B.empty((F, 2, n, self.c_out), dtype=self.B._dtype_name(x))   # Y_r, Y_i per frequency
+        keep = self.keeps_spectrum(g, x)
         kept = []
         for fs, Fw in g["chunks"]:
             V = self._spectrum_of_kernel(ws, Fw, fs)
-            if self.keep_spectrum:
+            if keep:
                 kept.append(V)
             Vr, Vi = V
             XVr, XVi = X[fs] @ Vr, X[fs] @ Vi             # [X_r V_r; X_i V_r], [X_r V_i; X_i V_i]
@@ -236,7 +244,7 @@ class FourierConv2d(Conv2d):
             Y[fs, 1] = XVi[:, :n] + XVr[:, n:]             # Y_i = X_r V_i + X_i V_r
         y = g["Fy"] @ xp.reshape(Y, (2 * F, n * self.c_out))                  # (OH*OW, N*C_out)
         # for backward: X, and V (kept) or else the kernel grid ws to make V again
-        self.cache = (X, kept or None, None if self.keep_spectrum else ws, tuple(x.shape))
+        self.cache = (X, kept or None, None if keep else ws, tuple(x.shape))
         y = xp.reshape(y, (g["oh"], g["ow"], n, self.c_out))
         return xp.permute_dims(y, (2, 0, 1, 3)) + self.params["b"]
 
@@ -262,7 +270,7 @@ class FourierConv2d(Conv2d):
                 Vr, Vi = kept[k]
                 kept[k] = None  # each chunk of V is freed once used
             else:
-                Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)  # made again (keep_spectrum=False)
+                Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)  # made again (V too large to keep)
             dYVr = dY_ri[fs] @ xp.matrix_transpose(Vr)                         # [dY_r V_r^T; dY_i V_r^T]
             dYVi = dY_ri[fs] @ xp.matrix_transpose(Vi)                         # [dY_r V_i^T; dY_i V_i^T]
             dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                              # dX_r = dY_r V_r^T + dY_i V_i^T

@@ -36,7 +36,7 @@ def _compare(B, geometry, rtol, freq_chunk=None, channel_block=None, keep_spectr
     direct, fourier, x, rng = _pair(B, geometry)
     if freq_chunk:  # small chunks and blocks: several of each, the last ones shorter
         fourier.freq_chunk, fourier.channel_block = freq_chunk, channel_block
-    fourier.keep_spectrum = keep_spectrum  # False: backward makes V again, chunk by chunk
+    fourier.keep_spectrum_mb = 1e6 if keep_spectrum else 0  # 0: backward makes V again, chunk by chunk
     y_d, y_f = direct.forward(x), fourier.forward(x)
     assert_close(B.to_numpy(y_f), B.to_numpy(y_d), rtol, "output")
     dy = B.asarray(rng.standard_normal(tuple(y_d.shape)))
@@ -58,7 +58,7 @@ def test_fourier_conv_equals_im2col_conv_float64(backend, geometry):
 def test_fourier_conv_in_several_frequency_chunks_and_channel_blocks(backend, geometry, keep_spectrum):
     """Frequency chunks of 3 and phase-channel blocks of 5: blocks that split a phase's channels,
     phases split over blocks, and a short last chunk and block; with the kernel spectrum V kept
-    from forward (the default) and made again in backward."""
+    from forward and made again in backward."""
     _compare(backends.get(backend, dtype="float64"), geometry, 1e-12, freq_chunk=3, channel_block=5,
              keep_spectrum=keep_spectrum)
 
@@ -126,3 +126,17 @@ def test_model_with_either_convolution_gives_the_same_loss_and_gradients(backend
 def test_unknown_convolution_is_refused():
     with pytest.raises(ValueError, match="unknown convolution 'fft'.*fourier.*im2col"):
         CapsNet("numpy", **SMALL, primary_conv="fft")
+
+
+def test_the_kernel_spectrum_is_kept_only_while_small():
+    # V has 2 x F x C' x C_out numbers: 109 MB for the paper's PrimaryCaps (F = 52), 822 MB on a
+    # 64 x 64 input (F = 392), which forward must not keep by default.
+    from pycapsnet.fourier import FourierConv2d
+
+    B = backends.get("numpy")
+    conv = FourierConv2d(B, 256, 256, 9, 2, rng=np.random.default_rng(0))
+    x = B.zeros((1, 20, 20, 256))
+    assert conv.keeps_spectrum(conv._plan(20, 20), x)
+    assert not conv.keeps_spectrum(conv._plan(56, 56), x)
+    conv.keep_spectrum_mb = 0
+    assert not conv.keeps_spectrum(conv._plan(20, 20), x)
