@@ -55,8 +55,8 @@ class ClassCaps(Layer):
     class j).  With ``share_spatial`` W is (1, T, J, D, K): one transform per capsule *type*, shared
     over the P positions, so the parameter count no longer grows with the image size.
 
-    Backward: from dû (routing_backward_factors, then d_u_hat_from_factors),  dW_ij = sum_n dû_j|i u_i^T  (summed over positions
-    too when shared)  and  du_i = sum_j W_ij^T dû_j|i.
+    Backward: from dû (routing_backward_factors, then d_u_hat_from_factors),
+    dW_ij = sum_n dû_j|i u_i^T  (summed over positions too when shared)  and  du_i = sum_j W_ij^T dû_j|i.
     """
 
     def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, iters=3,
