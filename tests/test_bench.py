@@ -24,6 +24,12 @@ def test_benchmark_quick_run_writes_a_complete_table(tmp_path):
         assert m["train_samples_per_s"] > 0 and m["eval_samples_per_s"] > 0 and m["peak_train_mem_mb"] > 0
         assert res["floor"][name]["floor_s"] > 0
     assert impls["numpy"]["speedup_vs_autograd"] > 0 and impls["numpy"]["step_over_floor"] > 0
+    # --quick takes 2 rounds: every run is kept, the ratio is the median of the per-round ratios
+    for m in impls.values():
+        assert len(m["train_samples_per_s_rounds"]) == 2 and m["train_samples_per_s"] in m["train_samples_per_s_rounds"]
+    per_round = [a / b for a, b in zip(impls["numpy"]["train_samples_per_s_rounds"],
+                                       impls["autograd:cpu"]["train_samples_per_s_rounds"])]
+    assert impls["numpy"]["speedup_vs_autograd"] == pytest.approx(sum(per_round) / 2)
     products = res["floor"]["numpy"]["products"]
     assert {"primary forward", "primary dW", "primary dX", "classcaps u_hat"} <= set(products)
 
