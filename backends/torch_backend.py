@@ -128,11 +128,17 @@ def _stacked_outer_sum(subscripts, a, b):
     """'qA,qB->O' where every index of A and B appears in O and vice versa: a sum over q of outer
     products (the routing backward's 'qnji,qnjd->injd').  Accumulated in place slice by slice
     (addcmul_), 5x faster than torch.einsum, which builds it as a bmm into a transposed layout."""
+    import torch
+
     form = stacked_outer_form(subscripts)
     if form is None:
         return None
     A, Bs, out = form
-    acc = _to_order(a[0], A, out) * _to_order(b[0], Bs, out)
+    size = {**dict(zip(A, a.shape[1:])), **dict(zip(Bs, b.shape[1:]))}
+    # the result in C order: a product of permuted views would follow their memory order instead,
+    # and the caller's reshape would then copy it
+    acc = a.new_empty([size[c] for c in out])
+    torch.mul(_to_order(a[0], A, out), _to_order(b[0], Bs, out), out=acc)
     for k in range(1, a.shape[0]):
         acc.addcmul_(_to_order(a[k], A, out), _to_order(b[k], Bs, out))
     return acc
