@@ -121,7 +121,7 @@ def _broadcast_contract(subscripts, a, b):
     if summed:
         prod = prod.sum(dim=summed)
     kept = [c for c in s_big if c in out]
-    return prod.permute([kept.index(c) for c in out])
+    return prod.permute([kept.index(c) for c in out]).contiguous()  # C order, as the layers expect
 
 
 def _stacked_outer_sum(subscripts, a, b):

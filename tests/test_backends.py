@@ -133,3 +133,21 @@ def test_stacked_outer_form_takes_only_sums_of_outer_products(subscripts, is_out
     # next to the output; taking 'inj,injd->njd' for one cost ~20 ms per routing sum in NumPy.
     from backends.base import stacked_outer_form
     assert (stacked_outer_form(subscripts) is not None) == is_outer
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("subscripts,shape_a,shape_b", [
+    ("injd,njd->nji", (5, 3, 4, 6), (3, 4, 6)),       # NumPy's einsum would follow û's memory order
+    ("nji,injd->njd", (3, 4, 5), (5, 3, 4, 6)),
+    ("qnji,qnjd->injd", (3, 3, 4, 5), (3, 3, 4, 6)),  # torch's product of permuted views would too
+])
+def test_routing_einsums_return_c_ordered_arrays(backend, subscripts, shape_a, shape_b):
+    # The layers reshape these results (dû -> (P, T, N, J*D)); a result in another memory order
+    # makes each reshape a full copy, and the next matmul leave BLAS.
+    B = backends.get(backend, dtype="float64")
+    rng = np.random.default_rng(0)
+    a, b = (B.asarray(rng.standard_normal(s)) for s in (shape_a, shape_b))
+    out = B.einsum(subscripts, a, b)
+    assert B.to_numpy(B.contiguous(out)).shape == tuple(out.shape)
+    contiguous = out.flags["C_CONTIGUOUS"] if hasattr(out, "flags") else out.is_contiguous()
+    assert contiguous, subscripts
