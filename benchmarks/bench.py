@@ -175,7 +175,7 @@ def gemm_floor(impl, batch, dtype, reps, config):
         B = backends.get(name, dtype=dtype)
     except backends.BackendError as e:
         return {"impl": impl, "error": str(e)}
-    from pycapsnet.fourier import FourierConv2d, half_spectrum, phase_grid
+    from pycapsnet.fourier import FourierConv2d, half_spectrum, phase_grid, spectrum_mb
     from pycapsnet.model import CapsNetConfig, _geometry
 
     cfg = CapsNetConfig(**config)  # the geometry only: no model is built
@@ -216,7 +216,7 @@ def gemm_floor(impl, batch, dtype, reps, config):
     Cp, O = s2 * s2 * C1, T * K
     mm("fourier input transform", 2 * F, n_h * n_w, n * Cp)
     mm("fourier kernel transform (forward)", 2 * F, kq * kq, Cp * O)   # real and imaginary rows
-    if 2 * F * Cp * O * np.dtype(dtype).itemsize > FourierConv2d.keep_spectrum_mb * 2**20:
+    if spectrum_mb(F, Cp, O, np.dtype(dtype).itemsize) > FourierConv2d.keep_spectrum_mb:
         mm("fourier kernel transform (again, for dX)", 2 * F, kq * kq, Cp * O)  # V not kept for dX
     mm("fourier kernel gradient transform", kq * kq, F, Cp * O)      # dws = Fw_r^T dV_r + Fw_i^T dV_i
     mm("fourier kernel gradient transform im", kq * kq, F, Cp * O)

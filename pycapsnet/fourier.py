@@ -83,6 +83,11 @@ def half_spectrum(n_h: int, n_w: int):
     return np.array(freqs), np.array(alpha)
 
 
+def spectrum_mb(n_freqs: int, c_phase: int, c_out: int, itemsize: int) -> float:
+    """Size in MB of a kernel spectrum V: real and imaginary parts of n_freqs (C', C_out) matrices."""
+    return 2 * n_freqs * c_phase * c_out * itemsize / 2**20
+
+
 def phase_grid(h: int, w: int, kernel: int, stride: int, padding: int = 0):
     """Geometry of step 1 for an (h, w) input: output size (oh, ow), taps per phase kq = ceil(k/s),
     and the phase grid (n_h, n_w) = (oh - 1 + kq, ow - 1 + kq) that holds every p + t."""
@@ -219,8 +224,8 @@ class FourierConv2d(Conv2d):
     def keeps_spectrum(self, g, x) -> bool:
         """Whether forward keeps V for backward: when it takes at most ``keep_spectrum_mb`` MB (the
         paper's PrimaryCaps, 52 frequencies: 109 MB; on a 64 x 64 input, 392 frequencies: 822 MB)."""
-        size = 2 * g["F"] * self.stride ** 2 * self.c_in * self.c_out * x.dtype.itemsize
-        return size <= self.keep_spectrum_mb * 2**20
+        size = spectrum_mb(g["F"], self.stride ** 2 * self.c_in, self.c_out, x.dtype.itemsize)
+        return size <= self.keep_spectrum_mb
 
     # ---- forward / backward ---------------------------------------------------------------------
     def forward(self, x):

@@ -77,11 +77,6 @@ def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
     return v, trace
 
 
-def routing_backward(B, u_hat, trace, dv, mode: str = "full"):
-    """dL/dû_j|i (I, N, J, D) from dL/dv (N, J, D)."""
-    return d_u_hat_from_factors(B, *routing_backward_factors(B, u_hat, trace, dv, mode))
-
-
 def d_u_hat_from_factors(B, coeffs, vecs):
     """dû_j|i = sum_q coeffs[q]_ij vecs[q]_j, one contraction over the stacked terms (each backend
     picks its fastest form: NumPy a batched matmul, PyTorch in-place multiply-adds)."""
@@ -89,7 +84,8 @@ def d_u_hat_from_factors(B, coeffs, vecs):
 
 
 def routing_backward_factors(B, u_hat, trace, dv, mode: str = "full"):
-    """The backward up to dû, which is a sum of outer products: returns the lists (coeffs, vecs),
+    """The backward from dL/dv (N, J, D) up to dL/dû (I, N, J, D), which is a sum of outer
+    products: returns the lists (coeffs, vecs),
     coeffs[q] (N, J, I) and vecs[q] (N, J, D), of its terms (``d_u_hat_from_factors`` sums them).
     Kept apart so that a caller can free û, whose last use this is, before dû is made."""
     xp = B.xp
