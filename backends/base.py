@@ -9,7 +9,8 @@ standard lacks and the layers need:
 * ``einsum`` and ``contiguous``;
 * the two primitives of a strided 2-D convolution on channels-last images: ``im2col`` (gather every
   kernel window into a row of a matrix) and ``col2im`` (its adjoint: scatter-add rows back);
-* ``synchronize`` for timing and ``memory`` for the memory in use.
+* ``synchronize`` for timing and ``memory`` for the memory in use;
+* ``capture``: record a function's device work once and replay it (a CUDA graph on torch:cuda).
 
 A subclass supplies the namespace, the host transfers and a strided window *view*; everything
 else is shared.  Subclasses import their library lazily, in ``__init__``.
@@ -31,6 +32,11 @@ class BackendError(RuntimeError):
 
 class Backend(abc.ABC):
     name: str = "abstract"
+    # Elementwise passes over big arrays (the optimizers') work this many elements at a time, so
+    # that one block's temporaries stay in a CPU cache; None: whole arrays (a GPU wants few launches).
+    elementwise_block: int | None = None
+    # True where ``capture`` records a graph that replays faster than running the function again.
+    can_capture: bool = False
 
     def __init__(self, dtype: str = "float32", device: str = "cpu"):
         if str(dtype) not in FLOAT_DTYPES:
@@ -91,10 +97,41 @@ class Backend(abc.ABC):
         BLAS call reads faster that way (PyTorch's batched matmul is ~5x slower on a transposed view)."""
 
     def all_finite(self, x) -> bool:
+        self._check_host_transfer("a check that reads the device")
         return bool(self.xp.all(self.xp.isfinite(x)))
 
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU); call before reading a clock."""
+
+    def capture(self, fn):
+        """Record ``fn``'s device work and return a callable that replays it: the kernels, their
+        arguments and the addresses of every array they touch are fixed at capture, so ``fn`` must
+        read its inputs from, and leave its results in, arrays that stay alive, and must not move
+        data to or from the host (the host copy would be baked in, or is refused by CUDA).
+        Running ``fn`` may mutate state (the warm-up runs do); the caller saves and restores it.
+
+        Here (no graph support) the returned callable runs ``fn`` again each time, with host
+        transfers refused, so that what a graph could not replay fails on the CPU too.  As a graph
+        capture does, this runs ``fn`` twice first: once as is (constants that a layer builds on its
+        first call come from the host), once with host transfers refused."""
+        fn()
+
+        def run():
+            self._host_transfers_refused = True
+            try:
+                fn()
+            finally:
+                self._host_transfers_refused = False
+
+        run()
+        return run
+
+    _host_transfers_refused = False
+
+    def _check_host_transfer(self, what: str) -> None:
+        if self._host_transfers_refused:
+            raise BackendError(f"{what} inside a captured step: a graph replays device work only; "
+                               "move it before or after the step")
 
     def memory(self) -> dict:
         """Bytes in use: {'current': ..., 'peak': ..., 'kind': what is measured}."""

@@ -37,8 +37,10 @@ class CupyBackend(NumpyBackend):
         self.xp = xp
         self.lib = cupy
         self.threads = 1  # the GPU parallelises; host threads would only add launch overhead
+        self.elementwise_block = None  # whole arrays: blocks would only add launches
 
     def to_numpy(self, x) -> np.ndarray:
+        self._check_host_transfer("a device-to-host copy")
         return self.lib.asnumpy(x)
 
     def synchronize(self) -> None:

@@ -11,6 +11,7 @@ from .base import Backend, keep_freed_memory, parse_einsum_pair
 
 class NumpyBackend(Backend):
     name = "numpy"
+    elementwise_block = 1 << 20  # 4 MB of float32: one block's temporaries stay in cache
 
     def __init__(self, dtype: str = "float32", device: str = "cpu"):
         if device not in (None, "cpu"):
@@ -32,12 +33,15 @@ class NumpyBackend(Backend):
 
     def asarray(self, a, dtype=None):
         if not isinstance(a, self.lib.ndarray):
+            if self.lib is not np:
+                self._check_host_transfer("a host-to-device copy")
             a = np.asarray(a)  # host data (a CuPy array stays on its device)
         if a.dtype.kind == "f" or dtype is not None:
             a = a.astype(dtype or self.dtype, copy=False)
         return self.lib.asarray(a)
 
     def to_numpy(self, x) -> np.ndarray:
+        self._check_host_transfer("reading an array on the host")
         return np.asarray(x)
 
     def einsum(self, subscripts, *operands):

@@ -3,6 +3,11 @@
 Adam keeps per-parameter first and second moments for the whole run, with bias correction
 (pyCapsNet re-zeroes its moments on every call, which turns Adam into a sign-SGD of sorts).
 ``state_dict``/``load_state_dict`` move that state through checkpoints as host arrays.
+
+A step is two halves: ``prepare`` on the host (the step count, and the scalars that change from
+step to step -- learning rate, bias corrections -- written into a small device array) and ``apply``,
+device work only, which reads those scalars from the device.  ``step`` runs both.  The split lets a
+captured train step (``pycapsnet.graph``) replay ``apply`` with this step's scalars.
 """
 from __future__ import annotations
 
@@ -16,6 +21,24 @@ class Optimizer:
 
     def _slots(self):
         return ()
+
+    def _scalars(self, n):
+        """A device array of n scalars and a view of each, shaped (1,) so that it broadcasts."""
+        self._scalar_values = self.model.B.zeros((n,))
+        return [self._scalar_values[k:k + 1] for k in range(n)]
+
+    def _write_scalars(self, *values):
+        self._scalar_values[...] = self.model.B.asarray(np.array(values))
+
+    def step(self):
+        self.prepare()
+        self.apply()
+
+    def prepare(self):
+        raise NotImplementedError
+
+    def apply(self):
+        raise NotImplementedError
 
     def state_dict(self) -> dict:
         B = self.model.B
@@ -38,34 +61,40 @@ class Adam(Optimizer):
     """m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;
     w <- w - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)   (Kingma & Ba 2015, as torch.optim.Adam)."""
 
-    block = 1 << 20  # elements updated at a time (4 MB of float32): one block's temporaries stay in cache
-
     def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
         super().__init__(model, lr)
         self.b1, self.b2, self.eps = betas[0], betas[1], eps
         B = model.B
         self.state = {"m": {k: B.zeros(p.shape) for k, p in model.params.items()},
                       "v": {k: B.zeros(p.shape) for k, p in model.params.items()}}
+        # elements updated at a time (CPU: 4 MB of float32, so one block's temporaries stay in
+        # cache; GPU: None, whole arrays)
+        self.block = B.elementwise_block
+        self._step_size, self._c2 = self._scalars(2)  # lr / (1 - b1^t) and 1 - b2^t, on the device
+        self._write_scalars(0.0, 1.0)  # until the first prepare(): an apply() moves no weight
 
     def _slots(self):
         return ("m", "v")
 
-    def step(self):
-        xp = self.model.B.xp
+    def prepare(self):
         self.step_count += 1
         t = self.step_count
-        c1, c2 = 1 - self.b1 ** t, 1 - self.b2 ** t
+        self._write_scalars(self.lr / (1 - self.b1 ** t), 1 - self.b2 ** t)
+
+    def apply(self):
+        xp = self.model.B.xp
         grads = self.model.grads
         for k, p in self.model.params.items():
             flat = [xp.reshape(a, (-1,)) for a in (p, grads[k], self.state["m"][k], self.state["v"][k])]
-            for a in range(0, flat[0].shape[0], self.block):
+            block = self.block or flat[0].shape[0]
+            for a in range(0, flat[0].shape[0], block):
                 # views of one block of each array: the in-place updates write through to them
-                w, g, m, v = (f[a:a + self.block] for f in flat)
+                w, g, m, v = (f[a:a + block] for f in flat)
                 m *= self.b1
                 m += (1 - self.b1) * g
                 v *= self.b2
                 v += (1 - self.b2) * (g * g)
-                w -= (self.lr / c1) * m / (xp.sqrt(v / c2) + self.eps)
+                w -= self._step_size * m / (xp.sqrt(v / self._c2) + self.eps)
 
 
 class SGD(Optimizer):
@@ -75,18 +104,22 @@ class SGD(Optimizer):
         super().__init__(model, lr)
         self.momentum = momentum
         self.state = {"buf": {k: model.B.zeros(p.shape) for k, p in model.params.items()}}
+        (self._lr,) = self._scalars(1)
 
     def _slots(self):
         return ("buf",)
 
-    def step(self):
+    def prepare(self):
         self.step_count += 1
+        self._write_scalars(self.lr)
+
+    def apply(self):
         grads = self.model.grads
         for k, p in self.model.params.items():
             buf = self.state["buf"][k]
             buf *= self.momentum
             buf += grads[k]
-            p -= self.lr * buf
+            p -= self._lr * buf
 
 
 def make(name: str, model, lr: float):
