@@ -116,7 +116,9 @@ class ReLU(Layer):
     """y = max(x, 0);  dx = dy * [x > 0]."""
 
     def forward(self, x):
-        y = self.B.xp.maximum(x, 0)
+        # clip with a scalar bound: maximum(x, 0) would first make the 0 an array (on a GPU, a
+        # host-to-device copy per call, which a captured step cannot replay)
+        y = self.B.xp.clip(x, min=0.0)
         self.cache = y
         return y
 

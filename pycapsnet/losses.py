@@ -16,8 +16,8 @@ class MarginLoss:
 
     def forward(self, lengths, onehot):
         xp = self.B.xp
-        present = xp.maximum(self.m_plus - lengths, 0)   # (N, J)
-        absent = xp.maximum(lengths - self.m_minus, 0)
+        present = xp.clip(self.m_plus - lengths, min=0.0)   # max(m+ - |v_j|, 0)  (N, J)
+        absent = xp.clip(lengths - self.m_minus, min=0.0)   # max(|v_j| - m-, 0)
         self.cache = (present, absent, onehot, lengths.shape[0])
         per_sample = xp.sum(onehot * present ** 2 + self.lam * (1 - onehot) * absent ** 2, axis=1)
         return xp.mean(per_sample)

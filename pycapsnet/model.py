@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -86,13 +86,45 @@ def param_shapes(cfg: CapsNetConfig) -> dict:
     return shapes
 
 
-@dataclass
 class Outputs:
-    v: object                      # class capsules (N, J, D)
-    lengths: object                # |v_j| (N, J)
-    reconstruction: object = None  # (N, C, H, W)
-    loss: float = None
-    parts: dict = field(default_factory=dict)
+    """What ``forward`` and ``loss`` return: class capsules v_j (N, J, D), their lengths (N, J) and
+    the reconstruction (N, C, H, W), on the device.  After ``loss``, the loss values stay on the
+    device too until read: ``loss`` (the total) and ``parts`` (margin, reconstruction) fetch all
+    three with one transfer, so a GPU step is not held up mid-way to read them."""
+
+    def __init__(self, v, lengths, reconstruction=None):
+        self.v, self.lengths, self.reconstruction = v, lengths, reconstruction
+        self.losses = None  # device array (3,): total, margin, reconstruction
+        self._B, self._host = None, None
+
+    def set_losses(self, B, total, margin, recon):
+        self._B, self._host = B, None
+        self.losses = B.xp.stack([total, margin, recon])
+
+    def renewed(self) -> "Outputs":
+        """The same arrays with the host copy of the losses dropped: for arrays that were
+        overwritten in place (a replayed captured step), so that ``loss`` reads them again."""
+        out = Outputs(self.v, self.lengths, self.reconstruction)
+        out._B, out.losses = self._B, self.losses
+        return out
+
+    def _fetch(self):
+        if self._host is None:
+            self._host = [None] * 3 if self.losses is None else [float(a) for a in self._B.to_numpy(self.losses)]
+        return self._host
+
+    @property
+    def loss(self):
+        return self._fetch()[0]
+
+    @loss.setter
+    def loss(self, value):
+        self._fetch()[0] = value
+
+    @property
+    def parts(self) -> dict:
+        _, margin, recon = self._fetch()
+        return {} if self.losses is None else {"margin": margin, "reconstruction": recon}
 
 
 class CapsNet:
@@ -125,6 +157,7 @@ class CapsNet:
             self.decoder.append(ReLU(B) if k < len(sizes) - 2 else Sigmoid(B))
         self.margin = MarginLoss(B, cfg.m_plus, cfg.m_minus, cfg.lam)
         self.recon_loss = ReconstructionLoss(B, cfg.recon_weight)
+        self._eye = B.asarray(np.eye(cfg.n_classes))  # row j: the one-hot mask of class j
         self._cache = None
 
     # ---- structure ------------------------------------------------------------------------------
@@ -205,27 +238,33 @@ class CapsNet:
         return y_host.astype(np.int64)
 
     # ---- forward / backward -----------------------------------------------------------------------
+    # The public methods check their input on the host and hand device arrays to the underscored
+    # ones, which do device work only: that part is what a captured step (pycapsnet.graph) records.
     def forward(self, x, y=None, reconstruct=True) -> Outputs:
         """x: (N, C, H, W) floats in [0, 1].  With labels y the decoder sees the true class capsule
         (training); without, the longest one (evaluation).  Keeps what ``backward`` needs."""
-        xp = self.B.xp
         x = self.check_images(x)
-        n = x.shape[0]
-        y_host = None if y is None else self.check_labels(y, n)
+        y = None if y is None else self.B.asarray(self.check_labels(y, x.shape[0]))
+        return self._forward(x, y, reconstruct)
+
+    def _forward(self, x, y, reconstruct=True) -> Outputs:
+        """``forward`` on checked device arrays; y: int labels (N,) or None."""
+        xp = self.B.xp
         h = self.relu1.forward(self.conv1.forward(xp.permute_dims(x, (0, 2, 3, 1))))  # channels-last
         u = self.primary.forward(h)                 # u_i (N, P, T, K)
         v = self.classcaps.forward(u)               # v_j (N, J, D)
         lengths = self.length.forward(v)            # (N, J)
         out = Outputs(v=v, lengths=lengths)
-        self._cache = {"x": x, "y": y_host, "v": v, "mask": None}
+        self._cache = {"x": x, "v": v, "mask": None}
         if reconstruct:
-            chosen = y_host if y_host is not None else self.B.to_numpy(xp.argmax(lengths, axis=1))
+            chosen = y if y is not None else xp.argmax(lengths, axis=1)
             out.reconstruction, self._cache["mask"] = self._decode(v, chosen)
         return out
 
     def _decode(self, v, classes):
+        """classes: device int array (N,): the capsule each sample's decoder sees."""
         xp = self.B.xp
-        mask = self.B.asarray(np.eye(self.config.n_classes)[classes])   # (N, J)
+        mask = xp.take(self._eye, classes, axis=0)                      # (N, J), one-hot rows
         z = xp.reshape(v * mask[..., None], (v.shape[0], -1))           # masked capsules (N, J*D)
         for layer in self.decoder:
             z = layer.forward(z)
@@ -234,17 +273,19 @@ class CapsNet:
     def decode(self, v, classes):
         """Reconstruction from class capsules v (N, J, D), keeping only capsule ``classes[n]`` of
         each sample (the others masked to 0), as the decoder sees them."""
-        return self._decode(self.B.asarray(v), np.asarray(classes, np.int64))[0]
+        return self._decode(self.B.asarray(v), self.B.asarray(np.asarray(classes, np.int64)))[0]
 
     def loss(self, x, y) -> Outputs:
         """Forward with the label mask plus both losses; ``backward()`` then fills the gradients."""
-        out = self.forward(x, y)
-        onehot = self.B.asarray(np.eye(self.config.n_classes)[self._cache["y"]])
+        x = self.check_images(x)
+        return self._loss(x, self.B.asarray(self.check_labels(y, x.shape[0])))
+
+    def _loss(self, x, y) -> Outputs:
+        out = self._forward(x, y)
+        onehot = self._cache["mask"]  # with labels, the decoder's mask is the one-hot target
         margin = self.margin.forward(out.lengths, onehot)
-        recon = self.recon_loss.forward(out.reconstruction, self._cache["x"])
-        total = margin + recon
-        out.loss = float(self.B.to_numpy(total))
-        out.parts = {"margin": float(self.B.to_numpy(margin)), "reconstruction": float(self.B.to_numpy(recon))}
+        recon = self.recon_loss.forward(out.reconstruction, x)
+        out.set_losses(self.B, margin + recon, margin, recon)
         return out
 
     def backward(self, input_grad: bool = False):
@@ -271,8 +312,12 @@ class CapsNet:
 
     def train_step_grads(self, x, y) -> Outputs:
         """zero_grad + loss + backward: the gradient of one batch, ready for an optimizer."""
+        x = self.check_images(x)
+        return self._train_step_grads(x, self.B.asarray(self.check_labels(y, x.shape[0])))
+
+    def _train_step_grads(self, x, y) -> Outputs:
         self.zero_grad()
-        out = self.loss(x, y)
+        out = self._loss(x, y)
         self.backward()
         return out
 
