@@ -1,0 +1,111 @@
+"""A captured train step (pycapsnet.graph) computes what the op-by-op step computes: the same losses
+and the same weights after several steps, on every backend (a CUDA graph on torch:cuda, a re-run
+with host transfers refused elsewhere); and what a graph could not replay is refused on the CPU."""
+import argparse
+
+import numpy as np
+import pytest
+
+import backends
+from backends import BackendError
+from pycapsnet import CapsNet, CapsNetError, optim, trainer
+from pycapsnet.graph import CapturedStep
+from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, SMALL
+
+
+def _batches(n_steps, n, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.random((n, 1, 14, 14)).astype(dtype), rng.integers(0, SMALL["n_classes"], n))
+            for _ in range(n_steps)]
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+@pytest.mark.parametrize("spec", CPU_BACKENDS + GPU_BACKENDS)
+def test_captured_step_equals_the_step_op_by_op(spec, name):
+    B = backends.get(spec, dtype="float64")
+    eager, rec = CapsNet(B, seed=5, **SMALL), CapsNet(B, seed=5, **SMALL)
+    opt_e, opt_r = optim.make(name, eager, 1e-2), optim.make(name, rec, 1e-2)
+    step = CapturedStep(rec, opt_r, batch_size=4)
+    # recording ran the step (warm-up): the weights and moments must be back where they were
+    for k, p in eager.params.items():
+        np.testing.assert_array_equal(B.to_numpy(rec.params[k]), B.to_numpy(p), err_msg=k)
+    for k, (x, y) in enumerate(_batches(4, 4, "float64")):
+        if k == 2:
+            opt_e.lr = opt_r.lr = 5e-3  # a new learning rate reaches the recording
+        out_e = eager.train_step_grads(x, y)
+        opt_e.step()
+        out_r = step(x, y)
+        assert out_r.loss == pytest.approx(out_e.loss, rel=1e-12, abs=0)
+        assert out_r.parts == pytest.approx(out_e.parts, rel=1e-12)
+        np.testing.assert_allclose(B.to_numpy(out_r.lengths), B.to_numpy(out_e.lengths), rtol=1e-12)
+    assert opt_r.step_count == opt_e.step_count == 4
+    for k, p in eager.params.items():
+        np.testing.assert_allclose(B.to_numpy(rec.params[k]), B.to_numpy(p), rtol=1e-10, atol=1e-14, err_msg=k)
+
+
+def test_a_host_transfer_inside_the_recorded_step_is_refused(monkeypatch):
+    pytest.importorskip("torch")
+    B = backends.get("torch", dtype="float64")
+    model = CapsNet(B, seed=0, **SMALL)
+    real = CapsNet._loss
+
+    def loss_with_a_host_read(self, x, y):
+        out = real(self, x, y)
+        out.loss  # reads the device: a graph could not replay this
+        return out
+
+    monkeypatch.setattr(CapsNet, "_loss", loss_with_a_host_read)
+    with pytest.raises(BackendError, match="inside a captured step"):
+        CapturedStep(model, optim.Adam(model), batch_size=2)
+    assert not B._host_transfers_refused  # the refusal ends with the failed capture
+
+
+def test_captured_step_takes_only_its_batch_size():
+    model = CapsNet("numpy", seed=0, **SMALL)
+    step = CapturedStep(model, optim.Adam(model), batch_size=4)
+    x, y = _batches(1, 3, "float32")[0]
+    with pytest.raises(CapsNetError, match="batches of 4, got 3"):
+        step(x, y)
+
+
+def test_trainer_uses_the_recording_for_full_batches(tmp_path, monkeypatch):
+    """With a backend that can capture, the trainer records the step; the last, smaller batch runs
+    op by op.  Same numbers as --no-graph.  (torch on the CPU, told it can capture: the recording is
+    then a re-run with host transfers refused, so this checks the trainer's bookkeeping.)"""
+    torch_backend = pytest.importorskip("backends.torch_backend")
+    monkeypatch.setattr(torch_backend.TorchBackend, "can_capture", True)
+    calls = []
+    real_call = CapturedStep.__call__
+    monkeypatch.setattr(CapturedStep, "__call__", lambda self, x, y: calls.append(len(y)) or real_call(self, x, y))
+    flags = ["--conv-channels", "16", "--primary-types", "4", "--limit", "80", "--limit-test", "40",
+             "--batch-size", "32", "--epochs", "2", "--no-progress", "--dtype", "float64"]
+    args = argparse.ArgumentParser()
+    trainer.add_arguments(args, "torch")
+    a = trainer.train(args.parse_args(flags + ["--out", str(tmp_path / "a")]), "torch")
+    assert calls == [32, 32] * 2  # 80 = 32 + 32 + 16: the 16 ran op by op
+    b = trainer.train(args.parse_args(flags + ["--out", str(tmp_path / "b"), "--no-graph"]), "torch")
+    assert len(calls) == 4
+    for k in ("train_loss", "train_acc", "test_loss", "test_acc"):
+        assert a[k] == pytest.approx(b[k], rel=1e-12), k
+
+
+def test_the_recorded_step_makes_no_tensor_from_host_data(monkeypatch):
+    """What CUDA refuses inside a graph capture: copying host data to the device.  Array-API
+    wrappers do that behind a call such as ``xp.maximum(x, 0)`` (the 0 becomes a tensor first), so
+    our own guard cannot see it: here torch's tensor constructors refuse while the step is recorded."""
+    torch = pytest.importorskip("torch")
+    B = backends.get("torch", dtype="float32")
+    model = CapsNet(B, seed=0, **SMALL)
+    made = []
+    for name in ("asarray", "as_tensor", "tensor"):
+        real = getattr(torch, name)
+
+        def guarded(*args, _real=real, _name=name, **kwargs):
+            if B._host_transfers_refused:
+                made.append(_name)
+                raise RuntimeError(f"torch.{_name} inside the recorded step")
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, guarded)
+    CapturedStep(model, optim.Adam(model), batch_size=2)
+    assert made == []
