@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Everything this project checks on a CUDA GPU, in one run (about 9 minutes on an H100):
+#
+#     bash benchmarks/gpu_check.sh [OUTDIR [PART ...]]     # OUTDIR default: gpu-results; all parts
+#
+#  tests       every test parametrized over cupy / torch:cuda: im2col and col2im, the Fourier
+#              convolution, forward and gradients against NumPy, the captured step against the
+#              step op by op, the CLI's CPU-vs-GPU crosscheck, the training scripts on the GPU
+#  gradcheck   finite differences in float64 on both GPU backends (pycapsnet gradcheck)
+#  crosscheck  NumPy vs CuPy and torch CPU vs CUDA on the paper architecture, float32
+#  bench       CuPy and torch:cuda (hand-written; as a CUDA graph and op by op) against PyTorch
+#              autograd on the same GPU, batch 64 and 256
+#  profile     where a step's time goes, op by op (benchmarks/profile_step.py)
+#  train       two epochs per GPU backend on the embedded digits
+#
+# Each command runs under its own time limit and the script goes on after a failure; the exit code
+# is the number of commands that failed.  Logs and the benchmark's JSON go to OUTDIR.
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-gpu-results}
+shift || true
+parts=${*:-tests gradcheck crosscheck bench profile train}
+mkdir -p "$out"
+failed=0
+export PYTHONUNBUFFERED=1
+
+want() { [[ " $parts " == *" $1 "* ]]; }
+
+run() {  # run NAME SECONDS TAIL COMMAND...: log to $out/NAME.log, print its last TAIL lines
+    local name=$1 limit=$2 tail=$3
+    shift 3
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    tail -n "$tail" "$out/$name.log"
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || failed=$((failed + 1))
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+python -c "import sys, numpy, cupy, torch; print('python', sys.version.split()[0], '| numpy', numpy.__version__,
+'| cupy', cupy.__version__, '| torch', torch.__version__, '| CUDA', torch.version.cuda)"
+
+if want tests; then
+    run tests_gpu 300 8 python -m pytest -q -rs -k "cupy or cuda" tests
+fi
+if want gradcheck; then
+    run gradcheck_cupy 120 12 python -m pycapsnet.cli gradcheck --backend cupy --dtype float64
+    run gradcheck_torch_cuda 120 12 python -m pycapsnet.cli gradcheck --backend torch:cuda --dtype float64
+fi
+if want crosscheck; then
+    run crosscheck_numpy_cupy 120 6 python -m pycapsnet.cli crosscheck --a numpy --b cupy --dtype float32
+    run crosscheck_torch_cpu_cuda 120 6 python -m pycapsnet.cli crosscheck --a torch:cpu --b torch:cuda --dtype float32
+fi
+if want bench; then
+    run bench_b64 300 15 python benchmarks/bench.py --backends cupy torch:cuda torch:cuda+eager --ref-device cuda \
+        --warmup 5 --steps 30 --json "$out/bench_b64.json"
+    run bench_b256 240 15 python benchmarks/bench.py --backends cupy torch:cuda torch:cuda+eager --ref-device cuda \
+        --batch-size 256 --warmup 5 --steps 20 --rounds 2 --json "$out/bench_b256.json"
+fi
+if want profile; then
+    run profile_cupy 60 10 python benchmarks/profile_step.py --backend cupy --steps 20
+    run profile_torch_cuda 60 10 python benchmarks/profile_step.py --backend torch:cuda --steps 20
+fi
+if want train; then
+    run train_torch_cuda 120 6 python train_torch.py --device cuda --epochs 2 --batch-size 64 \
+        --out "$out/run_torch_cuda" --no-progress --overwrite
+    run train_cupy 120 6 python train_cupy.py --epochs 2 --batch-size 64 --out "$out/run_cupy" --no-progress --overwrite
+fi
+echo "commands failed: $failed"
+exit "$failed"
