@@ -18,6 +18,7 @@ else is shared.  Subclasses import their library lazily, in ``__init__``.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -117,16 +118,22 @@ class Backend(abc.ABC):
         fn()
 
         def run():
-            self._host_transfers_refused = True
-            try:
+            with self.host_transfers_refused():
                 fn()
-            finally:
-                self._host_transfers_refused = False
 
         run()
         return run
 
     _host_transfers_refused = False
+
+    @contextlib.contextmanager
+    def host_transfers_refused(self):
+        """Within: host transfers raise BackendError (what a recorded step must not do)."""
+        self._host_transfers_refused = True
+        try:
+            yield
+        finally:
+            self._host_transfers_refused = False
 
     def _check_host_transfer(self, what: str) -> None:
         if self._host_transfers_refused:

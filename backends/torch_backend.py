@@ -79,17 +79,14 @@ class TorchBackend(Backend):
         torch = self.torch
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
-        try:
-            with torch.cuda.stream(side):
+        with torch.cuda.stream(side):
+            fn()
+            with self.host_transfers_refused():
                 fn()
-                self._host_transfers_refused = True
-                fn()
-            torch.cuda.current_stream(self._device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-        finally:
-            self._host_transfers_refused = False
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with self.host_transfers_refused(), torch.cuda.graph(graph):
+            fn()
         return graph.replay
 
     def einsum(self, subscripts, *operands):

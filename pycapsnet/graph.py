@@ -52,14 +52,12 @@ class CapturedStep:
             a[...] = B.asarray(host)
 
     def __call__(self, x, y) -> Outputs:
-        m = self.model
-        x = m.check_images(x)
+        x, y = self.model.checked(x, y)
         if x.shape[0] != self.batch_size:
             raise CapsNetError(f"this captured step takes batches of {self.batch_size}, got {x.shape[0]}; "
                                "run other sizes with model.train_step_grads + optimizer.step")
-        y = m.check_labels(y, x.shape[0])
         self.x[...] = x
-        self.y[...] = m.B.asarray(y)
+        self.y[...] = y
         self.optimizer.prepare()
         self._replay()
         return self._out.renewed()  # the recording's arrays, now holding this step's values

@@ -237,15 +237,19 @@ class CapsNet:
                                f"{y_host.min()} to {y_host.max()}")
         return y_host.astype(np.int64)
 
+    def checked(self, x, y=None):
+        """x and y checked (check_images, check_labels) and on the device, as the underscored methods
+        below take them; y may be None."""
+        x = self.check_images(x)
+        return x, None if y is None else self.B.asarray(self.check_labels(y, x.shape[0]))
+
     # ---- forward / backward -----------------------------------------------------------------------
     # The public methods check their input on the host and hand device arrays to the underscored
     # ones, which do device work only: that part is what a captured step (pycapsnet.graph) records.
     def forward(self, x, y=None, reconstruct=True) -> Outputs:
         """x: (N, C, H, W) floats in [0, 1].  With labels y the decoder sees the true class capsule
         (training); without, the longest one (evaluation).  Keeps what ``backward`` needs."""
-        x = self.check_images(x)
-        y = None if y is None else self.B.asarray(self.check_labels(y, x.shape[0]))
-        return self._forward(x, y, reconstruct)
+        return self._forward(*self.checked(x, y), reconstruct)
 
     def _forward(self, x, y, reconstruct=True) -> Outputs:
         """``forward`` on checked device arrays; y: int labels (N,) or None."""
@@ -277,8 +281,7 @@ class CapsNet:
 
     def loss(self, x, y) -> Outputs:
         """Forward with the label mask plus both losses; ``backward()`` then fills the gradients."""
-        x = self.check_images(x)
-        return self._loss(x, self.B.asarray(self.check_labels(y, x.shape[0])))
+        return self._loss(*self.checked(x, y))
 
     def _loss(self, x, y) -> Outputs:
         out = self._forward(x, y)
@@ -312,8 +315,7 @@ class CapsNet:
 
     def train_step_grads(self, x, y) -> Outputs:
         """zero_grad + loss + backward: the gradient of one batch, ready for an optimizer."""
-        x = self.check_images(x)
-        return self._train_step_grads(x, self.B.asarray(self.check_labels(y, x.shape[0])))
+        return self._train_step_grads(*self.checked(x, y))
 
     def _train_step_grads(self, x, y) -> Outputs:
         self.zero_grad()

@@ -190,7 +190,8 @@ def train(args, backend_name: str) -> dict:
         loss_sum = 0.0
         t0 = time.perf_counter()
         for step, (x, y) in enumerate(bar):
-            if captured is not None and len(y) == captured.batch_size:
+            replayed = captured is not None and len(y) == captured.batch_size
+            if replayed:
                 out = captured(x, y)  # the update is part of the recording: checked after it
             else:
                 out = model.train_step_grads(x, y)
@@ -199,7 +200,7 @@ def train(args, backend_name: str) -> dict:
                     f"the loss became {out.loss} at epoch {epoch + 1}, step {step + 1}; stopped. "
                     + (f"The last good checkpoint is {ckpt_path} (epoch {epoch})" if os.path.exists(ckpt_path)
                        else "No checkpoint was written yet") + "; try a lower --lr.")
-            if captured is None or len(y) != captured.batch_size:
+            if not replayed:
                 opt.step()
             pred = B.to_numpy(B.xp.argmax(out.lengths, axis=1))
             seen += len(y)
