@@ -228,12 +228,10 @@ def gemm_floor(impl, batch, dtype, reps, config):
     mm("fourier kernel transform (forward)", 2 * F, kq * kq, Cp * O)   # real and imaginary rows
     if spectrum_mb(F, Cp, O, np.dtype(dtype).itemsize) > FourierConv2d.keep_spectrum_mb:
         mm("fourier kernel transform (again, for dX)", 2 * F, kq * kq, Cp * O)  # V not kept for dX
-    mm("fourier kernel gradient transform", kq * kq, F, Cp * O)      # dws = Fw_r^T dV_r + Fw_i^T dV_i
-    mm("fourier kernel gradient transform im", kq * kq, F, Cp * O)
+    mm("fourier kernel gradient transform", kq * kq, 2 * F, Cp * O)  # dws = Fw^T dV, both parts
     mm("fourier forward", 2 * n, Cp, O, (F,))
     mm("fourier forward im", 2 * n, Cp, O, (F,))
-    mm("fourier dW", Cp, 2 * n, O, (F,))
-    mm("fourier dW im", Cp, 2 * n, O, (F,))
+    mm("fourier dW", 2 * O, 2 * n, Cp, (F,))                         # [dV_r^T; dV_i^T]
     mm("fourier dX", 2 * n, O, Cp, (F,))
     mm("fourier dX im", 2 * n, O, Cp, (F,))
     mm("fourier output transform", oh * ow, 2 * F, n * O)

@@ -46,9 +46,9 @@ the autograd reference's.  Larger inputs have many more frequencies (a 64 x 64 i
 of V); then forward keeps the kernel grid ws (as large as W) instead, and backward makes V again,
 chunk by chunk.  ``keep_spectrum_mb = 0`` always does that.
 The weight-gradient spectrum dV is made ``channel_block`` phase channels at a time for all
-frequencies and turned back into dW at once (dws = Fw_r^T dV_r + Fw_i^T dV_i sums over all 52
-frequencies in one product per part), so neither it nor a running sum over frequency chunks ever
-exists in full.
+frequencies, transposed (dV_r^T and dV_i^T from one product per frequency, ``_weight_grad``), and
+turned back into dW at once (dws = Fw^T dV sums over all 52 frequencies and both parts in one
+product), so neither it nor a running sum over frequency chunks ever exists in full.
 
 When it does not pay.  The kernel is transformed once per step whatever the batch (three passes
 over 5x W), so at small batches the transforms outweigh the saved products: for PrimaryCaps on
@@ -148,8 +148,7 @@ class FourierConv2d(Conv2d):
             # reads the kq^2 x C'C_out kernel grid once for both parts
             Fw_chunks = [self.B.asarray(np.concatenate([Fw_r[fs], Fw_i[fs]])) for fs in chunks]
             self._plans[key] = dict(oh=oh, ow=ow, kq=kq, n_h=n_h, n_w=n_w, padded=(h + 2 * p, w + 2 * p),
-                                    F=F, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy),
-                                    Fw_rT=self.B.asarray(Fw_r.T), Fw_iT=self.B.asarray(Fw_i.T),
+                                    F=F, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy), FwT=self.B.asarray(Fw.T),
                                     chunks=list(zip(chunks, Fw_chunks)), blocks=blocks)
         return self._plans[key]
 
@@ -207,15 +206,16 @@ class FourierConv2d(Conv2d):
             ws[:ta, :tb, at] = W[rh::s, rw::s, c]
         return self.B.xp.reshape(ws, (kq * kq, -1))
 
-    def _add_grid_to_kernel(self, dws, channels, g):
+    def _add_grid_to_kernel(self, dwsT, channels, g):
         """Adjoint of ``_kernel_to_grid`` for the phase channels ``channels``, added into dL/dW:
-        dws (kq*kq, |channels|*C_out), each phase's taps back to their kernel rows, columns and
-        channels (the zero padding has no gradient)."""
-        s, kq = self.stride, g["kq"]
-        dws = self.B.xp.reshape(dws, (kq, kq, -1, self.c_out))
+        dwsT (kq*kq, C_out*|channels|), the gradient of the kernel grid with its two channel axes
+        swapped (as the weight gradient makes it), each phase's taps back to their kernel rows,
+        columns and channels (the zero padding has no gradient)."""
+        xp, s, kq = self.B.xp, self.stride, g["kq"]
+        dwsT = xp.reshape(dwsT, (kq, kq, self.c_out, -1))
         for rh, rw, ta, tb, c, at in self._phases(channels):
             dW_phase = self.grads["W"][rh::s, rw::s, c]   # a view: += writes into grads["W"]
-            dW_phase += dws[:ta, :tb, at]
+            dW_phase += xp.permute_dims(dwsT[:ta, :tb, :, at], (0, 1, 3, 2))
 
     def _spectrum_of_kernel(self, ws, Fw, fs):
         """V = V_r + i V_i for frequencies fs: V_r = V[0], V_i = V[1], (2, |fs|, C', C_out)."""
@@ -262,14 +262,13 @@ class FourierConv2d(Conv2d):
         self.grads["b"] += xp.sum(dy, axis=(0, 1, 2))
         dyg = xp.reshape(self.B.contiguous(xp.permute_dims(dy, (1, 2, 0, 3))), (g["oh"] * g["ow"], -1))
         dY = xp.reshape(xp.matrix_transpose(g["Fy"]) @ dyg, (F, 2, n, self.c_out))
-        dY_ri = xp.reshape(dY, (F, 2 * n, self.c_out))                        # [dY_r; dY_i]
-        dY_ir = xp.concat([dY[:, 1], -dY[:, 0]], axis=1)                       # [dY_i; -dY_r]
-        self._weight_grad(X, dY_ri, dY_ir, g)
+        self._weight_grad(X, dY, g)
         if not self.input_grad:
             return None
         c_phase, dtype = X.shape[-1], self.B._dtype_name(X)
         del X  # its last use: free it before dX, as large, is made
         dX = self.B.empty((F, 2, n, c_phase), dtype=dtype)
+        dY_ri = xp.reshape(dY, (F, 2 * n, self.c_out))                        # [dY_r; dY_i]
         for k, (fs, Fw) in enumerate(g["chunks"]):
             if kept:
                 Vr, Vi = kept[k]
@@ -283,12 +282,24 @@ class FourierConv2d(Conv2d):
         dX = xp.matrix_transpose(g["Fx"]) @ xp.reshape(dX, (2 * F, -1))       # (n_h*n_w, N*C'); frees the spectrum
         return self._grid_to_input(dX, n, h, w, g)
 
-    def _weight_grad(self, X, dY_ri, dY_ir, g):
-        """dV = X^H dY for all frequencies, a block of phase channels at a time, turned straight
-        back into dL/dW (the adjoint of V = Fw ws is dws = Fw_r^T dV_r + Fw_i^T dV_i)."""
+    def _weight_grad(self, X, dY, g):
+        """dV = X^H dY for all frequencies, a block of phase channels at a time, made transposed so
+        that real and imaginary parts come from one product per frequency:
+
+            [dV_r^T; dV_i^T] = [dY_r^T  dY_i^T; dY_i^T  -dY_r^T] [X_r; X_i]       (2 C_out, C')
+
+        (dV_r = X_r^T dY_r + X_i^T dY_i, dV_i = X_r^T dY_i - X_i^T dY_r), and turned straight back
+        into dL/dW: the adjoint of V = Fw ws is dws = Fw^T dV, one product summing over all
+        frequencies, real and imaginary rows alike."""
         xp, F = self.B.xp, g["F"]
+        n = dY.shape[2]
+        dYT = self.B.empty((F, 2, self.c_out, 2, n), dtype=self.B._dtype_name(dY))
+        dYT[:, 0] = xp.permute_dims(dY, (0, 3, 1, 2))                          # [dY_r^T  dY_i^T]
+        dYT[:, 1, :, 0] = xp.matrix_transpose(dY[:, 1])                        # [dY_i^T  -dY_r^T]
+        dYT[:, 1, :, 1] = xp.matrix_transpose(dY[:, 0])
+        dYT[:, 1, :, 1] *= -1                                                  # in place: no temporary
+        dYT = xp.reshape(dYT, (F, 2 * self.c_out, 2 * n))
         for cs in g["blocks"]:
-            XT = xp.matrix_transpose(X[:, :, cs])                              # [X_r^T, X_i^T] (F, m, 2N)
-            dVr = xp.reshape(XT @ dY_ri, (F, -1))                              # dV_r = X_r^T dY_r + X_i^T dY_i
-            dVi = xp.reshape(XT @ dY_ir, (F, -1))                              # dV_i = X_r^T dY_i - X_i^T dY_r
-            self._add_grid_to_kernel(g["Fw_rT"] @ dVr + g["Fw_iT"] @ dVi, cs, g)
+            dVT = xp.reshape(dYT @ X[:, :, cs], (2 * F, -1))                   # rows (f, re|im), cols (o, c')
+            self._add_grid_to_kernel(g["FwT"] @ dVT, cs, g)
+            del dVT  # before the next block's is made: the peak holds one block of dV
