@@ -1,0 +1,77 @@
+"""The same matrix products through NumPy's BLAS and through PyTorch's, on the shapes a train step
+of the paper's CapsNet runs (batch 64, float32): why the torch backend trails the NumPy backend on
+a CPU where the two libraries bring different BLAS (on the project's AMD machine, NumPy's OpenBLAS
+against the torch wheel's MKL).
+
+    python benchmarks/blas_probe.py
+
+It also times a transform product from NumPy placed between two torch operations, against the
+same three steps in torch: what handing torch's products to NumPy's BLAS (zero-copy) would cost
+once both libraries' thread pools are awake.  Medians of --reps runs, milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def _median_ms(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def main(argv=None):
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=15)
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    # (label, batch dims, m, k, n): A (batch, m, k) @ B (batch, k, n)
+    shapes = [
+        ("PrimaryCaps input transform Fx @ xs", (), 104, 100, 64 * 1024),
+        ("PrimaryCaps kernel transform Fw @ ws (one chunk)", (), 26, 25, 1024 * 256),
+        ("PrimaryCaps output transform Fy @ Y", (), 36, 104, 64 * 256),
+        ("PrimaryCaps per-frequency forward X V", (13,), 128, 1024, 256),
+        ("PrimaryCaps per-frequency dX, dY (V_r|V_i)^T", (13,), 128, 256, 1024),
+        ("ClassCaps u_hat = u W (k = 8)", (1152,), 64, 8, 160),
+    ]
+    print(f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}")
+    print(f"{'product':52s} {'GFLOP':>6s} {'numpy ms':>9s} {'torch ms':>9s} {'torch/numpy':>11s}")
+    for label, batch, m, k, n in shapes:
+        a = rng.standard_normal((*batch, m, k), dtype=np.float32)
+        b = rng.standard_normal((*batch, k, n), dtype=np.float32)
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        gflop = 2 * int(np.prod(batch or (1,))) * m * k * n / 1e9
+        t_np, t_torch = _median_ms(lambda: a @ b, args.reps), _median_ms(lambda: ta @ tb, args.reps)
+        print(f"{label:52s} {gflop:6.2f} {t_np:9.1f} {t_torch:9.1f} {t_torch / t_np:10.2f}x")
+
+    a = torch.randn(104, 100)
+    b = torch.randn(100, 64 * 1024)
+    big = torch.randn(1152 * 64 * 160)  # a û-sized tensor: torch's elementwise ops wake its threads
+    a_np, b_np = a.numpy(), b.numpy()
+
+    def torch_only():
+        big.mul_(1.0001)
+        a @ b
+        big.mul_(0.9999)
+
+    def numpy_between():
+        big.mul_(1.0001)
+        a_np @ b_np
+        big.mul_(0.9999)
+
+    print("\nthe input transform between two torch elementwise passes over 47 MB:")
+    print(f"  torch product          {_median_ms(torch_only, args.reps):7.1f} ms")
+    print(f"  NumPy product (shared) {_median_ms(numpy_between, args.reps):7.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
