@@ -12,19 +12,15 @@ once both libraries' thread pools are awake.  Medians of --reps runs, millisecon
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
+from bench import _median_time  # noqa: E402  (run as a script: benchmarks/ is on the path)
+
 
 def _median_ms(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+    """Median milliseconds of ``reps`` runs after one warm-up run (CPU work: nothing to sync)."""
+    return 1e3 * _median_time(fn, 1, reps, lambda: None)[0]
 
 
 def main(argv=None):
