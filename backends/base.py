@@ -6,7 +6,8 @@ keepdims=True)`` means the same on NumPy, CuPy and PyTorch).  This class adds on
 standard lacks and the layers need:
 
 * moving arrays between the host (NumPy) and the backend, in the backend's float dtype;
-* ``einsum`` and ``contiguous``;
+* ``einsum``, ``contiguous`` and ``matmul`` (``a @ b``, which a CPU backend may split over its
+  threads when the batch is many small products);
 * the two primitives of a strided 2-D convolution on channels-last images: ``im2col`` (gather every
   kernel window into a row of a matrix) and ``col2im`` (its adjoint: scatter-add rows back);
 * ``synchronize`` for timing and ``memory`` for the memory in use;
@@ -96,6 +97,11 @@ class Backend(abc.ABC):
     def contiguous(self, x):
         """``x`` laid out C-contiguously (a copy only if it is a strided view), for operands that a
         BLAS call reads faster that way (PyTorch's batched matmul is ~5x slower on a transposed view)."""
+
+    def matmul(self, a, b):
+        """``a @ b``.  For a batch of many small products (ClassCaps' 1,152 (N x 8) @ (8 x J*D)),
+        a backend whose BLAS runs each such product on one core may split the batch over threads."""
+        return a @ b
 
     def all_finite(self, x) -> bool:
         self._check_host_transfer("a check that reads the device")
@@ -196,8 +202,8 @@ class Backend(abc.ABC):
 
     def _over_batch(self, fn, n: int) -> None:
         """Call fn(slice) over slices that split a batch of n, on ``self.threads`` threads.  Used for
-        the memory-bound gathers/scatters of im2col/col2im, which NumPy runs on one core and which
-        release the GIL."""
+        work that NumPy runs on one core and that releases the GIL: the memory-bound gathers and
+        scatters of im2col/col2im, and (NumPy backend) einsum and batches of small products."""
         if self.threads <= 1 or n < 2 * self.threads:
             fn(slice(None))
             return

@@ -1,5 +1,9 @@
 """NumPy backend (CPU).  The CuPy backend subclasses it: CuPy mirrors NumPy's API, so the only
-differences are the module and the host transfers -- what the CPU tests cover, the GPU confirms."""
+differences are the module and the host transfers -- what the CPU tests cover, the GPU confirms.
+
+NumPy runs its elementwise loops and einsum on one core, and OpenBLAS runs a small product on one
+core too; only large products use every core.  So on the CPU this backend splits the routing's
+einsums and ClassCaps' batches of small products over the batch, on its threads (``_over_batch``)."""
 from __future__ import annotations
 
 import os
@@ -12,6 +16,9 @@ from .base import Backend, keep_freed_memory, parse_einsum_pair
 class NumpyBackend(Backend):
     name = "numpy"
     elementwise_block = 1 << 20  # 4 MB of float32: one block's temporaries stay in cache
+    # einsum and matmul split their batch over the threads only from this size up (in elements of
+    # the bigger operand): below it a thread's hand-off costs more than it saves
+    parallel_min_elements = 1 << 18
 
     def __init__(self, dtype: str = "float32", device: str = "cpu"):
         if device not in (None, "cpu"):
@@ -45,14 +52,45 @@ class NumpyBackend(Backend):
         return np.asarray(x)
 
     def einsum(self, subscripts, *operands):
-        if len(operands) == 2 and self.lib is np:
-            out = _einsum_as_matmul(subscripts, *operands)
-            if out is not None:
-                return out
-        # optimize=False: the contractions the layers use are batched (no BLAS path exists for them)
-        # and NumPy's C loop does them in one pass without temporaries.
-        # (its result follows the operands' memory order; the layers expect C order)
-        return self.lib.ascontiguousarray(self.lib.einsum(subscripts, *operands, optimize=False))
+        parsed = parse_einsum_pair(subscripts) if len(operands) == 2 and self.lib is np else None
+        if parsed is None:
+            # (its result follows the operands' memory order; the layers expect C order)
+            return self.lib.ascontiguousarray(self.lib.einsum(subscripts, *operands, optimize=False))
+        (sa, sb, out), (a, b) = parsed, operands
+        size = dict(zip(sa + sb, a.shape + b.shape))
+        res = np.empty([size[c] for c in out], dtype=np.result_type(a, b))  # C order
+        # NumPy runs an einsum on one core.  A batch index -- one that both operands and the output
+        # have, such as routing's n -- splits it into independent parts, one per thread.
+        batch = [c for c in out if c in sa and c in sb]
+        if not batch or max(a.size, b.size) < self.parallel_min_elements:
+            _einsum_into(subscripts, parsed, a, b, res)
+            return res
+        k = batch[0]
+
+        def part(sl):
+            def cut(x, subs):
+                return x[(slice(None),) * subs.index(k) + (sl,)]
+
+            _einsum_into(subscripts, parsed, cut(a, sa), cut(b, sb), cut(res, out))
+
+        self._over_batch(part, size[k])
+        return res
+
+    def matmul(self, a, b):
+        if (self.lib is not np or self.threads <= 1 or a.ndim < 3 or a.ndim != b.ndim
+                or a.shape[-2] * a.shape[-1] * b.shape[-1] >= _BLAS_THREADED_PRODUCT
+                or max(a.size, b.size) < self.parallel_min_elements):
+            return a @ b
+        # A batch of small products: OpenBLAS runs each on one thread, so split the batch instead.
+        lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        res = np.empty((*lead, a.shape[-2], b.shape[-1]), dtype=np.result_type(a, b))
+
+        def part(sl):
+            # an operand broadcast along the first batch axis (size 1 there) is used whole
+            np.matmul(a if a.shape[0] == 1 else a[sl], b if b.shape[0] == 1 else b[sl], out=res[sl])
+
+        self._over_batch(part, lead[0])
+        return res
 
     def contiguous(self, x):
         return self.lib.ascontiguousarray(x)
@@ -64,33 +102,43 @@ class NumpyBackend(Backend):
         return v[:, ::stride, ::stride].transpose(0, 1, 2, 4, 5, 3)
 
 
-def _einsum_as_matmul(subscripts, a, b):
+# OpenBLAS runs a product of m*k*n multiply-adds on one thread below this size
+# (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD), and on all of them from it up
+_BLAS_THREADED_PRODUCT = 65536 * 4
+
+
+def _einsum_into(subscripts, parsed, a, b, out):
+    """out[...] = einsum(subscripts, a, b), by a batched matmul where that form applies, else by
+    NumPy's einsum loop (optimize=False: the contractions the layers use are batched, with no BLAS
+    path of their own, and the loop does them in one pass without temporaries)."""
+    if not _einsum_as_matmul(parsed, a, b, out):
+        np.einsum(subscripts, a, b, out=out, optimize=False)
+
+
+def _einsum_as_matmul(parsed, a, b, out):
     """A two-operand einsum with one summed index, as one batched matrix product on views of the
-    operands, written straight into an output laid out as the einsum's: the indices both operands
-    and the output share are the batch, a's own output indices the rows, b's own the columns.  With
-    several row (or column) indices the leading ones become broadcast batch axes; none becomes a
-    size-1 axis.  NumPy hands each batch's product to BLAS when the matrix views have a unit stride,
-    whatever the batch strides, so nothing is copied.
+    operands, written straight into ``out`` (laid out as the einsum's output): the indices both
+    operands and the output share are the batch, a's own output indices the rows, b's own the
+    columns.  With several row (or column) indices the leading ones become broadcast batch axes;
+    none becomes a size-1 axis.  NumPy hands each batch's product to BLAS when the matrix views have
+    a unit stride, whatever the batch strides, so nothing is copied.
 
     Used where NumPy's einsum loop is slow: when the bigger operand's last index is not the summed
     one.  For routing's 'qnji,qnjd->injd' (a sum of outer products, q summed) that is, per (n, j), a
-    (I, Q) @ (Q, D) product into the strided slice dû[:, n, j, :]: 6 ms where einsum takes ~60; for
-    'nji,injd->njd' a (1, I) @ (I, D) product per (n, j): 8 ms against 11.  'injd,njd->nji' stays
-    with einsum (the summed d is û's contiguous axis: 6 ms against matmul's 11).
-    None when the form does not apply."""
-    parsed = parse_einsum_pair(subscripts)
-    if parsed is None:
-        return None
-    sa, sb, out = parsed
-    summed = [c for c in sa if c in sb and c not in out]
-    if len(summed) != 1 or set(sa) | set(sb) != set(out) | set(summed):
-        return None
+    (I, Q) @ (Q, D) product into the strided slice dû[:, n, j, :]; for 'nji,injd->njd' a
+    (1, I) @ (I, D) product per (n, j).  'injd,njd->nji' stays with einsum (the summed d is û's
+    contiguous axis, where the loop is faster).  Returns False, writing nothing, when the form does
+    not apply."""
+    sa, sb, out_subs = parsed
+    summed = [c for c in sa if c in sb and c not in out_subs]
+    if len(summed) != 1 or set(sa) | set(sb) != set(out_subs) | set(summed):
+        return False
     if (sa if a.size >= b.size else sb)[-1] == summed[0]:
-        return None  # the bigger operand is summed along its contiguous axis: einsum's loop is faster
+        return False  # the bigger operand is summed along its contiguous axis: einsum's loop is faster
     k = summed[0]
-    batch = [c for c in out if c in sa and c in sb]
-    rows = [c for c in out if c not in sb]
-    cols = [c for c in out if c not in sa]
+    batch = [c for c in out_subs if c in sa and c in sb]
+    rows = [c for c in out_subs if c not in sb]
+    cols = [c for c in out_subs if c not in sa]
 
     def arrange(x, subs, axes):
         """View of x with the given axes (None: a new size-1 axis)."""
@@ -101,6 +149,5 @@ def _einsum_as_matmul(subscripts, a, b):
     r_in, c_in = rows[-1:] or [None], cols[-1:] or [None]           # the matrix axes (or size 1)
     a_m = arrange(a, sa, lead + r_in + [k])                          # (lead, rows, k)
     b_m = arrange(b, sb, lead + [k] + c_in)                          # (lead, k, cols)
-    res = np.empty([dict(zip(sa + sb, a.shape + b.shape))[c] for c in out], dtype=np.result_type(a, b))
-    np.matmul(a_m, b_m, out=arrange(res, out, lead + r_in + c_in))  # (lead, rows, cols), in place
-    return res
+    np.matmul(a_m, b_m, out=arrange(out, out_subs, lead + r_in + c_in))  # (lead, rows, cols), in place
+    return True

@@ -347,7 +347,9 @@ def main(argv=None):
 
     impls = list(args.backends) + ([] if args.no_reference else [f"autograd:{args.ref_device}"])
     results = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
-                           "cpus": os.cpu_count(), "python": platform.python_version()},
+                           "cpus": os.cpu_count(), "python": platform.python_version(),
+                           # set by `import backends` (through pycapsnet.cli above); the workers inherit it
+                           "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT")},
                "settings": {k: v for k, v in vars(args).items() if k != "worker"}, "main": [], "floor": {}}
     runs = {impl: [] for impl in impls}
     for k in range(args.rounds):

@@ -13,15 +13,15 @@ import os
 import sys
 import time
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import backends  # noqa: E402  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
+import numpy as np  # noqa: E402
+
 
 def profile(backend="numpy", batch=64, steps=4, warmup=2):
-    import backends
     from pycapsnet import data
     from pycapsnet.model import CapsNet
     from pycapsnet.optim import Adam

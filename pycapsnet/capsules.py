@@ -80,7 +80,8 @@ class ClassCaps(Layer):
         n = u.shape[0]
         ut = xp.permute_dims(u, (1, 2, 0, 3))                                   # (P, T, N, K)
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))  # (P|1, T, J*D, K)
-        u_hat = ut @ self.B.contiguous(xp.matrix_transpose(Wm))                   # (P, T, N, J*D)
+        # B.matmul: 1,152 small products (N x K) @ (K x J*D), which a backend may split over threads
+        u_hat = self.B.matmul(ut, self.B.contiguous(xp.matrix_transpose(Wm)))     # (P, T, N, J*D)
         u_hat = xp.reshape(u_hat, (self.P * self.T, n, self.J, self.D))          # û_j|i (I, N, J, D)
         v, self.trace = routing_forward(self.B, u_hat, self.iters, self.fixed_coupling)
         self.cache = (ut, u_hat)
@@ -99,14 +100,14 @@ class ClassCaps(Layer):
         del u_hat  # its last use: free û (47 MB at the paper's size) before its gradient is made
         d_u_hat = d_u_hat_from_factors(self.B, *factors)                         # dû (I, N, J, D)
         dh = xp.reshape(d_u_hat, (self.P, self.T, -1, self.J * self.D))          # (P, T, N, J*D)
-        dW = xp.matrix_transpose(dh) @ ut                                         # (P, T, J*D, K)
+        dW = self.B.matmul(xp.matrix_transpose(dh), ut)                           # (P, T, J*D, K)
         if self.share_spatial:
             dW = xp.sum(dW, axis=0, keepdims=True)
         self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
         if not self.input_grad:
             return None
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))
-        du = dh @ Wm                                                              # (P, T, N, K)
+        du = self.B.matmul(dh, Wm)                                                # (P, T, N, K)
         return xp.permute_dims(du, (2, 0, 1, 3))
 
 

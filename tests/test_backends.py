@@ -151,3 +151,66 @@ def test_routing_einsums_return_c_ordered_arrays(backend, subscripts, shape_a, s
     assert B.to_numpy(B.contiguous(out)).shape == tuple(out.shape)
     contiguous = out.flags["C_CONTIGUOUS"] if hasattr(out, "flags") else out.is_contiguous()
     assert contiguous, subscripts
+
+
+@pytest.fixture
+def split_numpy(monkeypatch):
+    """A NumPy backend that splits every batched einsum and small-product batch over 2 threads
+    (whatever this machine's core count), recording each split it makes."""
+    B = backends.get("numpy", dtype="float64")
+    B.threads, B.parallel_min_elements = 2, 0
+    B.splits = []
+    over_batch = B._over_batch
+
+    def spy(fn, n):
+        B.splits.append(n)
+        over_batch(fn, n)
+
+    monkeypatch.setattr(B, "_over_batch", spy)
+    return B
+
+
+@pytest.mark.parametrize("subscripts,shape_a,shape_b", [
+    ("nji,injd->njd", (6, 4, 5), (5, 6, 4, 3)),       # routing: s_j (matmul form), split over n
+    ("injd,njd->nji", (5, 6, 4, 3), (6, 4, 3)),       # agreement (einsum loop)
+    ("qnji,qnjd->injd", (3, 6, 4, 5), (3, 6, 4, 3)),  # dû, split over n: a strided slice of the output
+    ("qinj,qjnd->injd", (3, 5, 6, 4), (3, 4, 6, 3)),  # split over i
+    ("ij,ij->i", (7, 4), (7, 4)),
+])
+def test_numpy_einsum_split_over_threads_matches_numpy(split_numpy, subscripts, shape_a, shape_b):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(shape_a), rng.standard_normal(shape_b)
+    out = split_numpy.einsum(subscripts, a, b)
+    assert split_numpy.splits, "the batch was not split: the threaded path did not run"
+    assert out.flags["C_CONTIGUOUS"]
+    np.testing.assert_allclose(out, np.einsum(subscripts, a, b), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape_a,shape_b", [
+    ((6, 3, 4, 8), (6, 3, 8, 5)),   # û = u W: one product per (p, t)
+    ((6, 3, 4, 8), (1, 3, 8, 5)),   # share_spatial: W broadcast over positions
+    ((1, 3, 4, 8), (6, 3, 8, 5)),
+])
+def test_numpy_matmul_split_over_threads_matches_numpy(split_numpy, shape_a, shape_b):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(shape_a), rng.standard_normal(shape_b)
+    out = split_numpy.matmul(a, b)
+    assert split_numpy.splits == [6]
+    np.testing.assert_allclose(out, a @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_numpy_matmul_leaves_large_products_to_blas(split_numpy):
+    # OpenBLAS threads a product this large itself: splitting the batch too would oversubscribe
+    a, b = np.ones((4, 64, 64)), np.ones((4, 64, 64))
+    np.testing.assert_array_equal(split_numpy.matmul(a, b), a @ b)
+    assert split_numpy.splits == []
+
+
+def test_importing_backends_sets_the_blas_thread_timeout_unless_given():
+    code = "import os, backends; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "16"
+    env["OPENBLAS_THREAD_TIMEOUT"] = "7"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "7"
