@@ -12,9 +12,9 @@ import os
 # (2^28 cycles).  On a 2-core machine they then hold the core that the NumPy backend's own threads
 # (einsum and small products split over the batch) need: those threads gained nothing in a train
 # step until the workers were told to sleep after 2^16 cycles (~25 us), and the step ran 10-13%
-# faster (README, "Speed and memory").  OpenBLAS reads this when NumPy loads it, so it applies when
-# this package is imported before NumPy, as the training scripts, the CLI and the benchmarks do.
-# A value already in the environment wins.
+# faster (README, Results: "NumPy's threads").  OpenBLAS reads this when NumPy loads it, so it
+# applies when this package is imported before NumPy, as the training scripts, the CLI and the
+# benchmarks do.  A value already in the environment wins.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
 from .base import Backend, BackendError  # noqa: E402  (after the setting: base imports NumPy)

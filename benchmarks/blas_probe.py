@@ -21,7 +21,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import backends  # noqa: E402  (before NumPy: see backends/__init__.py)
+import backends  # noqa: E402,F401  (imported for its effect, before NumPy: see backends/__init__.py)
 import numpy as np  # noqa: E402
 
 from backends.base import keep_freed_memory  # noqa: E402

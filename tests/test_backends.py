@@ -1,4 +1,5 @@
 """The backend layer: registry, lazy imports, clear errors, and the convolution primitives."""
+import os
 import subprocess
 import sys
 
@@ -208,7 +209,7 @@ def test_numpy_matmul_leaves_large_products_to_blas(split_numpy):
 
 def test_importing_backends_sets_the_blas_thread_timeout_unless_given():
     code = "import os, backends; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "16"
     env["OPENBLAS_THREAD_TIMEOUT"] = "7"
