@@ -7,6 +7,7 @@ its library is imported only when the backend is created, so ``import backends``
 from __future__ import annotations
 
 import os
+import sys
 
 # NumPy's BLAS, OpenBLAS, keeps its idle worker threads spinning for ~0.1 s after every product
 # (2^28 cycles).  On a 2-core machine they then hold the core that the NumPy backend's own threads
@@ -14,10 +15,13 @@ import os
 # step until the workers were told to sleep after 2^16 cycles (~25 us), and the step ran 10-13%
 # faster (README, Results: "NumPy's threads").  OpenBLAS reads this when NumPy loads it, so it
 # applies when this package is imported before NumPy, as the training scripts, the CLI and the
-# benchmarks do.  A value already in the environment wins.
+# benchmarks do.  A value already in the environment wins.  When NumPy came first, the setting is
+# too late for this process (the numpy backend then warns: ``PerformanceWarning``), but still
+# reaches the processes it starts.
+OPENBLAS_TIMEOUT_TOO_LATE = "numpy" in sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in os.environ
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
-from .base import Backend, BackendError  # noqa: E402  (after the setting: base imports NumPy)
+from .base import Backend, BackendError, PerformanceWarning  # noqa: E402  (after the setting: base imports NumPy)
 
 # name -> (module, class); imported on first use
 _REGISTRY = {
@@ -59,4 +63,4 @@ def gpu_unavailable_reason(name: str) -> str | None:
     return None
 
 
-__all__ = ["Backend", "BackendError", "get", "gpu_unavailable_reason", "NAMES"]
+__all__ = ["Backend", "BackendError", "PerformanceWarning", "get", "gpu_unavailable_reason", "NAMES"]

@@ -7,10 +7,11 @@ einsums and ClassCaps' batches of small products over the batch, on its threads 
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 
-from .base import Backend, keep_freed_memory, parse_einsum_pair
+from .base import Backend, PerformanceWarning, keep_freed_memory, parse_einsum_pair
 
 
 class NumpyBackend(Backend):
@@ -34,6 +35,8 @@ class NumpyBackend(Backend):
         # im2col/col2im copies are memory-bound and single-threaded in NumPy: split them over cores.
         self.threads = max(1, min(4, os.cpu_count() or 1))
         keep_freed_memory()  # reuse freed temporaries rather than fault in fresh pages (CuPy: host side)
+        if self.threads > 1:
+            _warn_if_blas_spins()
 
     def _float(self, dtype=None):
         return self.lib.dtype(dtype or self.dtype)
@@ -100,6 +103,33 @@ class NumpyBackend(Backend):
         # stride-th window, then move C last -> (N, OH, OW, kh, kw, C).  All views.
         v = self.lib.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(1, 2))
         return v[:, ::stride, ::stride].transpose(0, 1, 2, 4, 5, 3)
+
+
+_warned_blas_spins = False
+
+
+def _warn_if_blas_spins():
+    """Once per process: NumPy loaded OpenBLAS before ``import backends`` could set its thread
+    timeout, so OpenBLAS's idle workers spin ~0.1 s after every product, on the core that this
+    backend's threads need (backends/__init__.py; README, Results: "NumPy's threads")."""
+    global _warned_blas_spins
+    from . import OPENBLAS_TIMEOUT_TOO_LATE
+
+    if _warned_blas_spins or not OPENBLAS_TIMEOUT_TOO_LATE or "openblas" not in _blas_name():
+        return
+    _warned_blas_spins = True
+    warnings.warn(
+        "NumPy was imported before pycapsnet, so its OpenBLAS started with idle threads that spin for "
+        "~0.1 s after every product, on the core the numpy backend's own threads need: a train step "
+        "takes 11-15% longer. Import pycapsnet (or backends) before numpy, or set "
+        "OPENBLAS_THREAD_TIMEOUT=16 in the environment.", PerformanceWarning, stacklevel=4)
+
+
+def _blas_name() -> str:
+    try:
+        return np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"].lower()
+    except Exception:  # an older NumPy, or a build that does not say: assume nothing
+        return ""
 
 
 # OpenBLAS runs a product of m*k*n multiply-adds on one thread below this size

@@ -215,3 +215,22 @@ def test_importing_backends_sets_the_blas_thread_timeout_unless_given():
     env["OPENBLAS_THREAD_TIMEOUT"] = "7"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "7"
+
+
+@pytest.mark.skipif(backends.get("numpy").threads < 2, reason="the numpy backend runs no threads of its own here")
+@pytest.mark.skipif("openblas" not in np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"],
+                    reason="NumPy's BLAS here is not OpenBLAS")
+@pytest.mark.parametrize("imports, timeout, warned", [
+    ("import numpy, backends", None, True),    # too late for OpenBLAS: one warning, with the fix
+    ("import backends, numpy", None, False),
+    ("import numpy, backends", "16", False),   # the user set it: nothing to say
+])
+def test_numpy_backend_warns_once_when_numpy_came_first(imports, timeout, warned):
+    code = f"{imports}; backends.get('numpy'); backends.get('numpy')"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if timeout:
+        env["OPENBLAS_THREAD_TIMEOUT"] = timeout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stderr.count("PerformanceWarning") == (1 if warned else 0), out.stderr
+    if warned:
+        assert "Import pycapsnet (or backends) before numpy" in out.stderr
