@@ -35,8 +35,6 @@ class NumpyBackend(Backend):
         # im2col/col2im copies are memory-bound and single-threaded in NumPy: split them over cores.
         self.threads = max(1, min(4, os.cpu_count() or 1))
         keep_freed_memory()  # reuse freed temporaries rather than fault in fresh pages (CuPy: host side)
-        if self.threads > 1:
-            _warn_if_blas_spins()
 
     def _float(self, dtype=None):
         return self.lib.dtype(dtype or self.dtype)
@@ -76,6 +74,7 @@ class NumpyBackend(Backend):
 
             _einsum_into(subscripts, parsed, cut(a, sa), cut(b, sb), cut(res, out))
 
+        _warn_if_blas_spins()
         self._over_batch(part, size[k])
         return res
 
@@ -92,6 +91,7 @@ class NumpyBackend(Backend):
             # an operand broadcast along the first batch axis (size 1 there) is used whole
             np.matmul(a if a.shape[0] == 1 else a[sl], b if b.shape[0] == 1 else b[sl], out=res[sl])
 
+        _warn_if_blas_spins()
         self._over_batch(part, lead[0])
         return res
 
@@ -105,24 +105,26 @@ class NumpyBackend(Backend):
         return v[:, ::stride, ::stride].transpose(0, 1, 2, 4, 5, 3)
 
 
-_warned_blas_spins = False
+_blas_spins_checked = False
 
 
 def _warn_if_blas_spins():
-    """Once per process: NumPy loaded OpenBLAS before ``import backends`` could set its thread
-    timeout, so OpenBLAS's idle workers spin ~0.1 s after every product, on the core that this
-    backend's threads need (backends/__init__.py; README, Results: "NumPy's threads")."""
-    global _warned_blas_spins
+    """Once per process, at the first split over threads: warn if NumPy loaded OpenBLAS before
+    ``import backends`` could set its thread timeout.  OpenBLAS's idle workers then spin ~0.1 s
+    after every product, on the core that the split needs (backends/__init__.py; README, Results:
+    "NumPy's threads")."""
+    global _blas_spins_checked
+    if _blas_spins_checked:
+        return
+    _blas_spins_checked = True
     from . import OPENBLAS_TIMEOUT_TOO_LATE
 
-    if _warned_blas_spins or not OPENBLAS_TIMEOUT_TOO_LATE or "openblas" not in _blas_name():
-        return
-    _warned_blas_spins = True
-    warnings.warn(
-        "NumPy was imported before pycapsnet, so its OpenBLAS started with idle threads that spin for "
-        "~0.1 s after every product, on the core the numpy backend's own threads need: a train step "
-        "takes 11-15% longer. Import pycapsnet (or backends) before numpy, or set "
-        "OPENBLAS_THREAD_TIMEOUT=16 in the environment.", PerformanceWarning, stacklevel=4)
+    if OPENBLAS_TIMEOUT_TOO_LATE and "openblas" in _blas_name():
+        warnings.warn(
+            "NumPy was imported before pycapsnet, so its OpenBLAS started with idle threads that spin "
+            "for ~0.1 s after every product, on the core the numpy backend's own threads need: a train "
+            "step takes 11-15% longer. Import pycapsnet (or backends) before numpy, or set "
+            "OPENBLAS_THREAD_TIMEOUT=16 in the environment.", PerformanceWarning, stacklevel=3)
 
 
 def _blas_name() -> str:

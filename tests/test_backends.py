@@ -226,7 +226,9 @@ def test_importing_backends_sets_the_blas_thread_timeout_unless_given():
     ("import numpy, backends", "16", False),   # the user set it: nothing to say
 ])
 def test_numpy_backend_warns_once_when_numpy_came_first(imports, timeout, warned):
-    code = f"{imports}; backends.get('numpy'); backends.get('numpy')"
+    # two backends, each running a batch of small products split over its threads
+    split = "B = backends.get('numpy'); B.matmul(numpy.ones((1152, 64, 8)), numpy.ones((1152, 8, 160)))"
+    code = f"{imports}; {split}; {split}"
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     if timeout:
         env["OPENBLAS_THREAD_TIMEOUT"] = timeout
