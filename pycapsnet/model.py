@@ -21,6 +21,7 @@ from .errors import CapsNetError
 from .init import he_uniform
 from .layers import Conv2d, Linear, ReLU, Sigmoid
 from .losses import MarginLoss, ReconstructionLoss
+from .routing import MODES as ROUTING_MODES
 
 
 @dataclass
@@ -47,6 +48,20 @@ class CapsNetConfig:
     def __post_init__(self):
         self.input_shape = tuple(int(d) for d in self.input_shape)
         self.decoder_hidden = tuple(int(d) for d in self.decoder_hidden)
+        # Refuse what cannot build a network here, naming the field, rather than fail later inside
+        # an initialiser (a zero fan-in) or a reshape (zero capsule types).
+        sizes = ("n_classes", "conv_channels", "conv_kernel", "primary_types", "primary_dim",
+                 "primary_kernel", "primary_stride", "class_dim", "routing_iters")
+        for name in sizes:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise CapsNetError(f"CapsNetConfig.{name} must be an integer of at least 1, got {value!r}")
+        if any(d < 1 for d in self.input_shape + self.decoder_hidden):
+            raise CapsNetError(f"CapsNetConfig: every size in input_shape {self.input_shape} and decoder_hidden "
+                               f"{self.decoder_hidden} must be at least 1")
+        for name, allowed in (("routing_grad", ROUTING_MODES), ("primary_conv", tuple(PrimaryCaps.CONVS))):
+            if getattr(self, name) not in allowed:
+                raise CapsNetError(f"CapsNetConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     def to_dict(self):
         return asdict(self)

@@ -124,7 +124,11 @@ def test_model_with_either_convolution_gives_the_same_loss_and_gradients(backend
 
 
 def test_unknown_convolution_is_refused():
+    from pycapsnet.capsules import PrimaryCaps
+
     with pytest.raises(ValueError, match="unknown convolution 'fft'.*fourier.*im2col"):
+        PrimaryCaps(backends.get("numpy"), 8, conv="fft")
+    with pytest.raises(ValueError, match=r"primary_conv must be one of \('fourier', 'im2col'\), got 'fft'"):
         CapsNet("numpy", **SMALL, primary_conv="fft")
 
 

@@ -106,10 +106,33 @@ def test_image_smaller_than_receptive_field():
 
 
 def test_bad_routing_options():
+    # the layer itself, for users who build their own network from it
+    from pycapsnet.capsules import ClassCaps
+
+    B = backends.get("numpy")
     with pytest.raises(ValueError, match="routing gradient mode 'exact'"):
-        CapsNet("numpy", routing_grad="exact", **SMALL)
+        ClassCaps(B, 4, 2, 8, 3, 4, routing_grad="exact")
     with pytest.raises(ValueError, match="at least one iteration"):
-        CapsNet("numpy", routing_iters=0, **SMALL)
+        ClassCaps(B, 4, 2, 8, 3, 4, iters=0)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("routing_iters", 0, "routing_iters must be an integer of at least 1, got 0"),
+    ("conv_channels", 0, "conv_channels must be an integer of at least 1, got 0"),
+    ("primary_types", -2, "primary_types must be an integer of at least 1, got -2"),
+    ("class_dim", 2.5, "class_dim must be an integer of at least 1, got 2.5"),
+    ("primary_stride", True, "primary_stride must be an integer of at least 1, got True"),
+    ("decoder_hidden", (512, 0), r"decoder_hidden \(512, 0\) must be at least 1"),
+    ("routing_grad", "exact", r"routing_grad must be one of \('full', 'final'\), got 'exact'"),
+    ("primary_conv", "fft", r"primary_conv must be one of \('fourier', 'im2col'\), got 'fft'"),
+])
+def test_a_config_that_cannot_build_a_network_names_the_field(field, value, match):
+    # Without the check these failed far from the cause: a zero fan-in in the initialiser, a reshape
+    # of zero capsule types, or (2.5) a float shape.
+    with pytest.raises(CapsNetError, match=match):
+        CapsNetConfig(**{**SMALL, field: value})
+    with pytest.raises(CapsNetError, match=match):
+        CapsNet("numpy", **{**SMALL, field: value})
 
 
 def test_evaluation_releases_what_forward_kept_for_backward():
