@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from pycapsnet.argtypes import nonnegative_int, positive_int  # noqa: E402
 from pycapsnet.cli import format_table  # noqa: E402
 
 QUICK = dict(conv_channels=16, primary_types=4)
@@ -320,11 +321,11 @@ def main(argv=None):
                         "CUDA graph, torch:cuda+eager op by op")
     p.add_argument("--ref-device", default="cpu", help="device of the autograd reference (cpu or cuda)")
     p.add_argument("--no-reference", action="store_true", help="skip the autograd reference")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5, help="timed steps; the median is reported")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--warmup", type=nonnegative_int, default=2)
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps; the median is reported")
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="speed runs per implementation, taken in turn (numpy, torch, reference, numpy, ...); "
                         "the table reports medians over rounds, and each ratio is the median of the "
                         "ratios within a round, so that a machine's drift affects both sides alike (default 3)")
@@ -342,8 +343,6 @@ def main(argv=None):
     args.config["primary_conv"] = args.primary_conv
     if args.quick:
         args.warmup, args.steps, args.batch_size, args.rounds = 1, 1, min(args.batch_size, 8), min(args.rounds, 2)
-    if args.rounds < 1:
-        p.error(f"--rounds must be at least 1, got {args.rounds}")
 
     impls = list(args.backends) + ([] if args.no_reference else [f"autograd:{args.ref_device}"])
     results = {"machine": {"platform": platform.platform(), "processor": platform.processor(),

@@ -25,6 +25,7 @@ import backends  # noqa: E402,F401  (imported for its effect, before NumPy: see 
 import numpy as np  # noqa: E402
 
 from backends.base import keep_freed_memory  # noqa: E402
+from pycapsnet.argtypes import positive_int  # noqa: E402
 from bench import _median_time  # noqa: E402  (run as a script: benchmarks/ is on the path)
 
 
@@ -38,7 +39,7 @@ def main(argv=None):
 
     keep_freed_memory()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--reps", type=positive_int, default=15)
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
     # (label, batch dims, m, k, n): A (batch, m, k) @ B (batch, k, n)

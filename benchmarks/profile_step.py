@@ -20,6 +20,8 @@ if ROOT not in sys.path:
 import backends  # noqa: E402  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
 import numpy as np  # noqa: E402
 
+from pycapsnet.argtypes import positive_int  # noqa: E402
+
 
 def profile(backend="numpy", batch=64, steps=4, warmup=2):
     from pycapsnet import data
@@ -69,8 +71,8 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="numpy", help="numpy, torch, torch:cuda or cupy")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--steps", type=positive_int, default=4)
     args = p.parse_args(argv)
     step, rows = profile(args.backend, args.batch_size, args.steps)
     print(f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step ({args.batch_size / step:.1f} samples/s)")

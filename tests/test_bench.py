@@ -42,3 +42,21 @@ def test_step_profile_accounts_for_the_whole_step():
     assert "PrimaryCaps (convolution + squash) backward" in labels and "Adam" in labels
     assert all(t > 0 for label, t in rows if not label.startswith("rest"))
     assert abs(sum(t for _, t in rows) - step) < 1e-9
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("bench", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    ("bench", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+    ("bench", ["--warmup", "-1"], "argument --warmup: must be 0 or more, got -1"),
+    ("profile_step", ["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+])
+def test_benchmark_flags_refuse_impossible_numbers(script, argv, message, capsys, tmp_path):
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.{script}").main
+    if script == "bench":  # should the check break: a short run, and the README's results.json untouched
+        argv = argv + ["--quick", "--backends", "numpy", "--no-reference", "--json", str(tmp_path / "r.json")]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err

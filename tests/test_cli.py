@@ -121,6 +121,22 @@ def test_errors_exit_2_without_traceback(tmp_path):
         assert msg in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["gradcheck", "--samples", "0"], "argument --samples: must be at least 1, got 0"),  # was 84 FAILs
+    (["gradcheck", "--tol", "-1"], "argument --tol: must be a finite number above 0, got -1"),
+    (["crosscheck", "--batch", "-2"], "argument --batch: must be at least 1, got -2"),  # ran 998 digits
+    (["crosscheck", "--rtol", "0"], "argument --rtol: must be a finite number above 0, got 0"),
+    (["crosscheck", "--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
+    (["inspect", "ckpt.npz", "--index", "-1"], "argument --index: must be 0 or more, got -1"),
+    (["train", "--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+])
+def test_impossible_numbers_are_refused_when_the_command_line_is_read(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_console_entry_point_is_declared():
     setup = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py")).read()
     assert "pycapsnet=pycapsnet.cli:main" in setup

@@ -205,6 +205,47 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path):
         assert r.returncode == 2 and "cupy" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
+    (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),  # was a ZeroDivisionError
+    (["--batch-size", "2.5"], "argument --batch-size: expected an integer, got '2.5'"),
+    (["--limit", "-10"], "argument --limit: must be at least 1, got -10"),  # silently dropped the last 10
+    (["--limit-test", "0"], "argument --limit-test: must be at least 1, got 0"),  # silently meant 'all'
+    (["--lr", "-1"], "argument --lr: must be a finite number above 0, got -1"),  # trained uphill
+    (["--lr", "nan"], "argument --lr: must be a finite number above 0, got nan"),
+    (["--lr-decay", "0"], "argument --lr-decay: must be a finite number above 0, got 0"),
+    (["--routing-iters", "0"], "argument --routing-iters: must be at least 1, got 0"),
+    (["--conv-channels", "0"], "argument --conv-channels: must be at least 1, got 0"),
+    (["--primary-types", "0"], "argument --primary-types: must be at least 1, got 0"),
+    (["--shift", "-1"], "argument --shift: must be 0 or more, got -1"),
+    (["--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
+])
+def test_impossible_numbers_are_refused_when_the_command_line_is_read(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        _main(FAST + argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_shift_as_large_as_the_image_is_refused(tmp_path, capsys):
+    assert _main(FAST + ["--shift", "28", "--out", str(tmp_path)]) == 2
+    assert "--shift 28 is not less than the 28-pixel image side" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "checkpoint.npz")
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
+    before = open(os.path.join(out, "checkpoint.npz"), "rb").read()
+    capsys.readouterr()
+    assert _main(FAST + ["--epochs", "1", "--resume", out]) == 0
+    said = capsys.readouterr()
+    assert "has finished epoch 1 and --epochs is 1" in said.out + said.err
+    assert "pass --epochs 2 or more to continue" in said.out + said.err
+    assert open(os.path.join(out, "checkpoint.npz"), "rb").read() == before
+    assert [m["epoch"] for m in _metrics(out)] == [1]
+
+
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_learns_real_digits(backend):
     """300 Adam steps (batch 32, 2.4 epochs) of a small CapsNet on the embedded digits must reach

@@ -1,0 +1,43 @@
+"""argparse types for the command lines' numeric flags.
+
+Each refuses an impossible value when the command line is parsed, so the user gets argparse's
+usage line, ``error: argument --batch-size: must be at least 1, got 0`` and exit code 2, instead
+of a traceback from deep inside a step, or, worse, a run that silently does something else (a
+negative ``--limit`` slicing from the end, a negative ``--lr`` climbing the loss).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _parse(kind, text: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                         f"got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (sizes, counts, iterations)."""
+    value = _parse(int, text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (seeds, pixel shifts, warm-up steps)."""
+    value = _parse(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (learning rates, tolerances)."""
+    value = _parse(float, text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
