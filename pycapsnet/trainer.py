@@ -132,10 +132,6 @@ def train(args, backend_name: str) -> dict:
         train_set = data.Split(train_set.x[:args.limit], train_set.y[:args.limit])
     if args.limit_test is not None:
         test_set = data.Split(test_set.x[:args.limit_test], test_set.y[:args.limit_test])
-    side = min(train_set.x.shape[2:])
-    if args.shift >= side:
-        raise CapsNetError(f"--shift {args.shift} is not less than the {side}-pixel image side: shifted "
-                           f"images could be blank; use a smaller --shift (the paper's is 2)")
     ckpt = checkpoint.load(args.resume) if args.resume else None
     out_dir = args.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", B.name))
 
@@ -162,6 +158,10 @@ def train(args, backend_name: str) -> dict:
         _say(f"test accuracy {100 * acc:.2f}%  loss {loss:.4f}  ({time.perf_counter() - t0:.1f} s)")
         return {"test_acc": acc, "test_loss": loss}
 
+    side = min(train_set.x.shape[2:])  # the shift augments training only: evaluation never reads it
+    if args.shift >= side:
+        raise CapsNetError(f"--shift {args.shift} is not less than the {side}-pixel image side: shifted "
+                           f"images could be blank; use a smaller --shift (the paper's is 2)")
     _prepare_out(out_dir)
     ckpt_path = os.path.join(out_dir, CHECKPOINT)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
