@@ -42,6 +42,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from pycapsnet.argtypes import nonnegative_int, positive_int  # noqa: E402
+from pycapsnet.capsules import PrimaryCaps  # noqa: E402
 from pycapsnet.cli import format_table  # noqa: E402
 
 QUICK = dict(conv_channels=16, primary_types=4)
@@ -331,7 +332,7 @@ def main(argv=None):
                         "ratios within a round, so that a machine's drift affects both sides alike (default 3)")
     p.add_argument("--scaling", action="store_true", help="also the scaling tables (several minutes)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 timed step: a smoke run")
-    p.add_argument("--primary-conv", choices=("fourier", "im2col"), default="fourier",
+    p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS), default="fourier",
                    help="how the hand-written PrimaryCaps convolves (default fourier, as in training)")
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)

@@ -122,12 +122,15 @@ class SGD(Optimizer):
             p -= self._lr * buf
 
 
+NAMES = ("adam", "sgd")
+
+
 def make(name: str, model, lr: float):
     if name == "adam":
         return Adam(model, lr)
     if name == "sgd":
         return SGD(model, lr)
-    raise ValueError(f"unknown optimizer {name!r}: use adam or sgd")
+    raise ValueError(f"unknown optimizer {name!r}: use one of {NAMES}")
 
 
 def exponential_lr(base_lr: float, decay: float, epoch: int) -> float:

@@ -20,9 +20,11 @@ import backends
 
 from . import checkpoint, data, optim, plots
 from .argtypes import nonnegative_int, positive_float, positive_int
+from .capsules import PrimaryCaps
 from .errors import BackendError, CapsNetError
 from .graph import CapturedStep
 from .model import CapsNet, CapsNetConfig
+from .routing import MODES as ROUTING_MODES
 
 CHECKPOINT = "checkpoint.npz"
 
@@ -41,9 +43,9 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--batch-size", type=positive_int, default=32, help="training batch size (default: 32)")
     p.add_argument("--lr", type=positive_float, default=2e-3, help="initial learning rate (default: 2e-3)")
     p.add_argument("--lr-decay", type=positive_float, default=0.85, help="learning rate x this after every epoch (default: 0.85)")
-    p.add_argument("--optimizer", default="adam", choices=("adam", "sgd"), help="adam (default) or sgd with momentum 0.9")
+    p.add_argument("--optimizer", default="adam", choices=optim.NAMES, help="adam (default) or sgd with momentum 0.9")
     p.add_argument("--routing-iters", type=positive_int, default=3, help="dynamic routing iterations (default: 3)")
-    p.add_argument("--routing-grad", default="full", choices=("full", "final"),
+    p.add_argument("--routing-grad", default="full", choices=ROUTING_MODES,
                    help="full: exact gradient through every routing iteration (default); "
                         "final: coupling coefficients treated as constants")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default: float32")
@@ -59,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--primary-types", type=positive_int, default=32, help="primary capsule types (default: 32)")
     p.add_argument("--share-spatial", action="store_true",
                    help="one routing transform per primary capsule type, shared over positions")
-    p.add_argument("--primary-conv", default="fourier", choices=("fourier", "im2col"),
+    p.add_argument("--primary-conv", default="fourier", choices=tuple(PrimaryCaps.CONVS),
                    help="how PrimaryCaps convolves: fourier (default, ~3.5x fewer multiply-adds) or im2col "
                         "(the textbook form); same weights, same results to rounding")
     p.add_argument("--out", default=None, help="output directory (default: runs/<backend>)")

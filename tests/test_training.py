@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import backends
-from pycapsnet import CapsNet, CapsNetError, checkpoint, data, optim, trainer
+from pycapsnet import CapsNet, CapsNetError, checkpoint, data, optim, routing, trainer
+from pycapsnet.capsules import PrimaryCaps
 from tests.conftest import SMALL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,6 +226,25 @@ def test_impossible_numbers_are_refused_when_the_command_line_is_read(argv, mess
         _main(FAST + argv)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_choice_the_trainer_offers_builds_and_nothing_else_does():
+    """The trainer's choices come from the library's own tables; each one builds a model and an optimizer."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    trainer.add_arguments(parser, "numpy")
+    offered = {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
+    assert offered["routing_grad"] == routing.MODES
+    assert offered["primary_conv"] == tuple(PrimaryCaps.CONVS)
+    assert offered["optimizer"] == optim.NAMES
+    B = backends.get("numpy", dtype="float64")
+    for mode in offered["routing_grad"]:
+        for conv in offered["primary_conv"]:
+            CapsNet(B, routing_grad=mode, primary_conv=conv, **SMALL)
+    for name in offered["optimizer"]:
+        optim.make(name, CapsNet(B, **SMALL), 1e-3)
+    with pytest.raises(ValueError, match=r"unknown optimizer 'rmsprop': use one of \('adam', 'sgd'\)"):
+        optim.make("rmsprop", CapsNet(B, **SMALL), 1e-3)
 
 
 def test_a_shift_as_large_as_the_image_is_refused(tmp_path, capsys):
