@@ -1,4 +1,5 @@
 """Optimizers against torch.optim, checkpoints, the trainer's faults and exit codes, and learning."""
+import argparse
 import json
 import os
 import subprocess
@@ -182,7 +183,6 @@ def test_resume_refuses_flags_that_contradict_the_architecture(tmp_path, capsys)
 
 def test_checkpoints_without_a_recipe_still_give_their_optimizer_and_seed(tmp_path):
     """Checkpoints written before the recipe was saved hold the optimizer and the seed only."""
-    import argparse
     model = CapsNet("numpy", seed=0, **SMALL)
     path = checkpoint.save(str(tmp_path / "old.npz"), model, optim.make("sgd", model, 1e-3), epoch=1, seed=7)
     args = argparse.Namespace(**dict.fromkeys({**trainer.RECIPE, **trainer.ARCHITECTURE}))
@@ -305,7 +305,6 @@ def test_impossible_numbers_are_refused_when_the_command_line_is_read(argv, mess
 
 def test_every_choice_the_trainer_offers_builds_and_nothing_else_does():
     """The trainer's choices come from the library's own tables; each one builds a model and an optimizer."""
-    import argparse
     parser = argparse.ArgumentParser()
     trainer.add_arguments(parser, "numpy")
     offered = {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
