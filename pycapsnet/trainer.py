@@ -42,8 +42,9 @@ class TrainingDiverged(RuntimeError):
 #           value other than the checkpoint's: refused.
 RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "seed": 0, "shift": 2, "batch_size": 32,
           "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None}
-ARCHITECTURE = {"routing_iters": 3, "routing_grad": "full", "conv_channels": 256, "primary_types": 32,
-                "share_spatial": False, "primary_conv": "fourier"}
+ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
+                for k in ("routing_iters", "routing_grad", "conv_channels", "primary_types", "share_spatial",
+                          "primary_conv")}
 
 
 def add_arguments(p: argparse.ArgumentParser, backend: str | None):
@@ -135,8 +136,9 @@ def settle(args, ckpt) -> None:
             elif getattr(args, k) != saved[k]:
                 fresh = "; its state starts afresh" if k == "optimizer" else ""
                 _say(f"resuming with {_flag(k)} {getattr(args, k)} (the run so far used {_shown(saved[k])}){fresh}")
-    for k in ARCHITECTURE if ckpt else ():
-        setattr(args, k, config[k])
+    if ckpt:
+        for k in ARCHITECTURE:
+            setattr(args, k, config[k])
     for k, v in {**RECIPE, **ARCHITECTURE}.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -210,10 +212,7 @@ def train(args, backend_name: str) -> dict:
     else:
         if args.eval_only:
             raise CapsNetError("--eval-only needs a trained model: pass --resume CHECKPOINT")
-        cfg = CapsNetConfig(input_shape=train_set.x.shape[1:], routing_iters=args.routing_iters,
-                            routing_grad=args.routing_grad, conv_channels=args.conv_channels,
-                            primary_types=args.primary_types, share_spatial=args.share_spatial,
-                            primary_conv=args.primary_conv)
+        cfg = CapsNetConfig(input_shape=train_set.x.shape[1:], **{k: getattr(args, k) for k in ARCHITECTURE})
         model = CapsNet(B, cfg, seed=args.seed)
     if tuple(test_set.x.shape[1:]) != model.config.input_shape:
         raise CapsNetError(f"the data are {test_set.x.shape[1:]} images but the model expects "

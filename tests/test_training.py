@@ -14,8 +14,9 @@ from pycapsnet.capsules import PrimaryCaps
 from tests.conftest import SMALL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = ["--conv-channels", "16", "--primary-types", "4", "--limit", "96", "--limit-test", "40",
-        "--batch-size", "32", "--no-progress"]
+DATA = ["--limit", "96", "--limit-test", "40", "--no-progress"]
+ARCH = ["--conv-channels", "16", "--primary-types", "4"]
+FAST = ARCH + DATA + ["--batch-size", "32"]
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd"])
@@ -125,8 +126,6 @@ def test_train_writes_everything_and_resume_continues(tmp_path):
     assert _main(FAST + ["--eval-only", "--resume", out]) == 0
 
 
-DATA = ["--limit", "96", "--limit-test", "40", "--no-progress"]
-ARCH = ["--conv-channels", "16", "--primary-types", "4"]
 RECIPE = ["--optimizer", "sgd", "--lr", "5e-3", "--lr-decay", "0.5", "--seed", "5", "--shift", "1",
           "--batch-size", "16", "--dtype", "float64"]  # every recipe flag away from its default
 
