@@ -131,10 +131,12 @@ PERTURB_STEPS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)
 def cmd_inspect(args):
     from . import checkpoint as ckpt_mod
     from . import data, plots
-    from .trainer import save_reconstructions
+    from .trainer import save_reconstructions, settle
 
     B = _backend(args.backend, "float32", args.device)
     model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
+    args.eval_only = True
+    settle(args, ckpt)  # --dataset / --data-dir left out: the run's
     if model.config.input_shape != (1, 28, 28) and not args.data_dir:
         raise CapsNetError(f"this checkpoint expects {model.config.input_shape} images; give --data-dir")
     _, test = data.load(args.dataset, args.data_dir)
@@ -180,8 +182,15 @@ def cmd_evaluate(args):
     from .trainer import run
 
     args.resume, args.eval_only = args.checkpoint, True
-    args.out, args.no_progress = None, False  # the recipe flags (dtype, limits) are filled by trainer.settle
+    args.out, args.no_progress = None, False  # dtype and data left out: trainer.settle takes the run's
     return run(args, args.backend)
+
+
+def _data_flags(p, data):
+    """--dataset / --data-dir of the commands that read a checkpoint: left out, the run's own data
+    (saved in the checkpoint), so that a model is scored on its own test split."""
+    p.add_argument("--dataset", choices=data.DATASETS, help="default: the data the run trained on")
+    p.add_argument("--data-dir", default=None, help="directory with the IDX files (default: the run's)")
 
 
 def build_parser():
@@ -219,8 +228,7 @@ def build_parser():
     i.add_argument("--index", type=nonnegative_int, default=0, help="which test image to perturb and route (default: 0)")
     i.add_argument("--backend", default="numpy", choices=names)
     i.add_argument("--device", default=None)
-    i.add_argument("--dataset", default="embedded", choices=data.DATASETS)
-    i.add_argument("--data-dir", default=None)
+    _data_flags(i, data)
     i.set_defaults(fn=cmd_inspect)
 
     t = sub.add_parser("train", help="train (the same trainer as train_<backend>.py)")
@@ -231,8 +239,9 @@ def build_parser():
     e.add_argument("checkpoint")
     e.add_argument("--backend", default="numpy", choices=names)
     e.add_argument("--device", default=None)
-    e.add_argument("--dataset", default="embedded", choices=data.DATASETS)
-    e.add_argument("--data-dir", default=None)
+    _data_flags(e, data)
+    e.add_argument("--dtype", choices=("float32", "float64"), help="default: the dtype the run trained in")
+    e.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on only the first N test images")
     e.set_defaults(fn=cmd_evaluate)
     return p
 

@@ -42,6 +42,9 @@ class TrainingDiverged(RuntimeError):
 #           value other than the checkpoint's: refused.
 RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "seed": 0, "shift": 2, "batch_size": 32,
           "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None}
+# What evaluating a checkpoint takes from its run: the data it was trained on, in its dtype (not the
+# --limit-test of a quick run: a checkpoint is scored on the whole test split unless told).
+EVALUATED_ON = ("dtype", "dataset", "data_dir")
 ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
                 for k in ("routing_iters", "routing_grad", "conv_channels", "primary_types", "share_spatial",
                           "primary_conv")}
@@ -91,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help="continue from a checkpoint file or run directory: the run's architecture, and its "
                         "optimizer, --lr, --lr-decay, --seed, --shift, --batch-size, --dtype and data "
                         "flags unless given again")
-    p.add_argument("--eval-only", action="store_true", help="only evaluate the --resume checkpoint on the test set")
+    p.add_argument("--eval-only", action="store_true",
+                   help="only evaluate the --resume checkpoint, on its run's test split and dtype unless given")
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh even if --out already holds a checkpoint (it is replaced)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (per-epoch lines only)")
@@ -111,13 +115,15 @@ def _shown(value):
 def settle(args, ckpt) -> None:
     """Fill in the RECIPE and ARCHITECTURE flags left out (None): from the checkpoint when resuming
     a run, else the defaults.  On --resume, an architecture flag that contradicts the checkpoint is
-    refused, and a recipe flag that changes the run's value is announced.  --eval-only takes no
-    recipe: it evaluates the data it is given."""
+    refused, and a recipe flag that changes the run's value is announced.  Evaluating a checkpoint
+    (--eval-only, ``pycapsnet evaluate`` / ``inspect``) takes only the run's data and dtype (EVALUATED_ON),
+    so that a model is scored on its own test split unless told otherwise."""
     if getattr(args, "data_dir", None):
         args.data_dir = os.path.abspath(args.data_dir)  # saved so that a run resumed elsewhere finds it
     given = {k for k in {**RECIPE, **ARCHITECTURE} if getattr(args, k, None) is not None}
     config = checkpoint.config_of(ckpt).to_dict() if ckpt else {}  # fields older checkpoints lack: defaults
-    if ckpt and not getattr(args, "eval_only", False):
+    evaluating = getattr(args, "eval_only", False)
+    if ckpt and not evaluating:
         clash = [f"{_flag(k)} (the checkpoint's model was built without it)" if isinstance(config[k], bool)
                  else f"{_flag(k)} {getattr(args, k)} (the checkpoint has {config[k]})"
                  for k in ARCHITECTURE if k in given and getattr(args, k) != config[k]]
@@ -125,18 +131,24 @@ def settle(args, ckpt) -> None:
             raise CapsNetError(f"{ckpt['path']} fixes the architecture, and these flags contradict it: "
                                f"{'; '.join(clash)}. Drop them to continue the run, or start a new one "
                                "with --out DIR")
+    if ckpt:
         header = ckpt["header"]
         # Checkpoints from before the recipe was saved hold only the optimizer and the seed.
         saved = header.get("recipe") or {k: header[k] for k in ("optimizer", "seed") if header.get(k) is not None}
-        for k in RECIPE:
+        for k in EVALUATED_ON if evaluating else RECIPE:
             if k not in saved:
                 continue
             if k not in given:
+                # --dataset X alone names other data: the run's --data-dir belongs to the run's dataset
+                if k == "data_dir" and "dataset" in given and args.dataset != saved.get("dataset"):
+                    continue
                 setattr(args, k, saved[k])
-            elif getattr(args, k) != saved[k]:
+                if k == "data_dir" and saved[k] and not os.path.isdir(saved[k]):
+                    raise CapsNetError(f"the run's data directory {saved[k]} (saved in {ckpt['path']}) is not "
+                                       "there any more; give --data-dir DIR where its IDX files are now")
+            elif getattr(args, k) != saved[k] and not evaluating:
                 fresh = "; its state starts afresh" if k == "optimizer" else ""
                 _say(f"resuming with {_flag(k)} {getattr(args, k)} (the run so far used {_shown(saved[k])}){fresh}")
-    if ckpt:
         for k in ARCHITECTURE:
             setattr(args, k, config[k])
     for k, v in {**RECIPE, **ARCHITECTURE}.items():

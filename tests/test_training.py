@@ -202,19 +202,49 @@ def test_a_fresh_run_never_overwrites_a_trained_checkpoint(tmp_path, capsys):
     assert [m["epoch"] for m in _metrics(out)] == [1]  # a fresh record, not appended to the old one
 
 
-def test_train_on_idx_files_and_resume_from_elsewhere_without_naming_them(tmp_path, monkeypatch, capsys):
+def test_train_on_idx_files_then_resume_and_evaluate_from_elsewhere_without_naming_them(tmp_path, monkeypatch, capsys):
     from tests.test_data import write_mnist_dir
 
     tr, te = data.load_embedded()
     write_mnist_dir(str(tmp_path / "mnist"), data.Split(tr.x[:64], tr.y[:64]), data.Split(te.x[:20], te.y[:20]))
     monkeypatch.chdir(tmp_path)
-    assert _main(FAST + ["--epochs", "1", "--dataset", "mnist", "--data-dir", "mnist", "--out", "o"]) == 0
+    assert _main(FAST + ["--epochs", "1", "--dataset", "mnist", "--data-dir", "mnist", "--out", "o",
+                         "--dtype", "float64"]) == 0
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     capsys.readouterr()
     # the IDX files, not the embedded digits: the checkpoint holds the data's absolute path
     assert _main(["--no-progress", "--epochs", "2", "--resume", "../o"]) == 0
     assert f"64 train / 20 test images ({tmp_path / 'mnist'})" in capsys.readouterr().out
+
+    # Evaluating the checkpoint scores it on the run's own test split, in the run's dtype, not on
+    # the embedded digits; --limit-test 40 of the training run is not taken.
+    from pycapsnet import cli
+
+    assert cli.main(["evaluate", "../o"]) == 0
+    printed = capsys.readouterr().out
+    assert f"64 train / 20 test images ({tmp_path / 'mnist'})" in printed and "float64" in printed
+    assert cli.main(["evaluate", "../o", "--dataset", "embedded", "--dtype", "float32"]) == 0  # other data: asked for
+    printed = capsys.readouterr().out
+    assert "4000 train / 1000 test images (embedded)" in printed and "float32" in printed
+    assert cli.main(["inspect", "../o", "--out", "pngs", "--index", "19"]) == 0
+    assert cli.main(["inspect", "../o", "--out", "pngs", "--index", "20"]) == 2  # the run's 20 test images
+    assert "--index must be in [0, 19]" in capsys.readouterr().err
+
+    # The data moved: say so, and how to point at it.
+    os.rename(tmp_path / "mnist", tmp_path / "moved")
+    for argv in (["evaluate", "../o"], ["train", "--no-progress", "--epochs", "4", "--resume", "../o"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"the run's data directory {tmp_path / 'mnist'}" in err and "give --data-dir DIR" in err, err
+    assert cli.main(["evaluate", "../o", "--data-dir", "../moved"]) == 0
+    assert f"64 train / 20 test images ({tmp_path / 'moved'})" in capsys.readouterr().out
+
+    # --dataset alone on resume names other data: the run's --data-dir does not come along with it
+    assert cli.main(["train", "--no-progress", "--epochs", "3", "--resume", "../o", "--dataset", "embedded"]) == 0
+    printed = capsys.readouterr().out
+    assert "resuming with --dataset embedded (the run so far used mnist)" in printed
+    assert "96 train / 40 test images (embedded)" in printed, printed
 
 
 def test_ctrl_c_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
