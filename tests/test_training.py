@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import backends
-from pycapsnet import CapsNet, CapsNetError, checkpoint, data, optim, routing, trainer
+from pycapsnet import CapsNet, CapsNetError, checkpoint, cli, data, optim, routing, trainer
 from pycapsnet.capsules import PrimaryCaps
 from tests.conftest import SMALL
 
@@ -219,8 +219,6 @@ def test_train_on_idx_files_then_resume_and_evaluate_from_elsewhere_without_nami
 
     # Evaluating the checkpoint scores it on the run's own test split, in the run's dtype, not on
     # the embedded digits; --limit-test 40 of the training run is not taken.
-    from pycapsnet import cli
-
     assert cli.main(["evaluate", "../o"]) == 0
     printed = capsys.readouterr().out
     assert f"64 train / 20 test images ({tmp_path / 'mnist'})" in printed and "float64" in printed
@@ -245,7 +243,6 @@ def test_train_on_idx_files_then_resume_and_evaluate_from_elsewhere_without_nami
     printed = capsys.readouterr().out
     assert "resuming with --dataset embedded (the run so far used mnist)" in printed
     assert "96 train / 40 test images (embedded)" in printed, printed
-
 
 def test_ctrl_c_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
