@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from backends.base import FLOAT_DTYPES  # noqa: E402
 from pycapsnet.argtypes import nonnegative_int, positive_int  # noqa: E402
 from pycapsnet.capsules import PrimaryCaps  # noqa: E402
 from pycapsnet.cli import format_table  # noqa: E402
@@ -323,7 +324,7 @@ def main(argv=None):
     p.add_argument("--ref-device", default="cpu", help="device of the autograd reference (cpu or cuda)")
     p.add_argument("--no-reference", action="store_true", help="skip the autograd reference")
     p.add_argument("--batch-size", type=positive_int, default=64)
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    p.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES)
     p.add_argument("--warmup", type=nonnegative_int, default=2)
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps; the median is reported")
     p.add_argument("--rounds", type=positive_int, default=3,

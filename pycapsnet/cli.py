@@ -186,15 +186,18 @@ def cmd_evaluate(args):
     return run(args, args.backend)
 
 
-def _data_flags(p, data):
+def _data_flags(p):
     """--dataset / --data-dir of the commands that read a checkpoint: left out, the run's own data
     (saved in the checkpoint), so that a model is scored on its own test split."""
+    from . import data
+
     p.add_argument("--dataset", choices=data.DATASETS, help="default: the data the run trained on")
     p.add_argument("--data-dir", default=None, help="directory with the IDX files (default: the run's)")
 
 
 def build_parser():
-    from . import data
+    from backends.base import FLOAT_DTYPES
+
     from .trainer import add_arguments
 
     p = argparse.ArgumentParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
@@ -204,7 +207,7 @@ def build_parser():
 
     g = sub.add_parser("gradcheck", help="finite-difference checks of every layer and the full loss")
     g.add_argument("--backend", default="numpy", help="numpy, torch, torch:cuda, cupy (default: numpy)")
-    g.add_argument("--dtype", default="float64", choices=("float64", "float32"))
+    g.add_argument("--dtype", default="float64", choices=FLOAT_DTYPES)
     g.add_argument("--samples", type=positive_int, default=20, help="entries sampled per tensor (default: 20)")
     g.add_argument("--tol", type=positive_float, default=None, help="max relative error (default: 1e-6 in float64)")
     g.add_argument("--seed", type=nonnegative_int, default=0)
@@ -214,7 +217,7 @@ def build_parser():
     c.add_argument("--a", default="numpy", help="first side, e.g. numpy, torch, torch:cuda, cupy (default: numpy)")
     c.add_argument("--b", default="torch", help="second side (default: torch)")
     c.add_argument("--checkpoint", default=None, help="weights from this checkpoint (default: seeded initialisation)")
-    c.add_argument("--dtype", default="float64", choices=("float64", "float32"))
+    c.add_argument("--dtype", default="float64", choices=FLOAT_DTYPES)
     c.add_argument("--rtol", type=positive_float, default=None, help="tolerance (default: 1e-9 float64, 1e-4 float32)")
     c.add_argument("--batch", type=positive_int, default=8)
     c.add_argument("--seed", type=nonnegative_int, default=0)
@@ -228,7 +231,7 @@ def build_parser():
     i.add_argument("--index", type=nonnegative_int, default=0, help="which test image to perturb and route (default: 0)")
     i.add_argument("--backend", default="numpy", choices=names)
     i.add_argument("--device", default=None)
-    _data_flags(i, data)
+    _data_flags(i)
     i.set_defaults(fn=cmd_inspect)
 
     t = sub.add_parser("train", help="train (the same trainer as train_<backend>.py)")
@@ -239,8 +242,8 @@ def build_parser():
     e.add_argument("checkpoint")
     e.add_argument("--backend", default="numpy", choices=names)
     e.add_argument("--device", default=None)
-    _data_flags(e, data)
-    e.add_argument("--dtype", choices=("float32", "float64"), help="default: the dtype the run trained in")
+    _data_flags(e)
+    e.add_argument("--dtype", choices=FLOAT_DTYPES, help="default: the dtype the run trained in")
     e.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on only the first N test images")
     e.set_defaults(fn=cmd_evaluate)
     return p

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import backends
+from backends.base import FLOAT_DTYPES
 
 from . import checkpoint, data, optim, plots
 from .argtypes import nonnegative_int, positive_float, positive_int
@@ -69,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--routing-grad", choices=ROUTING_MODES,
                    help="full: exact gradient through every routing iteration; final: coupling coefficients "
                         f"treated as constants (default: {d['routing_grad']})")
-    p.add_argument("--dtype", choices=("float32", "float64"), help=f"default: {d['dtype']}")
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"default: {d['dtype']}")
     p.add_argument("--seed", type=nonnegative_int,
                    help=f"weights, shuffling and augmentation (default: {d['seed']})")
     p.add_argument("--dataset", choices=data.DATASETS,
