@@ -7,6 +7,7 @@ einsums and ClassCaps' batches of small products over the batch, on its threads 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -124,7 +125,23 @@ def _warn_if_blas_spins():
             "NumPy was imported before pycapsnet, so its OpenBLAS started with idle threads that spin "
             "for ~0.1 s after every product, on the core the numpy backend's own threads need: a train "
             "step takes 11-15% longer. Import pycapsnet (or backends) before numpy, or set "
-            "OPENBLAS_THREAD_TIMEOUT=16 in the environment.", PerformanceWarning, stacklevel=3)
+            "OPENBLAS_THREAD_TIMEOUT=16 in the environment.", PerformanceWarning,
+            stacklevel=_first_caller_outside_the_library())
+
+
+# the packages a warning's line should not point into: it is about the caller's script
+_LIBRARY_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), pkg, "")
+                      for pkg in ("backends", "pycapsnet"))
+
+
+def _first_caller_outside_the_library() -> int:
+    """The ``stacklevel`` at which a warning raised by our caller points at the first frame outside
+    backends/ and pycapsnet/ -- the user's line that started the work, not a layer's -- as Python
+    3.12's ``skip_file_prefixes`` does."""
+    frame, level = sys._getframe(1), 1  # level 1: the line that calls warnings.warn
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _blas_name() -> str:

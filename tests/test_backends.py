@@ -218,8 +218,16 @@ def test_importing_backends_sets_the_blas_thread_timeout_unless_given():
     assert out.stdout.strip() == "7"
 
 
-@pytest.mark.skipif(backends.get("numpy").threads < 2, reason="the numpy backend runs no threads of its own here")
-@pytest.mark.skipif("openblas" not in _blas_name(), reason="NumPy's BLAS here is not OpenBLAS (or it does not say)")
+def _no_spin_warning_here():
+    """Why the numpy-first warning cannot fire on this machine, or '' if it can."""
+    if backends.get("numpy").threads < 2:
+        return "the numpy backend runs no threads of its own here"
+    if "openblas" not in _blas_name():
+        return "NumPy's BLAS here is not OpenBLAS (or it does not say)"
+    return ""
+
+
+@pytest.mark.skipif(bool(_no_spin_warning_here()), reason=_no_spin_warning_here())
 @pytest.mark.parametrize("imports, timeout, warned", [
     ("import numpy, backends", None, True),    # too late for OpenBLAS: one warning, with the fix
     ("import backends, numpy", None, False),
@@ -236,3 +244,17 @@ def test_numpy_backend_warns_once_when_numpy_came_first(imports, timeout, warned
     assert out.stderr.count("PerformanceWarning") == (1 if warned else 0), out.stderr
     if warned:
         assert "Import pycapsnet (or backends) before numpy" in out.stderr
+
+
+@pytest.mark.skipif(bool(_no_spin_warning_here()), reason=_no_spin_warning_here())
+def test_the_numpy_first_warning_points_at_the_users_line_not_into_the_library(tmp_path):
+    # the split happens deep in ClassCaps' forward; the warning is about the script's imports
+    script = tmp_path / "study.py"
+    script.write_text("import numpy\nimport backends\nfrom pycapsnet import CapsNet\n"
+                      "model = CapsNet(backends.get('numpy'), seed=0)\n"
+                      "model.predict(numpy.zeros((64, 1, 28, 28), numpy.float32))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a script's own folder comes first on its path
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=env)
+    assert f"{script}:5: PerformanceWarning" in out.stderr, out.stderr
