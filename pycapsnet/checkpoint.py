@@ -48,12 +48,24 @@ def load(path: str) -> dict:
         path = os.path.join(path, "checkpoint.npz")
     if not os.path.exists(path):
         raise CapsNetError(f"checkpoint not found: {path}")
+    unreadable = f"{path} is not a readable pycapsnet checkpoint"
+    # Checked first: np.load takes a file without the zip signature for a pickle, and would suggest
+    # loading it unsafely.
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":
+            raise CapsNetError(f"{unreadable}: it is not an .npz archive (training writes one to RUN/checkpoint.npz)")
     try:
         with np.load(path, allow_pickle=False) as z:
             files = {k: z[k] for k in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise CapsNetError(f"{unreadable}: a damaged or truncated .npz archive ({type(e).__name__}: {e})") from None
+    if "header" not in files:
+        raise CapsNetError(f"{unreadable}: an .npz archive, but without the header pycapsnet writes "
+                           f"(it holds {', '.join(sorted(files)[:5]) or 'no arrays'})")
+    try:
         header = json.loads(str(files.pop("header")))
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
-        raise CapsNetError(f"{path} is not a readable pycapsnet checkpoint ({type(e).__name__}: {e})") from None
+    except ValueError as e:
+        raise CapsNetError(f"{unreadable}: its header is not JSON ({e})") from None
     if header.get("format") != FORMAT:
         raise CapsNetError(f"{path}: unknown checkpoint format {header.get('format')!r} (expected {FORMAT})")
     params = {k[6:]: v for k, v in files.items() if k.startswith("param/")}

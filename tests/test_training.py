@@ -101,6 +101,20 @@ def test_corrupt_checkpoint_is_named(tmp_path):
         checkpoint.load(str(p))
 
 
+def test_files_that_are_not_checkpoints_say_why_without_suggesting_pickle(tmp_path):
+    data = open(checkpoint.save(str(tmp_path / "good.npz"), CapsNet("numpy", **SMALL)), "rb").read()
+    (tmp_path / "text.npz").write_bytes(b"not an archive at all\n")
+    (tmp_path / "half.npz").write_bytes(data[: len(data) // 2])   # a half-written copy
+    np.savez(tmp_path / "other.npz", weights=np.zeros(3))          # someone else's archive
+    for name, reason in [("text.npz", "it is not an .npz archive"),
+                         ("half.npz", "a damaged or truncated .npz archive (BadZipFile: "),
+                         ("other.npz", "without the header pycapsnet writes (it holds weights)")]:
+        with pytest.raises(CapsNetError) as e:
+            checkpoint.load(str(tmp_path / name))
+        assert f"{name} is not a readable pycapsnet checkpoint" in str(e.value), name
+        assert reason in str(e.value) and "pickle" not in str(e.value), (name, str(e.value))
+
+
 def _main(argv, backend="numpy"):
     return trainer.main(backend, argv)
 
