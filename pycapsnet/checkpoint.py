@@ -51,14 +51,16 @@ def load(path: str) -> dict:
     unreadable = f"{path} is not a readable pycapsnet checkpoint"
     # Checked first: np.load takes a file without the zip signature for a pickle, and would suggest
     # loading it unsafely.
+    # (np.load is given the open file, not the path: on a damaged archive it would leave its own open)
     with open(path, "rb") as f:
         if f.read(4) != b"PK\x03\x04":
             raise CapsNetError(f"{unreadable}: it is not an .npz archive (training writes one to RUN/checkpoint.npz)")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            files = {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise CapsNetError(f"{unreadable}: a damaged or truncated .npz archive ({type(e).__name__}: {e})") from None
+        f.seek(0)
+        try:
+            with np.load(f, allow_pickle=False) as z:
+                files = {k: z[k] for k in z.files}
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+            raise CapsNetError(f"{unreadable}: a damaged or truncated .npz archive ({type(e).__name__}: {e})") from None
     if "header" not in files:
         raise CapsNetError(f"{unreadable}: an .npz archive, but without the header pycapsnet writes "
                            f"(it holds {', '.join(sorted(files)[:5]) or 'no arrays'})")

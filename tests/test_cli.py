@@ -138,5 +138,6 @@ def test_impossible_numbers_are_refused_when_the_command_line_is_read(argv, mess
 
 
 def test_console_entry_point_is_declared():
-    setup = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py")).read()
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py")) as f:
+        setup = f.read()
     assert "pycapsnet=pycapsnet.cli:main" in setup

@@ -66,8 +66,8 @@ def test_bad_magic_is_named(mnist_dir):
 
 def test_truncated_file_is_named(mnist_dir):
     p = os.path.join(mnist_dir, "train-images-idx3-ubyte")
-    raw = open(p, "rb").read()
-    open(p, "wb").write(raw[:-100])
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) - 100)
     with pytest.raises(CapsNetError, match="train-images-idx3-ubyte: header says 30x28x28.*truncated"):
         data.load("mnist", mnist_dir)
 
@@ -80,7 +80,8 @@ def test_count_mismatch_is_named(mnist_dir, embedded):
 
 def test_corrupt_gzip_is_named(tmp_path):
     p = str(tmp_path / "x.gz")
-    open(p, "wb").write(b"\x1f\x8b not really gzip")
+    with open(p, "wb") as f:
+        f.write(b"\x1f\x8b not really gzip")
     with pytest.raises(CapsNetError, match="cannot read .*x.gz"):
         data.read_idx(p)
     with gzip.open(str(tmp_path / "y.gz"), "wb") as f:

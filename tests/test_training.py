@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,7 +72,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     model = CapsNet("numpy", **SMALL)
     path = str(tmp_path / "c.npz")
     checkpoint.save(path, model, epoch=1)
-    before = open(path, "rb").read()
+    before = Path(path).read_bytes()
 
     def interrupted(f, **arrays):
         f.write(b"half a checkpoint")
@@ -80,7 +81,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     monkeypatch.setattr(np, "savez", interrupted)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(path, model, epoch=2)
-    assert open(path, "rb").read() == before
+    assert Path(path).read_bytes() == before
     assert os.listdir(tmp_path) == ["c.npz"]  # no temporary file left behind
 
 
@@ -174,7 +175,7 @@ def test_resume_says_which_recipe_flags_change_the_run(tmp_path, capsys):
 def test_resume_refuses_flags_that_contradict_the_architecture(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert _main(DATA + ARCH + ["--epochs", "1", "--out", out]) == 0
-    before = open(os.path.join(out, "checkpoint.npz"), "rb").read()
+    before = Path(os.path.join(out, "checkpoint.npz")).read_bytes()
     capsys.readouterr()
     argv = DATA + ["--epochs", "2", "--resume", out, "--conv-channels", "16", "--routing-iters", "1",
                    "--share-spatial", "--primary-conv", "im2col"]
@@ -183,7 +184,7 @@ def test_resume_refuses_flags_that_contradict_the_architecture(tmp_path, capsys)
     assert ("contradict it: --routing-iters 1 (the checkpoint has 3); --share-spatial (the checkpoint's model was "
             "built without it); --primary-conv im2col (the checkpoint has fourier). Drop them to continue the run") in err
     assert "--conv-channels" not in err  # the checkpoint's own value is no contradiction
-    assert open(os.path.join(out, "checkpoint.npz"), "rb").read() == before
+    assert Path(os.path.join(out, "checkpoint.npz")).read_bytes() == before
     assert [m["epoch"] for m in _metrics(out)] == [1]
 
 
@@ -201,10 +202,10 @@ def test_checkpoints_without_a_recipe_still_give_their_optimizer_and_seed(tmp_pa
 def test_a_fresh_run_never_overwrites_a_trained_checkpoint(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
-    before = open(os.path.join(out, "checkpoint.npz"), "rb").read()
+    before = Path(os.path.join(out, "checkpoint.npz")).read_bytes()
     assert _main(FAST + ["--epochs", "1", "--out", out]) == 2
     assert f"already holds a checkpoint from an earlier run; continue it with --resume {out}" in capsys.readouterr().err
-    assert open(os.path.join(out, "checkpoint.npz"), "rb").read() == before
+    assert Path(os.path.join(out, "checkpoint.npz")).read_bytes() == before
     assert _main(FAST + ["--epochs", "1", "--out", out, "--overwrite", "--seed", "5"]) == 0
     assert [m["epoch"] for m in _metrics(out)] == [1]  # a fresh record, not appended to the old one
 
@@ -254,7 +255,7 @@ def test_train_on_idx_files_then_resume_and_evaluate_from_elsewhere_without_nami
 def test_ctrl_c_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
     assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
-    before = open(os.path.join(out, "checkpoint.npz"), "rb").read()
+    before = Path(os.path.join(out, "checkpoint.npz")).read_bytes()
     calls = {"n": 0}
     real = CapsNet.train_step_grads
 
@@ -267,7 +268,7 @@ def test_ctrl_c_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(CapsNet, "train_step_grads", interrupt_mid_epoch)
     assert _main(FAST + ["--epochs", "3", "--resume", out]) == 130
     assert f"interrupted: the last checkpoint written is intact; continue with --resume {out}" in capsys.readouterr().err
-    assert open(os.path.join(out, "checkpoint.npz"), "rb").read() == before
+    assert Path(os.path.join(out, "checkpoint.npz")).read_bytes() == before
     assert checkpoint.load(out)["header"]["epoch"] == 1
 
 
@@ -363,13 +364,13 @@ def test_a_shift_as_large_as_the_image_is_refused(tmp_path, capsys):
 def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
-    before = open(os.path.join(out, "checkpoint.npz"), "rb").read()
+    before = Path(os.path.join(out, "checkpoint.npz")).read_bytes()
     capsys.readouterr()
     assert _main(FAST + ["--epochs", "1", "--resume", out]) == 0
     said = capsys.readouterr()
     assert "has finished epoch 1 and --epochs is 1" in said.out + said.err
     assert "pass --epochs 2 or more to continue" in said.out + said.err
-    assert open(os.path.join(out, "checkpoint.npz"), "rb").read() == before
+    assert Path(os.path.join(out, "checkpoint.npz")).read_bytes() == before
     assert [m["epoch"] for m in _metrics(out)] == [1]
 
 
