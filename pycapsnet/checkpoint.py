@@ -49,9 +49,9 @@ def load(path: str) -> dict:
     if not os.path.exists(path):
         raise CapsNetError(f"checkpoint not found: {path}")
     unreadable = f"{path} is not a readable pycapsnet checkpoint"
-    # Checked first: np.load takes a file without the zip signature for a pickle, and would suggest
-    # loading it unsafely.
-    # (np.load is given the open file, not the path: on a damaged archive it would leave its own open)
+    # The zip signature is checked first: np.load takes any other file for a pickle, and would suggest
+    # loading it unsafely.  np.load gets the open file, not the path: on a damaged archive it would
+    # leave its own handle open.
     with open(path, "rb") as f:
         if f.read(4) != b"PK\x03\x04":
             raise CapsNetError(f"{unreadable}: it is not an .npz archive (training writes one to RUN/checkpoint.npz)")

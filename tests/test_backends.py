@@ -208,9 +208,14 @@ def test_numpy_matmul_leaves_large_products_to_blas(split_numpy):
     assert split_numpy.splits == []
 
 
+def _env_without_blas_timeout():
+    """This environment without OPENBLAS_THREAD_TIMEOUT: a child process sets it itself, or not."""
+    return {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+
+
 def test_importing_backends_sets_the_blas_thread_timeout_unless_given():
     code = "import os, backends; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    env = _env_without_blas_timeout()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "16"
     env["OPENBLAS_THREAD_TIMEOUT"] = "7"
@@ -237,7 +242,7 @@ def test_numpy_backend_warns_once_when_numpy_came_first(imports, timeout, warned
     # two backends, each running a batch of small products split over its threads
     split = "B = backends.get('numpy'); B.matmul(numpy.ones((1152, 64, 8)), numpy.ones((1152, 8, 160)))"
     code = f"{imports}; {split}; {split}"
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    env = _env_without_blas_timeout()
     if timeout:
         env["OPENBLAS_THREAD_TIMEOUT"] = timeout
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
@@ -253,7 +258,7 @@ def test_the_numpy_first_warning_points_at_the_users_line_not_into_the_library(t
     script.write_text("import numpy\nimport backends\nfrom pycapsnet import CapsNet\n"
                       "model = CapsNet(backends.get('numpy'), seed=0)\n"
                       "model.predict(numpy.zeros((64, 1, 28, 28), numpy.float32))\n")
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    env = _env_without_blas_timeout()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a script's own folder comes first on its path
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=env)
