@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -150,6 +151,16 @@ class CapsNet:
         self.B = _backends.get(backend) if isinstance(backend, str) else backend
         cfg = config or CapsNetConfig()
         if overrides:
+            fields = list(cfg.to_dict())
+            unknown = sorted(set(overrides) - set(fields))
+            if unknown:
+                hints = [f"{k}: did you mean {m[0]}?" for k in unknown if (m := difflib.get_close_matches(k, fields, n=1))]
+                if {"dtype", "device"} & set(unknown):
+                    hints.append("the dtype and device belong to the backend, e.g. "
+                                 f"CapsNet(backends.get({self.B.name!r}, dtype='float64'))")
+                raise CapsNetError(f"CapsNet got unknown option(s) {', '.join(unknown)}"
+                                   + (f" ({'; '.join(hints)})" if hints else "")
+                                   + f"; the options are the fields of CapsNetConfig: {', '.join(fields)}")
             cfg = CapsNetConfig(**{**cfg.to_dict(), **overrides})
         self.config = cfg
         self.n_positions, self.primary_hw = _geometry(cfg)  # primary capsule grid; checks the input size
@@ -221,6 +232,8 @@ class CapsNet:
     # ---- input checks ---------------------------------------------------------------------------
     def check_images(self, x):
         c, h, w = self.config.input_shape
+        if not hasattr(x, "shape"):  # a nested list or tuple of pixels
+            x = np.asarray(x)
         shape = tuple(x.shape)
         if len(shape) != 4:
             raise CapsNetError(f"images must be a 4-D batch (N, C, H, W) = (N, {c}, {h}, {w}); got shape {shape}"
@@ -231,6 +244,8 @@ class CapsNet:
         if shape[2:] != (h, w):
             raise CapsNetError(f"images are {shape[2]}x{shape[3]} but the model expects {h}x{w}; "
                                "resize them or build the model with input_shape=" f"({c}, {shape[2]}, {shape[3]})")
+        if shape[0] == 0:
+            raise CapsNetError(f"the batch of images is empty (shape {shape}); pass at least one image")
         if "float" not in str(x.dtype):
             raise CapsNetError(f"images must be floating point (scaled to [0, 1]), got dtype {x.dtype}; "
                                "e.g. x.astype('float32') / 255")
@@ -240,7 +255,7 @@ class CapsNet:
         return x
 
     def check_labels(self, y, n):
-        y_host = y if isinstance(y, np.ndarray) else self.B.to_numpy(y)
+        y_host = np.asarray(y) if isinstance(y, (np.ndarray, list, tuple)) else self.B.to_numpy(y)
         if y_host.ndim != 1 or y_host.shape[0] != n:
             raise CapsNetError(f"labels must be a 1-D array of {n} class indices, got shape {y_host.shape}")
         if y_host.dtype.kind not in "iu":

@@ -80,6 +80,8 @@ def test_torch_train_step_builds_no_autograd_graph():
     (np.zeros((2, 1, 14, 14), "uint8"), "floating point.*astype"),
     (np.full((2, 1, 14, 14), np.nan, "float32"), "NaN or inf"),
     (np.full((2, 1, 14, 14), np.inf, "float32"), "NaN or inf"),
+    (np.zeros((0, 1, 14, 14), "float32"), r"empty \(shape \(0, 1, 14, 14\)\); pass at least one image"),
+    ([[0.0] * 14] * 14, "4-D batch"),
 ])
 def test_bad_images(bad, match):
     m = CapsNet("numpy", **SMALL)
@@ -98,6 +100,25 @@ def test_bad_labels(labels, match):
     m = CapsNet("numpy", **SMALL)
     with pytest.raises(CapsNetError, match=match):
         m.loss(np.zeros((2, 1, 14, 14), "float32"), labels)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_nested_lists_are_taken_as_arrays(backend):
+    """Images and labels given as Python lists mean what np.asarray makes of them."""
+    m = CapsNet(backends.get(backend, dtype="float64"), seed=0, **SMALL)
+    x = np.random.default_rng(0).random((2, 1, 14, 14))
+    assert m.predict(x.tolist()).tolist() == m.predict(x).tolist()
+    assert m.loss(x.tolist(), [0, 1]).loss == m.loss(x, np.array([0, 1])).loss
+
+
+@pytest.mark.parametrize("option,match", [
+    ({"routing_iter": 2}, r"unknown option\(s\) routing_iter \(routing_iter: did you mean routing_iters\?\)"),
+    ({"dtype": "float64"}, r"dtype and device belong to the backend, e\.g\. CapsNet\(backends\.get\('numpy'"),
+    ({"colour": 1}, r"unknown option\(s\) colour; the options are the fields of CapsNetConfig: input_shape, "),
+])
+def test_an_unknown_model_option_is_named_with_the_ones_that_exist(option, match):
+    with pytest.raises(CapsNetError, match=match):
+        CapsNet("numpy", **option)
 
 
 def test_image_smaller_than_receptive_field():
