@@ -122,7 +122,10 @@ def load_idx_dir(data_dir: str):
         if len(images) != len(labels):
             raise CapsNetError(f"{part} set: {img_path} holds {len(images)} images but {lbl_path} "
                                f"holds {len(labels)} labels")
-        if labels.size and (labels.min() < 0 or labels.max() > 9):
+        if len(images) == 0:
+            raise CapsNetError(f"{part} set: {img_path} holds no images; it needs at least one to "
+                               f"{'train on' if part == 'train' else 'score the model on'}")
+        if labels.min() < 0 or labels.max() > 9:
             raise CapsNetError(f"{lbl_path}: labels must be 0..9, found {labels.min()}..{labels.max()}")
         x = (images.astype(np.float32) / 255.0)[:, None]
         splits.append(Split(x, labels.astype(np.int64)))
