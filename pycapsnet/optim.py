@@ -11,11 +11,24 @@ captured train step (``pycapsnet.graph``) replay ``apply`` with this step's scal
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+from .errors import CapsNetError
+
+
+def _check_hyperparameter(name: str, value, low: float, high: float, high_included: bool = False):
+    """Refuse ``value`` unless it is a finite number in [low, high) (or [low, high])."""
+    ok = isinstance(value, (int, float, np.number)) and math.isfinite(value) and low <= value
+    if not (ok and (value <= high if high_included else value < high)):
+        where = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}{']' if high_included else ')'}"
+        raise CapsNetError(f"{name} must be a finite number {where}, got {value!r}")
 
 
 class Optimizer:
     def __init__(self, model, lr: float):
+        _check_hyperparameter("lr", lr, 0, math.inf)
         self.model, self.lr, self.step_count = model, lr, 0
         self.state: dict = {}
 
@@ -63,6 +76,9 @@ class Adam(Optimizer):
 
     def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
         super().__init__(model, lr)
+        for k, beta in enumerate(betas):
+            _check_hyperparameter(f"betas[{k}]", beta, 0, 1)  # beta = 1 would divide by 1 - beta^t = 0
+        _check_hyperparameter("eps", eps, 0, math.inf)
         self.b1, self.b2, self.eps = betas[0], betas[1], eps
         B = model.B
         self.state = {"m": {k: B.zeros(p.shape) for k, p in model.params.items()},
@@ -102,6 +118,7 @@ class SGD(Optimizer):
 
     def __init__(self, model, lr=0.01, momentum=0.9):
         super().__init__(model, lr)
+        _check_hyperparameter("momentum", momentum, 0, 1, high_included=True)
         self.momentum = momentum
         self.state = {"buf": {k: model.B.zeros(p.shape) for k, p in model.params.items()}}
         (self._lr,) = self._scalars(1)

@@ -56,6 +56,22 @@ def test_adam_keeps_its_moments_between_steps():
     assert opt.step_count == 2
 
 
+@pytest.mark.parametrize("make,match", [
+    (lambda m: optim.Adam(m, lr=-1e-3), r"lr must be a finite number >= 0, got -0\.001"),
+    (lambda m: optim.SGD(m, lr=float("nan")), r"lr must be a finite number >= 0, got nan"),
+    (lambda m: optim.Adam(m, lr="1e-3"), r"lr must be a finite number >= 0, got '1e-3'"),
+    (lambda m: optim.Adam(m, betas=(0.9, 1.0)), r"betas\[1\] must be a finite number in \[0, 1\), got 1\.0"),
+    (lambda m: optim.Adam(m, eps=-1e-8), r"eps must be a finite number >= 0"),
+    (lambda m: optim.SGD(m, momentum=1.5), r"momentum must be a finite number in \[0, 1\], got 1\.5"),
+])
+def test_an_impossible_optimizer_setting_is_refused_when_it_is_made(make, match):
+    """Not at the first step, or never: a negative lr would train uphill without a word."""
+    model = CapsNet("numpy", **SMALL)
+    with pytest.raises(CapsNetError, match=match):
+        make(model)
+    assert optim.Adam(model, lr=0).lr == 0 and optim.SGD(model, momentum=1.0).momentum == 1.0  # the edges pass
+
+
 def test_checkpoint_is_backend_neutral(tmp_path):
     pytest.importorskip("torch")
     model = CapsNet("numpy", seed=4, **SMALL)
