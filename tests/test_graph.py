@@ -66,6 +66,9 @@ def test_captured_step_takes_only_its_batch_size():
     x, y = _batches(1, 3, "float32")[0]
     with pytest.raises(CapsNetError, match="batches of 4, got 3"):
         step(x, y)
+    for bad in (0, 2.5, "4"):
+        with pytest.raises(CapsNetError, match=f"batch_size must be a whole number of at least 1, got {bad!r}"):
+            CapturedStep(model, optim.Adam(model), batch_size=bad)
 
 
 def test_trainer_uses_the_recording_for_full_batches(tmp_path, monkeypatch):
