@@ -41,3 +41,14 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
     return value
+
+
+def name_and_factor(text: str) -> tuple:
+    """NAME=FACTOR -> (NAME, FACTOR), FACTOR a finite number; NAME alone means FACTOR 1.01."""
+    name, sep, factor = text.partition("=")
+    if not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=FACTOR, e.g. primary.W=1.01, got {text!r}")
+    value = _parse(float, factor) if sep else 1.01
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"FACTOR must be a finite number, got {factor}")
+    return name, value

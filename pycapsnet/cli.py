@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from .argtypes import nonnegative_int, positive_float, positive_int
+from .argtypes import name_and_factor, nonnegative_int, positive_float, positive_int
 from .errors import BackendError, CapsNetError
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
@@ -106,13 +106,8 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
 
 
 def cmd_crosscheck(args):
-    if args.perturb:
-        name, _, factor = args.perturb.partition("=")
-        perturb = (name, float(factor or 1.01))
-    else:
-        perturb = None
     tol = args.rtol if args.rtol is not None else TOLERANCE[args.dtype]
-    rows, models = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, perturb)
+    rows, models = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, args.perturb)
     src = args.checkpoint or f"seeded initialisation (seed {args.seed})"
     print(f"{models[0].B.label}  vs  {models[1].B.label}: {args.batch} test digits, weights from {src}")
     table = [{"tensor": r["tensor"], "kind": r["kind"], "max |a-b|": f"{r['max_abs']:.2e}",
@@ -131,8 +126,9 @@ PERTURB_STEPS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)
 def cmd_inspect(args):
     from . import checkpoint as ckpt_mod
     from . import data, plots
-    from .trainer import save_reconstructions, settle
+    from .trainer import prepare_out_dir, save_reconstructions, settle
 
+    prepare_out_dir(args.out)  # before the loading, so that a bad --out fails at once
     B = _backend(args.backend, "float32", args.device)
     model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
     args.eval_only = True
@@ -142,7 +138,6 @@ def cmd_inspect(args):
     _, test = data.load(args.dataset, args.data_dir)
     if not 0 <= args.index < len(test):
         raise CapsNetError(f"--index must be in [0, {len(test) - 1}], got {args.index}")
-    os.makedirs(args.out, exist_ok=True)
     written = [save_reconstructions(model, test, os.path.join(args.out, "reconstructions.png"))]
 
     x, y = test.x[args.index:args.index + 1], int(test.y[args.index])
@@ -221,8 +216,9 @@ def build_parser():
     c.add_argument("--rtol", type=positive_float, default=None, help="tolerance (default: 1e-9 float64, 1e-4 float32)")
     c.add_argument("--batch", type=positive_int, default=8)
     c.add_argument("--seed", type=nonnegative_int, default=0)
-    c.add_argument("--perturb-grad", dest="perturb", metavar="NAME=FACTOR", default=None,
-                   help="multiply side b's gradient NAME by FACTOR (shows that a disagreement is caught)")
+    c.add_argument("--perturb-grad", dest="perturb", metavar="NAME=FACTOR", type=name_and_factor, default=None,
+                   help="multiply side b's gradient NAME by FACTOR, 1.01 if left out (shows that a "
+                        "disagreement is caught)")
     c.set_defaults(fn=cmd_crosscheck)
 
     i = sub.add_parser("inspect", help="PNGs: reconstructions, capsule-dimension perturbations, coupling c_ij")

@@ -196,7 +196,7 @@ def save_reconstructions(model, split, path, n=16, title=""):
     return plots.reconstruction_grid(x, B.to_numpy(out.reconstruction), y, pred, path, title)
 
 
-def _prepare_out(path):
+def prepare_out_dir(path):
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, ".write-test")
@@ -243,7 +243,7 @@ def train(args, backend_name: str) -> dict:
     if args.shift >= side:
         raise CapsNetError(f"--shift {args.shift} is not less than the {side}-pixel image side: shifted "
                            f"images could be blank; use a smaller --shift (the paper's is 2)")
-    _prepare_out(out_dir)
+    prepare_out_dir(out_dir)
     ckpt_path = os.path.join(out_dir, CHECKPOINT)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if not ckpt:

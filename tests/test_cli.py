@@ -88,6 +88,13 @@ def test_inspect_writes_three_pictures(ckpt, tmp_path):
     np.testing.assert_allclose(c["arr_2"].sum(1), 1.0, rtol=1e-5)
 
 
+def test_inspect_into_a_file_is_an_error_not_a_traceback(ckpt, capsys):
+    assert cli.main(["inspect", ckpt, "--out", ckpt]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write to output directory {ckpt}: File exists; choose another with --out")
+    assert "Traceback" not in err
+
+
 def test_figure4_perturbation_moves_one_dimension(ckpt):
     model, _ = checkpoint.load_model(ckpt, backends.get("numpy"))
     v = np.zeros((2, 10, 16), np.float32)
@@ -129,6 +136,9 @@ def test_errors_exit_2_without_traceback(tmp_path):
     (["crosscheck", "--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
     (["inspect", "ckpt.npz", "--index", "-1"], "argument --index: must be 0 or more, got -1"),
     (["train", "--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    (["crosscheck", "--perturb-grad", "primary.W=abc"], "argument --perturb-grad: expected a number, got 'abc'"),
+    (["crosscheck", "--perturb-grad", "=2"], "argument --perturb-grad: expected NAME=FACTOR, e.g. primary.W=1.01"),
+    (["crosscheck", "--perturb-grad", "primary.W=nan"], "argument --perturb-grad: FACTOR must be a finite number"),
 ])
 def test_impossible_numbers_are_refused_when_the_command_line_is_read(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
