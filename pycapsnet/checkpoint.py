@@ -21,6 +21,10 @@ FORMAT = "pycapsnet-checkpoint-1"
 
 
 def save(path: str, model: CapsNet, optimizer=None, **meta) -> str:
+    """Write ``path`` (or ``path/checkpoint.npz`` when ``path`` is a directory, as ``load`` reads it),
+    making missing parent directories; returns the file's path."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "checkpoint.npz")
     arrays = {f"param/{k}": v for k, v in model.state_dict().items()}
     if optimizer is not None:
         arrays.update({f"optim/{k}": v for k, v in optimizer.state_dict().items()})
@@ -28,6 +32,7 @@ def save(path: str, model: CapsNet, optimizer=None, **meta) -> str:
               "optimizer": type(optimizer).__name__.lower() if optimizer is not None else None, **meta}
     arrays["header"] = np.array(json.dumps(header))
     directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:

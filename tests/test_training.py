@@ -101,6 +101,16 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["c.npz"]  # no temporary file left behind
 
 
+def test_checkpoint_save_makes_its_directory_and_takes_a_run_directory_as_load_does(tmp_path):
+    model = CapsNet("numpy", seed=2, **SMALL)
+    made = checkpoint.save(str(tmp_path / "new" / "run" / "c.npz"), model, epoch=1)
+    assert made == str(tmp_path / "new" / "run" / "c.npz") and os.path.isfile(made)
+    run = tmp_path / "run"
+    run.mkdir()
+    assert checkpoint.save(str(run), model, epoch=3) == str(run / "checkpoint.npz")
+    assert checkpoint.load(str(run))["header"]["epoch"] == 3
+
+
 def test_checkpoint_from_another_architecture_lists_the_mismatches(tmp_path):
     path = checkpoint.save(str(tmp_path / "c.npz"), CapsNet("numpy", **SMALL))
     other = CapsNet("numpy", **{**SMALL, "conv_channels": 6, "class_dim": 5})
