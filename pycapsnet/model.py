@@ -148,7 +148,7 @@ class CapsNet:
     initialisation, so the same seed gives the same weights on every backend."""
 
     def __init__(self, backend="numpy", config: CapsNetConfig | None = None, seed: int = 0, **overrides):
-        self.B = _backends.get(backend) if isinstance(backend, str) else backend
+        self.B = _backends.get(backend)  # a name, or a Backend (returned as it is)
         cfg = config or CapsNetConfig()
         if overrides:
             fields = list(cfg.to_dict())
@@ -307,7 +307,15 @@ class CapsNet:
     def decode(self, v, classes):
         """Reconstruction from class capsules v (N, J, D), keeping only capsule ``classes[n]`` of
         each sample (the others masked to 0), as the decoder sees them."""
-        return self._decode(self.B.asarray(v), self.B.asarray(np.asarray(classes, np.int64)))[0]
+        J, D = self.config.n_classes, self.config.class_dim
+        shape = tuple(np.shape(v))
+        if len(shape) != 3 or shape[1:] != (J, D):
+            raise CapsNetError(f"class capsules must have shape (N, {J}, {D}) (N, classes, class_dim); got {shape}")
+        classes = np.asarray(classes)
+        if classes.shape != (shape[0],) or classes.dtype.kind not in "iu" or not ((0 <= classes) & (classes < J)).all():
+            raise CapsNetError(f"classes must be {shape[0]} integers in [0, {J - 1}], one per sample; "
+                               f"got {classes.tolist() if classes.size <= 8 else classes.shape}")
+        return self._decode(self.B.asarray(v), self.B.asarray(classes.astype(np.int64)))[0]
 
     def loss(self, x, y) -> Outputs:
         """Forward with the label mask plus both losses; ``backward()`` then fills the gradients."""

@@ -121,6 +121,23 @@ def test_an_unknown_model_option_is_named_with_the_ones_that_exist(option, match
         CapsNet("numpy", **option)
 
 
+@pytest.mark.parametrize("v_shape,classes,match", [
+    ((2, 3, 6), [0, 1], r"class capsules must have shape \(N, 4, 6\) .*got \(2, 3, 6\)"),
+    ((2, 4, 6), [0, 4], r"classes must be 2 integers in \[0, 3\], one per sample; got \[0, 4\]"),
+    ((2, 4, 6), [0], r"classes must be 2 integers"),
+    ((2, 4, 6), [0.0, 1.0], r"classes must be 2 integers"),
+])
+def test_decode_names_a_bad_capsule_or_class(v_shape, classes, match):
+    m = CapsNet("numpy", **SMALL)
+    with pytest.raises(CapsNetError, match=match):
+        m.decode(np.zeros(v_shape, "float32"), classes)
+
+
+def test_a_backend_that_is_neither_a_name_nor_a_backend_is_named():
+    with pytest.raises(backends.BackendError, match="unknown backend '42': choose one of numpy, cupy, torch"):
+        CapsNet(42)
+
+
 def test_image_smaller_than_receptive_field():
     with pytest.raises(CapsNetError, match="smaller than the receptive field 17x17"):
         CapsNet("numpy", input_shape=(1, 16, 16))
