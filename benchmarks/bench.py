@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from backends import NAMES  # noqa: E402
 from backends.base import FLOAT_DTYPES  # noqa: E402
 from pycapsnet.argtypes import nonnegative_int, positive_int  # noqa: E402
 from pycapsnet.capsules import PrimaryCaps  # noqa: E402
@@ -316,12 +317,29 @@ def _run_worker(payload):
     print(json.dumps(out))
 
 
+def backend_spec(text: str) -> str:
+    """An implementation to measure: NAME[:DEVICE][+eager], NAME a backend.  A misspelt name is refused
+    here; a known one whose library or GPU is missing runs as a 'skipped' row with the reason."""
+    name_device, _, mode = text.partition("+")
+    if name_device.split(":")[0] not in NAMES or mode not in ("", "eager"):
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}: choose from {', '.join(NAMES)}, each with "
+                                         "an optional :DEVICE and +eager (e.g. torch:cuda+eager)")
+    return text
+
+
+def torch_device(text: str) -> str:
+    """The autograd reference's device: cpu, cuda or cuda:N."""
+    if text != "cpu" and not (text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit())):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", nargs="+", default=["numpy", "torch"],
+    p.add_argument("--backends", nargs="+", type=backend_spec, default=["numpy", "torch"],
                    help="numpy, torch, torch:cuda, cupy (default: numpy torch); torch:cuda runs its step as a "
                         "CUDA graph, torch:cuda+eager op by op")
-    p.add_argument("--ref-device", default="cpu", help="device of the autograd reference (cpu or cuda)")
+    p.add_argument("--ref-device", type=torch_device, default="cpu", help="device of the autograd reference (cpu or cuda)")
     p.add_argument("--no-reference", action="store_true", help="skip the autograd reference")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES)

@@ -74,7 +74,10 @@ def main(argv=None):
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--steps", type=positive_int, default=4)
     args = p.parse_args(argv)
-    step, rows = profile(args.backend, args.batch_size, args.steps)
+    try:
+        step, rows = profile(args.backend, args.batch_size, args.steps)
+    except backends.BackendError as e:  # unknown name, missing library or GPU
+        p.exit(2, f"{p.prog}: error: {e}\n")
     print(f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step ({args.batch_size / step:.1f} samples/s)")
     for label, t in rows:
         print(f"  {label:44s} {t:6.3f} s  {100 * t / step:5.1f}%")

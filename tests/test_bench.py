@@ -49,6 +49,10 @@ def test_step_profile_accounts_for_the_whole_step():
     ("bench", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
     ("bench", ["--warmup", "-1"], "argument --warmup: must be 0 or more, got -1"),
     ("profile_step", ["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    ("bench", ["--backends", "numpy", "jax"], "argument --backends: unknown backend 'jax': choose from numpy, cupy, torch"),
+    ("bench", ["--backends", "torch:cuda+graph"], "unknown backend 'torch:cuda+graph'"),
+    ("bench", ["--ref-device", "gpu"], "argument --ref-device: expected cpu, cuda or cuda:N, got 'gpu'"),
+    ("profile_step", ["--backend", "jax"], "error: unknown backend 'jax': choose one of numpy"),
 ])
 def test_benchmark_flags_refuse_impossible_numbers(script, argv, message, capsys, tmp_path):
     import importlib
