@@ -42,6 +42,7 @@ def cmd_gradcheck(args):
     from . import gradcheck
 
     B = _backend(args.backend, args.dtype)
+    gradcheck.require_float64(B)
     print(f"finite-difference checks on {B.label} ({args.samples} sampled entries per tensor, "
           f"fourth-order central differences)", flush=True)
     results = gradcheck.run_all(B, samples=args.samples, tol=args.tol, seed=args.seed)
@@ -202,9 +203,10 @@ def build_parser():
 
     g = sub.add_parser("gradcheck", help="finite-difference checks of every layer and the full loss")
     g.add_argument("--backend", default="numpy", help="numpy, torch, torch:cuda, cupy (default: numpy)")
-    g.add_argument("--dtype", default="float64", choices=FLOAT_DTYPES)
+    g.add_argument("--dtype", default="float64", choices=FLOAT_DTYPES,
+                   help="float64 only: float32 rounding swamps finite differences, so it is refused")
     g.add_argument("--samples", type=positive_int, default=20, help="entries sampled per tensor (default: 20)")
-    g.add_argument("--tol", type=positive_float, default=None, help="max relative error (default: 1e-6 in float64)")
+    g.add_argument("--tol", type=positive_float, default=1e-6, help="max relative error (default: 1e-6)")
     g.add_argument("--seed", type=nonnegative_int, default=0)
     g.set_defaults(fn=cmd_gradcheck)
 

@@ -41,6 +41,14 @@ def test_gradcheck_fails_on_a_broken_backward(monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+def test_gradcheck_in_float32_is_refused_with_the_reason(capsys):
+    """It used to run and report 20 FAILs on a correct backward: float32 rounding, not the gradients."""
+    assert cli.main(["gradcheck", "--dtype", "float32", "--samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: gradcheck runs in float64 only, not float32: float32 rounding swamps")
+    assert "pycapsnet crosscheck --dtype float32" in err
+
+
 def test_crosscheck_agrees_and_catches_a_perturbation(ckpt, capsys):
     pytest.importorskip("torch")
     assert cli.main(["crosscheck", "--a", "numpy", "--b", "torch", "--checkpoint", ckpt, "--batch", "4"]) == 0
