@@ -361,11 +361,18 @@ class CapsNet:
         self.backward()
         return out
 
-    def predict(self, x):
-        """Class indices (host int64 array) by the longest class capsule."""
-        out = self.forward(x, reconstruct=False)
-        self.release()
-        return self.B.to_numpy(self.B.xp.argmax(out.lengths, axis=1)).astype(np.int64)
+    def predict(self, x, batch_size: int = 256):
+        """Class indices (host int64 array) by the longest class capsule, ``batch_size`` images at a
+        time: a forward holds ~2 MB per 28x28 image (û alone is I x J x D floats), so 2,000 digits at
+        once took 4 GB."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise CapsNetError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")
+        x = self.check_images(x)
+        lengths = []
+        for a in range(0, x.shape[0], batch_size):
+            lengths.append(self.B.to_numpy(self._forward(x[a:a + batch_size], None, reconstruct=False).lengths))
+            self.release()
+        return np.argmax(np.concatenate(lengths), axis=1).astype(np.int64)
 
     def release(self):
         """Drop what forward kept for a backward (the PrimaryCaps spectra and û alone are ~180 MB

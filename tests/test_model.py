@@ -138,6 +138,20 @@ def test_a_backend_that_is_neither_a_name_nor_a_backend_is_named():
         CapsNet(42)
 
 
+def test_predict_runs_in_batches_and_gives_the_same_classes(monkeypatch):
+    """A forward holds ~2 MB per 28x28 digit, so predict must not take a whole test set at once."""
+    m = CapsNet(backends.get("numpy", dtype="float64"), seed=3, **SMALL)
+    x = np.random.default_rng(1).random((5, 1, 14, 14))
+    whole = m.predict(x, batch_size=5)
+    sizes = []
+    forward = m._forward
+    monkeypatch.setattr(m, "_forward", lambda xb, *a, **k: sizes.append(xb.shape[0]) or forward(xb, *a, **k))
+    assert m.predict(x, batch_size=2).tolist() == whole.tolist()
+    assert sizes == [2, 2, 1] and m._cache is None  # released after each batch
+    with pytest.raises(CapsNetError, match="batch_size must be a whole number of at least 1, got 0"):
+        m.predict(x, batch_size=0)
+
+
 def test_image_smaller_than_receptive_field():
     with pytest.raises(CapsNetError, match="smaller than the receptive field 17x17"):
         CapsNet("numpy", input_shape=(1, 16, 16))
