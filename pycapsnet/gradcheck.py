@@ -34,10 +34,10 @@ import numpy as np
 import backends as _backends
 
 from .capsules import CapsuleLength, ClassCaps, PrimaryCaps
+from .errors import CapsNetError
 from .fourier import FourierConv2d
 from .layers import Conv2d, Linear, ReLU, Sigmoid
 from .losses import MarginLoss, ReconstructionLoss
-from .errors import CapsNetError
 from .model import CapsNet
 from .routing import softmax, softmax_backward
 from .squash import squash, squash_backward
@@ -228,8 +228,8 @@ def require_float64(B):
     """Finite differences check a gradient only in float64.  In float32 a loss of O(1) rounds at
     ~1e-7, so the step must be ~1e-2 to rise above it, and the curvature over such a step is of the
     size of the gradients being checked: at h = 1e-2 and a 2% tolerance, 20 of the 84 checks failed
-    on a correct backward.  The backward is the same code in both dtypes; float32 is compared with
-    float64 and across backends by ``pycapsnet crosscheck`` and the tests instead."""
+    on a correct backward.  The backward is the same code in both dtypes; float32 runs are compared
+    across backends instead (``pycapsnet crosscheck --dtype float32`` and the tests)."""
     if B.dtype != "float64":
         raise CapsNetError(f"gradcheck runs in float64 only, not {B.dtype}: float32 rounding swamps finite "
                            "differences (20 of 84 checks fail on a correct backward). The backward is the same "

@@ -26,13 +26,12 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import CapsNetError
-from .model import Outputs
+from .model import Outputs, require_batch_size
 
 
 class CapturedStep:
     def __init__(self, model, optimizer, batch_size: int):
-        if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size < 1:
-            raise CapsNetError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")
+        require_batch_size(batch_size)
         B = model.B
         self.model, self.optimizer, self.batch_size = model, optimizer, batch_size
         # the recording reads its batch from these arrays, at these addresses, on every replay

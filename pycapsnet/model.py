@@ -68,6 +68,12 @@ class CapsNetConfig:
         return asdict(self)
 
 
+def require_batch_size(batch_size) -> None:
+    """CapsNetError unless ``batch_size`` is a whole number >= 1 (an int, not a bool or a float)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise CapsNetError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")
+
+
 def _geometry(cfg):
     """(positions P of the primary capsule grid, (H2, W2)) for a config; CapsNetError if too small."""
     if len(cfg.input_shape) != 3:
@@ -365,8 +371,7 @@ class CapsNet:
         """Class indices (host int64 array) by the longest class capsule, ``batch_size`` images at a
         time: a forward holds ~2 MB per 28x28 image (û alone is I x J x D floats), so 2,000 digits at
         once took 4 GB."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise CapsNetError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")
+        require_batch_size(batch_size)
         x = self.check_images(x)
         lengths = []
         for a in range(0, x.shape[0], batch_size):
