@@ -1,3 +1,5 @@
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
@@ -5,7 +7,7 @@ setup(
     version="0.1.0",
     description="Capsule Networks (Sabour et al. 2017) with hand-written forward and backward passes "
                 "on NumPy, CuPy and PyTorch",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["pycapsnet", "pycapsnet.*", "backends", "backends.*"]),
