@@ -1,6 +1,7 @@
 """The benchmark's smoke run: the real command, a tiny model, one timed step (no timing asserted)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -32,6 +33,32 @@ def test_benchmark_quick_run_writes_a_complete_table(tmp_path):
     assert impls["numpy"]["speedup_vs_autograd"] == pytest.approx(sum(per_round) / 2)
     products = res["floor"]["numpy"]["products"]
     assert {"primary forward", "primary dW", "primary dX", "classcaps u_hat"} <= set(products)
+    # the picture of the same JSON
+    png = tmp_path / "bench.png"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot_results.py"), str(out), "--out", str(png)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_results_picture_names_a_file_that_is_not_a_benchmark(tmp_path, capsys, monkeypatch):
+    from benchmarks.plot_results import main
+
+    monkeypatch.setattr(sys, "argv", ["plot_results.py"])  # the program name argparse prints
+
+    for text, message in [(None, "does not exist; write one with python benchmarks/bench.py --json"),
+                          ("{", "cannot read .* as JSON"),
+                          ('{"runs": []}', "is not a benchmarks/bench.py result"),
+                          ('{"main": [{"impl": "cupy", "error": "no GPU"}]}', "holds no measured implementation")]:
+        path = tmp_path / "r.json"
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SystemExit) as stop:
+            main([str(path), "--out", str(tmp_path / "r.png")])
+        assert stop.value.code == 2
+        assert re.search("plot_results.py: error: .*" + message, capsys.readouterr().err)
+        assert not (tmp_path / "r.png").exists()
+        path.unlink(missing_ok=True)
 
 
 def test_step_profile_accounts_for_the_whole_step():
