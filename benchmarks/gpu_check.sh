@@ -9,7 +9,7 @@
 #  gradcheck   finite differences in float64 on both GPU backends (pycapsnet gradcheck)
 #  crosscheck  NumPy vs CuPy and torch CPU vs CUDA on the paper architecture, float32
 #  bench       CuPy and torch:cuda (hand-written; as a CUDA graph and op by op) against PyTorch
-#              autograd on the same GPU, batch 64 and 256
+#              autograd on the same GPU, batch 64 and 256, each also as a picture
 #  profile     where a step's time goes, op by op (benchmarks/profile_step.py)
 #  train       two epochs per GPU backend on the embedded digits
 #
@@ -58,6 +58,10 @@ if want bench; then
         --warmup 5 --steps 30 --json "$out/bench_b64.json"
     run bench_b256 240 15 python benchmarks/bench.py --backends cupy torch:cuda torch:cuda+eager --ref-device cuda \
         --batch-size 256 --warmup 5 --steps 20 --rounds 2 --json "$out/bench_b256.json"
+    for b in b64 b256; do
+        [ -f "$out/bench_$b.json" ] && run "plot_$b" 60 1 python benchmarks/plot_results.py "$out/bench_$b.json" \
+            --out "$out/bench_$b.png"
+    done
 fi
 if want profile; then
     run profile_cupy 60 10 python benchmarks/profile_step.py --backend cupy --steps 20
