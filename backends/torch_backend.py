@@ -9,6 +9,11 @@ import numpy as np
 from .base import Backend, BackendError, keep_freed_memory, parse_einsum_pair, stacked_outer_form
 
 
+def is_torch_device(name: str) -> bool:
+    """'cpu', 'cuda' or 'cuda:N': the devices this backend (and the benchmark's autograd reference) run on."""
+    return name in ("cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit())
+
+
 class TorchBackend(Backend):
     name = "torch"
 
@@ -24,12 +29,11 @@ class TorchBackend(Backend):
                                "pip install 'pycapsnet[torch]' (or pip install torch)") from e
         super().__init__(dtype, device or "cpu")
         dev = str(self.device)
-        if dev.startswith("cuda"):
-            if not torch.cuda.is_available():
-                raise BackendError(f"device {dev!r} asked for, but torch.cuda.is_available() is False "
-                                   "(no CUDA GPU or a CPU-only PyTorch build); use device='cpu'")
-        elif dev != "cpu":
+        if not is_torch_device(dev):
             raise BackendError(f"unknown torch device {dev!r}: use 'cpu', 'cuda' or 'cuda:N'")
+        if dev != "cpu" and not torch.cuda.is_available():
+            raise BackendError(f"device {dev!r} asked for, but torch.cuda.is_available() is False "
+                               "(no CUDA GPU or a CPU-only PyTorch build); use device='cpu'")
         import array_api_compat.torch as xp
 
         self.torch = torch

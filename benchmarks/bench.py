@@ -43,6 +43,7 @@ if ROOT not in sys.path:
 
 from backends import NAMES  # noqa: E402
 from backends.base import FLOAT_DTYPES  # noqa: E402
+from backends.torch_backend import is_torch_device  # noqa: E402  (imports no torch)
 from pycapsnet.argtypes import nonnegative_int, positive_int  # noqa: E402
 from pycapsnet.capsules import PrimaryCaps  # noqa: E402
 from pycapsnet.cli import format_table  # noqa: E402
@@ -328,8 +329,8 @@ def backend_spec(text: str) -> str:
 
 
 def torch_device(text: str) -> str:
-    """The autograd reference's device: cpu, cuda or cuda:N."""
-    if text != "cpu" and not (text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit())):
+    """The autograd reference's device: cpu, cuda or cuda:N, as for the torch backend."""
+    if not is_torch_device(text):
         raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
     return text
 
