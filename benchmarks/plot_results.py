@@ -71,29 +71,27 @@ def _throughput_panel(ax, results):
     ax.set_ylim(0, max(tops) * 1.3)
 
 
+def _rates_against(ax, rows, key, xlabel, title):
+    """Train and eval samples/s of the scaling ``rows`` against their field ``key``."""
+    xs = [r[key] for r in rows]
+    ax.plot(xs, [r["train_samples_per_s"] for r in rows], "o-", label="train")
+    ax.plot(xs, [r["eval_samples_per_s"] for r in rows], "s-", label="eval")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("samples/s")
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+
+
 def _scaling_panels(axes, scaling):
     ok = {k: [r for r in scaling.get(k, []) if "error" not in r] for k in ("batch", "routing", "input_size")}
-    ax = axes[0]
-    ax.plot([r["batch"] for r in ok["batch"]], [r["train_samples_per_s"] for r in ok["batch"]], "o-", label="train")
-    ax.plot([r["batch"] for r in ok["batch"]], [r["eval_samples_per_s"] for r in ok["batch"]], "s-", label="eval")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([r["batch"] for r in ok["batch"]], [str(r["batch"]) for r in ok["batch"]])
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("samples/s")
-    ax.legend(fontsize=7)
-    ax.set_title(f"{scaling.get('impl', '')}: throughput against batch", fontsize=9)
+    _rates_against(axes[0], ok["batch"], "batch", "batch size", f"{scaling.get('impl', '')}: throughput against batch")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xticks([r["batch"] for r in ok["batch"]], [str(r["batch"]) for r in ok["batch"]])
 
-    ax = axes[1]
-    ax.plot([r["routing_iters"] for r in ok["routing"]], [r["train_samples_per_s"] for r in ok["routing"]], "o-",
-            label="train")
-    ax.plot([r["routing_iters"] for r in ok["routing"]], [r["eval_samples_per_s"] for r in ok["routing"]], "s-",
-            label="eval")
-    ax.set_xticks([r["routing_iters"] for r in ok["routing"]])
-    ax.set_xlabel("routing iterations")
-    ax.set_ylabel("samples/s")
-    ax.legend(fontsize=7)
     batch = ok["routing"][0]["batch"] if ok["routing"] else "?"
-    ax.set_title(f"throughput against routing iterations (batch {batch})", fontsize=9)
+    _rates_against(axes[1], ok["routing"], "routing_iters", "routing iterations",
+                   f"throughput against routing iterations (batch {batch})")
+    axes[1].set_xticks([r["routing_iters"] for r in ok["routing"]])
 
     ax = axes[2]
     for share, style in ((False, "o-"), (True, "s--")):
