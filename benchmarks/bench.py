@@ -2,7 +2,7 @@
 GEMM floor of a train step.
 
     python benchmarks/bench.py                         # numpy + torch vs autograd, batch 64, float32
-    python benchmarks/bench.py --backends cupy torch:cuda torch:cuda+eager --ref-device cuda   # on a GPU
+    python benchmarks/bench.py --backends cupy cupy+graph torch:cuda torch:cuda+eager --ref-device cuda   # on a GPU
     python benchmarks/bench.py --scaling               # + throughput vs batch / routing, memory vs size
     python benchmarks/bench.py --quick                 # a seconds-long smoke run (used by the tests)
 
@@ -130,7 +130,9 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
         from pycapsnet import CapsNet, optim
         from pycapsnet.graph import CapturedStep
 
-        name, _, mode = impl.partition("+")  # "torch:cuda+eager": op by op, no CUDA graph
+        # "+eager": op by op where the trainer records the step (torch:cuda); "+graph": recorded where
+        # it does not (cupy, whose CUDA graph awaits a GPU run; on the CPU, a re-run)
+        name, _, mode = impl.partition("+")
         try:
             B = backends.get(name, dtype=dtype)
         except backends.BackendError as e:
@@ -141,7 +143,7 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
         model = CapsNet(B, seed=0, **cfg)
         opt = optim.Adam(model, 1e-3)
         xb = B.asarray(x)
-        graph = B.can_capture and mode != "eager"
+        graph = mode == "graph" or (B.can_capture and mode != "eager")
         if graph:
             captured = CapturedStep(model, opt, batch)
 
@@ -155,12 +157,13 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
         def evaluate():
             model.predict(xb)
 
-        label = B.label.replace(f"/{dtype}", "") + (", CUDA graph" if graph else ", op by op" if mode else "")
         on_gpu = B.device.startswith("cuda")
+        recorded = ", CUDA graph" if on_gpu else ", recorded"  # on the CPU: a re-run, host transfers refused
+        label = B.label.replace(f"/{dtype}", "") + (recorded if graph else ", op by op" if mode else "")
         mem_fn = (lambda: B.memory()["peak"]) if on_gpu else None
-        # a recorded step allocates while it is recorded, not when replayed: its peak counts from the
-        # model's creation (on the CPU, where nothing is recorded, this changes nothing)
-        reset = (lambda: None) if graph else B.reset_peak_memory if on_gpu else reset_process_peak
+        # a CUDA graph allocates while it is recorded, not when replayed: its peak counts from the
+        # model's creation (on the CPU a "recording" re-runs the step, which allocates as it goes)
+        reset = (lambda: None) if graph and on_gpu else B.reset_peak_memory if on_gpu else reset_process_peak
         n_params = model.n_params()
 
     # warm up, then measure the train step's peak memory over the timed steps
@@ -319,12 +322,12 @@ def _run_worker(payload):
 
 
 def backend_spec(text: str) -> str:
-    """An implementation to measure: NAME[:DEVICE][+eager], NAME a backend.  A misspelt name is refused
+    """An implementation to measure: NAME[:DEVICE][+eager|+graph], NAME a backend.  A misspelt name is refused
     here; a known one whose library or GPU is missing runs as a 'skipped' row with the reason."""
     name_device, _, mode = text.partition("+")
-    if name_device.split(":")[0] not in NAMES or mode not in ("", "eager"):
+    if name_device.split(":")[0] not in NAMES or mode not in ("", "eager", "graph"):
         raise argparse.ArgumentTypeError(f"unknown backend {text!r}: choose from {', '.join(NAMES)}, each with "
-                                         "an optional :DEVICE and +eager (e.g. torch:cuda+eager)")
+                                         "an optional :DEVICE and +eager or +graph (e.g. torch:cuda+eager)")
     return text
 
 
@@ -339,7 +342,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="+", type=backend_spec, default=["numpy", "torch"],
                    help="numpy, torch, torch:cuda, cupy (default: numpy torch); torch:cuda runs its step as a "
-                        "CUDA graph, torch:cuda+eager op by op")
+                        "CUDA graph, torch:cuda+eager op by op; cupy+graph records CuPy's step as a CUDA graph")
     p.add_argument("--ref-device", type=torch_device, default="cpu", help="device of the autograd reference (cpu or cuda)")
     p.add_argument("--no-reference", action="store_true", help="skip the autograd reference")
     p.add_argument("--batch-size", type=positive_int, default=64)

@@ -8,7 +8,7 @@
 #              step op by op, the CLI's CPU-vs-GPU crosscheck, the training scripts on the GPU
 #  gradcheck   finite differences in float64 on both GPU backends (pycapsnet gradcheck)
 #  crosscheck  NumPy vs CuPy and torch CPU vs CUDA on the paper architecture, float32
-#  bench       CuPy and torch:cuda (hand-written; as a CUDA graph and op by op) against PyTorch
+#  bench       CuPy and torch:cuda (hand-written; each as a CUDA graph and op by op) against PyTorch
 #              autograd on the same GPU, batch 64 and 256, each also as a picture
 #  profile     where a step's time goes, op by op (benchmarks/profile_step.py)
 #  train       two epochs per GPU backend on the embedded digits
@@ -54,9 +54,9 @@ if want crosscheck; then
     run crosscheck_torch_cpu_cuda 120 6 python -m pycapsnet.cli crosscheck --a torch:cpu --b torch:cuda --dtype float32
 fi
 if want bench; then
-    run bench_b64 300 15 python benchmarks/bench.py --backends cupy torch:cuda torch:cuda+eager --ref-device cuda \
+    run bench_b64 300 15 python benchmarks/bench.py --backends cupy cupy+graph torch:cuda torch:cuda+eager --ref-device cuda \
         --warmup 5 --steps 30 --json "$out/bench_b64.json"
-    run bench_b256 240 15 python benchmarks/bench.py --backends cupy torch:cuda torch:cuda+eager --ref-device cuda \
+    run bench_b256 240 15 python benchmarks/bench.py --backends cupy cupy+graph torch:cuda torch:cuda+eager --ref-device cuda \
         --batch-size 256 --warmup 5 --steps 20 --rounds 2 --json "$out/bench_b256.json"
     for b in b64 b256; do
         [ -f "$out/bench_$b.json" ] && run "plot_$b" 60 1 python benchmarks/plot_results.py "$out/bench_$b.json" \

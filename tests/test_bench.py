@@ -77,7 +77,7 @@ def test_step_profile_accounts_for_the_whole_step():
     ("bench", ["--warmup", "-1"], "argument --warmup: must be 0 or more, got -1"),
     ("profile_step", ["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
     ("bench", ["--backends", "numpy", "jax"], "argument --backends: unknown backend 'jax': choose from numpy, cupy, torch"),
-    ("bench", ["--backends", "torch:cuda+graph"], "unknown backend 'torch:cuda+graph'"),
+    ("bench", ["--backends", "torch:cuda+fast"], "unknown backend 'torch:cuda+fast'"),
     ("bench", ["--ref-device", "gpu"], "argument --ref-device: expected cpu, cuda or cuda:N, got 'gpu'"),
     ("profile_step", ["--backend", "jax"], "error: unknown backend 'jax': choose one of numpy"),
 ])
@@ -91,3 +91,15 @@ def test_benchmark_flags_refuse_impossible_numbers(script, argv, message, capsys
         main(argv)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_benchmark_measures_a_recorded_step(tmp_path):
+    """``+graph`` measures the step through CapturedStep (cupy+graph on a GPU); on the CPU the
+    recording is a re-run with host transfers refused, which this runs end to end."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--quick", "--no-reference",
+                        "--backends", "numpy+graph", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    (m,) = json.loads(out.read_text())["main"]
+    assert m["impl"] == "numpy+graph" and "error" not in m, m
+    assert m["label"].startswith("numpy:cpu, recorded") and m["train_samples_per_s"] > 0

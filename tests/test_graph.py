@@ -2,6 +2,8 @@
 and the same weights after several steps, on every backend (a CUDA graph on torch:cuda, a re-run
 with host transfers refused elsewhere); and what a graph could not replay is refused on the CPU."""
 import argparse
+import contextlib
+import functools
 
 import numpy as np
 import pytest
@@ -112,3 +114,107 @@ def test_the_recorded_step_makes_no_tensor_from_host_data(monkeypatch):
         monkeypatch.setattr(torch, name, guarded)
     CapturedStep(model, optim.Adam(model), batch_size=2)
     assert made == []
+
+
+class _FakeCuda:
+    """Stands in for ``cupy.cuda`` on a machine without a GPU, logging what CupyBackend.capture asks
+    of it: which allocator and stream each run of the step saw, and whether the stream captured."""
+
+    def __init__(self):
+        self.log, self.allocator, self.capturing = [], None, False
+        self.null = self.current = self.Stream(self, name="null")
+
+    class MemoryPool:
+        def malloc(self, size):
+            raise AssertionError("not called by the fake step")
+
+        def used_bytes(self):
+            return 3
+
+        def total_bytes(self):
+            return 5
+
+    class Stream:
+        def __init__(self, cuda, non_blocking=False, name="side"):
+            self.cuda, self.name = cuda, name
+
+        def __enter__(self):
+            self.outer, self.cuda.current = self.cuda.current, self
+            return self
+
+        def __exit__(self, *exc):
+            self.cuda.current = self.outer
+
+        def record(self):
+            return f"event on {self.name}"
+
+        def wait_event(self, event):
+            self.cuda.log.append(f"{self.name} waits for {event}")
+
+        def begin_capture(self):
+            self.cuda.capturing = True
+
+        def end_capture(self):
+            self.cuda.capturing = False
+            cuda = self.cuda
+            return type("Graph", (), {"launch": lambda _, stream: cuda.log.append(f"graph on {stream.name}")})()
+
+    def get_current_stream(self):
+        return self.current
+
+    @contextlib.contextmanager
+    def using_allocator(self, allocator):
+        self.allocator = allocator
+        try:
+            yield
+        finally:
+            self.allocator = None
+
+
+def _fake_cupy_backend():
+    cupy_backend = pytest.importorskip("backends.cupy_backend")
+    B = cupy_backend.CupyBackend.__new__(cupy_backend.CupyBackend)  # no cupy or GPU needed for capture
+    cuda = _FakeCuda()
+    cuda.Stream = functools.partial(_FakeCuda.Stream, cuda)
+    B.lib = type("cupy", (), {"cuda": cuda, "get_default_memory_pool": staticmethod(_FakeCuda.MemoryPool)})
+    B._graph_pools = []
+    return B, cuda
+
+
+def test_cupy_records_the_step_on_a_side_stream_into_a_pool_of_its_own():
+    """CupyBackend.capture without a GPU: the order of its CUDA calls, which the GPU tests check in
+    earnest (test_captured_step_equals_the_step_op_by_op[cupy])."""
+    B, cuda = _fake_cupy_backend()
+
+    def step():
+        cuda.log.append((cuda.current.name, cuda.allocator is not None and cuda.allocator.__self__ is B._graph_pools[-1],
+                         B._host_transfers_refused, cuda.capturing))
+
+    replay = B.capture(step)
+    assert cuda.log == ["side waits for event on null",
+                        ("side", True, False, False),   # warm-up: compile kernels, build constants
+                        ("side", True, True, False),    # warm-up with host transfers refused
+                        ("side", True, True, True),     # recorded
+                        "null waits for event on side"]
+    assert cuda.current is cuda.null and cuda.allocator is None and not B._host_transfers_refused
+    del cuda.log[:]
+    replay()
+    replay()
+    assert cuda.log == ["graph on null", "graph on null"]  # replays launch the graph; the step does not run
+    assert B.memory()["peak"] == 10  # CuPy's default pool and the graph's own
+
+
+def test_cupy_ends_a_failed_recording_and_reports_the_step_error():
+    B, cuda = _fake_cupy_backend()
+    runs = []
+
+    def step():
+        runs.append(cuda.capturing)
+        if cuda.capturing:
+            raise ValueError("a host read")
+
+    with pytest.raises(ValueError, match="a host read"):
+        B.capture(step)
+    assert runs == [False, False, True]
+    assert not cuda.capturing and cuda.current is cuda.null and cuda.allocator is None
+    assert not B._host_transfers_refused
