@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from pycapsnet.plots import _plt  # noqa: E402  (matplotlib with the Agg backend: no display needed)
+from pycapsnet.plots import pyplot  # noqa: E402  (matplotlib with the Agg backend: no display needed)
 
 
 class NotAResult(ValueError):
@@ -111,7 +111,7 @@ def _scaling_panels(axes, scaling):
 
 
 def plot(results: dict, path: str) -> str:
-    plt = _plt()
+    plt = pyplot()
     scaling = results.get("scaling")
     if scaling:
         fig, axes = plt.subplots(2, 2, figsize=(11, 8))

@@ -4,7 +4,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, which draws to files and needs no display (the CLIs,
+    CI and the benchmark's pictures run headless)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -20,7 +22,7 @@ def _img(a):
 
 def reconstruction_grid(images, recons, labels, preds, path, title=""):
     """Rows of (input, reconstruction) pairs, titled with label and prediction."""
-    plt = _plt()
+    plt = pyplot()
     n = len(images)
     cols = min(n, 8)
     rows = 2 * int(np.ceil(n / cols))
@@ -42,7 +44,7 @@ def reconstruction_grid(images, recons, labels, preds, path, title=""):
 
 def perturbation_grid(decoded, steps, path, title=""):
     """decoded: (dims, len(steps), C, H, W) -- one row per capsule dimension (the paper's Figure 4)."""
-    plt = _plt()
+    plt = pyplot()
     dims, n_steps = decoded.shape[:2]
     fig, axes = plt.subplots(dims, n_steps, figsize=(0.8 * n_steps + 0.6, 0.8 * dims + 0.4), squeeze=False)
     for d in range(dims):
@@ -68,7 +70,7 @@ def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title=""):
     scale fitted to the data (the coefficients start at 1/J and move by a few hundredths, which a 0..1
     scale would hide).  Bottom row: for class ``chosen``, c_ij averaged over the capsule types at
     each position of the primary grid -- where in the image that class draws its evidence from."""
-    plt = _plt()
+    plt = pyplot()
     R = len(couplings)
     cs = [np.asarray(c) for c in couplings]
     lo, hi = min(c.min() for c in cs), max(c.max() for c in cs)
@@ -100,7 +102,7 @@ def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title=""):
 
 def training_curves(metrics, path):
     """Test accuracy and train loss per epoch from metrics.jsonl records."""
-    plt = _plt()
+    plt = pyplot()
     ep = [m["epoch"] for m in metrics]
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3))
     a.plot(ep, [100 * m["test_acc"] for m in metrics], "o-")
