@@ -193,7 +193,7 @@ def _data_flags(p):
 def build_parser():
     from backends.base import FLOAT_DTYPES
 
-    from .trainer import add_arguments
+    from .trainer import add_arguments, add_limit_test
 
     p = argparse.ArgumentParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -241,7 +241,7 @@ def build_parser():
     e.add_argument("--device", default=None)
     _data_flags(e)
     e.add_argument("--dtype", choices=FLOAT_DTYPES, help="default: the dtype the run trained in")
-    e.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on only the first N test images")
+    add_limit_test(e)
     e.set_defaults(fn=cmd_evaluate)
     return p
 

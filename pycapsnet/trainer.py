@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--shift", type=nonnegative_int,
                    help=f"random shift augmentation in pixels, 0 = off (default: {d['shift']})")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N training images (quick runs)")
-    p.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on only the first N test images")
+    add_limit_test(p)
     p.add_argument("--conv-channels", type=positive_int,
                    help=f"conv1 channels (default: {d['conv_channels']}, the paper's)")
     p.add_argument("--primary-types", type=positive_int,
@@ -103,6 +103,11 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--no-graph", action="store_true",
                    help="launch the step's operations one by one even where the backend can record the "
                         "step once and replay it (torch on CUDA: a CUDA graph; on an H100 at batch 64, 1.8x faster)")
+
+
+def add_limit_test(p) -> None:
+    """--limit-test, shared by the trainer and ``pycapsnet evaluate``."""
+    p.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on only the first N test images")
 
 
 def _flag(name):
