@@ -202,6 +202,10 @@ def save_reconstructions(model, split, path, n=16, title=""):
 
 
 def prepare_out_dir(path):
+    """Make the output directory and check that it takes files: a bad --out fails before the work."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CapsNetError(f"--out {path} is a file; it names the directory the results go to: "
+                           "choose another with --out")
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, ".write-test")

@@ -99,7 +99,8 @@ def test_inspect_writes_three_pictures(ckpt, tmp_path):
 def test_inspect_into_a_file_is_an_error_not_a_traceback(ckpt, capsys):
     assert cli.main(["inspect", ckpt, "--out", ckpt]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: cannot write to output directory {ckpt}: File exists; choose another with --out")
+    assert err.startswith(f"error: --out {ckpt} is a file; it names the directory the results go to: "
+                          "choose another with --out")
     assert "Traceback" not in err
 
 
