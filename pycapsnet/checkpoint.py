@@ -32,16 +32,22 @@ def save(path: str, model: CapsNet, optimizer=None, **meta) -> str:
               "optimizer": type(optimizer).__name__.lower() if optimizer is not None else None, **meta}
     arrays["header"] = np.array(json.dumps(header))
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
+    tmp = None
     try:
+        os.makedirs(directory, exist_ok=True)
+        # written beside the target and renamed over it: a crash or a full disk leaves the last
+        # checkpoint whole, never half a new one
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise CapsNetError(f"cannot write the checkpoint {path}: {e.strerror or e}"
+                           + ("; the one written there before is intact" if os.path.exists(path) else "")) from e
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     return path
 

@@ -1,5 +1,6 @@
 """Optimizers against torch.optim, checkpoints, the trainer's faults and exit codes, and learning."""
 import argparse
+import errno
 import json
 import os
 import subprocess
@@ -99,6 +100,28 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         checkpoint.save(path, model, epoch=2)
     assert Path(path).read_bytes() == before
     assert os.listdir(tmp_path) == ["c.npz"]  # no temporary file left behind
+
+
+def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """A write that fails (ENOSPC here) is one error naming the checkpoint, not the hidden temporary
+    file; the trainer stops with it (exit 2) and the previous checkpoint stays whole."""
+    out = str(tmp_path / "run")
+    assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
+    path = os.path.join(out, "checkpoint.npz")
+    before = Path(path).read_bytes()
+
+    def disk_full(f, **arrays):
+        f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(np, "savez", disk_full)
+    capsys.readouterr()
+    assert _main(FAST + ["--epochs", "2", "--resume", out]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot write the checkpoint {path}: No space left on device; the one written there before is intact" in err
+    assert Path(path).read_bytes() == before and not [n for n in os.listdir(out) if n.startswith(".tmp-")]
+    with pytest.raises(CapsNetError, match=f"cannot write the checkpoint {tmp_path / 'new.npz'}: No space left on device$"):
+        checkpoint.save(str(tmp_path / "new.npz"), CapsNet("numpy", **SMALL))
 
 
 def test_checkpoint_save_makes_its_directory_and_takes_a_run_directory_as_load_does(tmp_path):
