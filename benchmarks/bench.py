@@ -44,7 +44,7 @@ if ROOT not in sys.path:
 from backends import NAMES  # noqa: E402
 from backends.base import FLOAT_DTYPES  # noqa: E402
 from backends.torch_backend import is_torch_device  # noqa: E402  (imports no torch)
-from pycapsnet.argtypes import nonnegative_int, positive_int  # noqa: E402
+from pycapsnet.argtypes import nonnegative_int, positive_int, writable_file  # noqa: E402
 from pycapsnet.capsules import PrimaryCaps  # noqa: E402
 from pycapsnet.cli import format_table  # noqa: E402
 
@@ -357,7 +357,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny model, 1 timed step: a smoke run")
     p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS), default="fourier",
                    help="how the hand-written PrimaryCaps convolves (default fourier, as in training)")
-    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results.json"))
+    p.add_argument("--json", type=writable_file, default=os.path.join(ROOT, "benchmarks", "results.json"),
+                   help="where the results go (default: benchmarks/results.json, the README's)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from pycapsnet.argtypes import writable_file  # noqa: E402
 from pycapsnet.plots import pyplot  # noqa: E402  (matplotlib with the Agg backend: no display needed)
 
 
@@ -133,7 +134,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="?", default=os.path.join(ROOT, "benchmarks", "results.json"),
                    help="a JSON written by benchmarks/bench.py (default: benchmarks/results.json)")
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmark.png"), help="the PNG to write")
+    p.add_argument("--out", type=writable_file, default=os.path.join(ROOT, "docs", "benchmark.png"),
+                   help="the PNG to write")
     args = p.parse_args(argv)
     try:
         results = load(args.json)

@@ -1,14 +1,17 @@
-"""argparse types for the command lines' numeric flags.
+"""argparse types for the command lines' numeric flags and output files.
 
 Each refuses an impossible value when the command line is parsed, so the user gets argparse's
 usage line, ``error: argument --batch-size: must be at least 1, got 0`` and exit code 2, instead
 of a traceback from deep inside a step, or, worse, a run that silently does something else (a
-negative ``--limit`` slicing from the end, a negative ``--lr`` climbing the loss).
+negative ``--limit`` slicing from the end, a negative ``--lr`` climbing the loss), or a long
+benchmark that ends by failing to write its result.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 
 
 def _parse(kind, text: str):
@@ -52,3 +55,30 @@ def name_and_factor(text: str) -> tuple:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"FACTOR must be a finite number, got {factor}")
     return name, value
+
+
+def writable_file(text: str) -> str:
+    """A file the command writes when it is done: its directory is made now and must take a new
+    file, so that minutes of work are not lost to a bad path at the end."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name the file to write")
+    blocker = file_in_the_way(os.path.dirname(path))
+    if blocker:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {blocker} is a file, not a directory")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {e.strerror or e}") from None
+    return text
+
+
+def file_in_the_way(directory: str) -> str | None:
+    """The file, if any, that stands where ``directory`` or one of its missing parents would go (the
+    OS then says only 'File exists' or 'Not a directory')."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path if os.path.exists(path) and not os.path.isdir(path) else None

@@ -79,6 +79,11 @@ def test_step_profile_accounts_for_the_whole_step():
     ("bench", ["--backends", "numpy", "jax"], "argument --backends: unknown backend 'jax': choose from numpy, cupy, torch"),
     ("bench", ["--backends", "torch:cuda+fast"], "unknown backend 'torch:cuda+fast'"),
     ("bench", ["--ref-device", "gpu"], "argument --ref-device: expected cpu, cuda or cuda:N, got 'gpu'"),
+    # an output that cannot be written is refused before minutes of measuring, not after
+    ("bench", ["--json", os.path.join(ROOT, "setup.py", "r.json")],
+     f"argument --json: cannot write {os.path.join(ROOT, 'setup.py', 'r.json')}: {os.path.join(ROOT, 'setup.py')} is a file"),
+    ("bench", ["--json", ROOT], f"argument --json: {ROOT} is a directory; name the file to write"),
+    ("plot_results", ["--out", os.path.join(ROOT, "setup.py", "b.png")], "argument --out: cannot write"),
     ("profile_step", ["--backend", "jax"], "error: unknown backend 'jax': choose one of numpy"),
 ])
 def test_benchmark_flags_refuse_impossible_numbers(script, argv, message, capsys, tmp_path):
@@ -87,6 +92,8 @@ def test_benchmark_flags_refuse_impossible_numbers(script, argv, message, capsys
     main = importlib.import_module(f"benchmarks.{script}").main
     if script == "bench":  # should the check break: a short run, and the README's results.json untouched
         argv = argv + ["--quick", "--backends", "numpy", "--no-reference", "--json", str(tmp_path / "r.json")]
+    if script == "plot_results":  # should the check break: docs/benchmark.png untouched
+        argv = argv + ["--out", str(tmp_path / "b.png")]
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2

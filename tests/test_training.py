@@ -342,7 +342,7 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     cases = [
-        (["--out", str(blocker / "sub")], "cannot write to output directory"),
+        (["--out", str(blocker / "sub")], f"cannot make the output directory {blocker / 'sub'}: {blocker} is a file"),
         (["--out", str(blocker)], f"--out {blocker} is a file"),
         (["--data-dir", str(tmp_path / "nope")], "is not a directory"),
         (["--eval-only"], "--eval-only needs a trained model"),
