@@ -55,33 +55,44 @@ def cmd_gradcheck(args):
 
 
 # ---- crosscheck --------------------------------------------------------------------------------
-def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0, perturb=None, config=None):
+def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0, perturb=None, config=None,
+               dtype_b=None):
     """Run one batch on two backends with the same weights; per tensor, how far apart they are.
 
     Returns rows {tensor, kind, max_abs, max_rel} with max_rel = max|a - b| / max|a| (the
     tensor's own scale, so entries near zero do not inflate it).  ``perturb`` = (name, factor)
-    multiplies side b's gradient of ``name`` by ``factor`` -- a check that the check can fail."""
+    multiplies side b's gradient of ``name`` by ``factor`` -- a check that the check can fail.
+
+    ``dtype_b`` (default ``dtype``) runs side b in another dtype: a float32 backward against the
+    float64 one, which finite differences check (``pycapsnet gradcheck``).  Both sides then start
+    from the same numbers -- the float32 weights and batch, which float64 holds exactly -- so what
+    differs is float32's arithmetic alone."""
     from . import checkpoint as ckpt_mod
     from . import data
     from .model import CapsNet
 
+    dtypes = (dtype, dtype_b or dtype)
+    low = min(dtypes, key=lambda d: np.dtype(d).itemsize)  # the precision both sides can hold exactly
     models, outputs = [], []
-    for spec in (spec_a, spec_b):
-        B = _backend(spec, dtype)  # backends.get reads 'torch:cuda' as name and device
+    for spec, dt in zip((spec_a, spec_b), dtypes):
+        B = _backend(spec, dt)  # backends.get reads 'torch:cuda' as name and device
         if checkpoint:
             model, _ = ckpt_mod.load_model(checkpoint, B)
         else:
             model = CapsNet(B, seed=seed, **(config or {}))
         models.append(model)
+    if dtypes[0] != dtypes[1]:
+        lo, hi = models if dtypes[0] == low else models[::-1]
+        hi.load_state_dict(lo.state_dict())  # float32 weights, held exactly in float64
     if perturb and perturb[0] not in models[1].params:
         raise CapsNetError(f"--perturb-grad: no parameter {perturb[0]!r}; names: " + ", ".join(models[1].params))
     cfg = models[0].config
     if cfg.input_shape == (1, 28, 28):
         _, test = data.load_embedded()
-        x, y = test.x[:batch].astype(dtype), test.y[:batch]
+        x, y = test.x[:batch].astype(low), test.y[:batch]  # each model takes x in its own dtype
     else:
         rng = np.random.default_rng(seed)
-        x, y = rng.random((batch, *cfg.input_shape)).astype(dtype), rng.integers(0, cfg.n_classes, batch)
+        x, y = rng.random((batch, *cfg.input_shape)).astype(low), rng.integers(0, cfg.n_classes, batch)
     for k, model in enumerate(models):
         model.zero_grad()
         out = model.loss(x, y)
@@ -106,8 +117,11 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
 
 
 def cmd_crosscheck(args):
-    tol = args.rtol if args.rtol is not None else TOLERANCE[args.dtype]
-    rows, models = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, args.perturb)
+    dtypes = args.dtype if args.dtype_b in (None, args.dtype) else f"{args.dtype} vs {args.dtype_b}"
+    low = "float32" if "float32" in (args.dtype, args.dtype_b) else "float64"
+    tol = args.rtol if args.rtol is not None else TOLERANCE[low]
+    rows, models = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, args.perturb,
+                              dtype_b=args.dtype_b)
     src = args.checkpoint or f"seeded initialisation (seed {args.seed})"
     print(f"{models[0].B.label}  vs  {models[1].B.label}: {args.batch} test digits, weights from {src}")
     table = [{"tensor": r["tensor"], "kind": r["kind"], "max |a-b|": f"{r['max_abs']:.2e}",
@@ -115,7 +129,7 @@ def cmd_crosscheck(args):
              for r in rows]
     print(format_table(table, ["tensor", "kind", "max |a-b|", "max |a-b| / max |a|", "result"]))
     bad = [r for r in rows if r["max_rel"] > tol]
-    print(f"\n{len(rows) - len(bad)} agree, {len(bad)} disagree (tolerance {tol:g} of each tensor's scale, {args.dtype})")
+    print(f"\n{len(rows) - len(bad)} agree, {len(bad)} disagree (tolerance {tol:g} of each tensor's scale, {dtypes})")
     return 1 if bad else 0
 
 
@@ -214,7 +228,11 @@ def build_parser():
     c.add_argument("--b", default="torch", help="second side (default: torch)")
     c.add_argument("--checkpoint", default=None, help="weights from this checkpoint (default: seeded initialisation)")
     c.add_argument("--dtype", default="float64", choices=FLOAT_DTYPES)
-    c.add_argument("--rtol", type=positive_float, default=None, help="tolerance (default: 1e-9 float64, 1e-4 float32)")
+    c.add_argument("--dtype-b", default=None, choices=FLOAT_DTYPES,
+                   help="side b's dtype, if not --dtype: --dtype float64 --dtype-b float32 checks a float32 "
+                        "backward against the float64 one (which gradcheck checks)")
+    c.add_argument("--rtol", type=positive_float, default=None,
+                   help="tolerance (default: 1e-9 float64, 1e-4 when a side is float32)")
     c.add_argument("--batch", type=positive_int, default=8)
     c.add_argument("--seed", type=nonnegative_int, default=0)
     c.add_argument("--perturb-grad", dest="perturb", metavar="NAME=FACTOR", type=name_and_factor, default=None,

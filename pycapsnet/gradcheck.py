@@ -228,12 +228,13 @@ def require_float64(B):
     """Finite differences check a gradient only in float64.  In float32 a loss of O(1) rounds at
     ~1e-7, so the step must be ~1e-2 to rise above it, and the curvature over such a step is of the
     size of the gradients being checked: at h = 1e-2 and a 2% tolerance, 20 of the 84 checks failed
-    on a correct backward.  The backward is the same code in both dtypes; float32 runs are compared
-    across backends instead (``pycapsnet crosscheck --dtype float32`` and the tests)."""
+    on a correct backward.  The backward is the same code in both dtypes; a float32 backward is
+    compared with the float64 one instead (``pycapsnet crosscheck --dtype-b float32``)."""
     if B.dtype != "float64":
         raise CapsNetError(f"gradcheck runs in float64 only, not {B.dtype}: float32 rounding swamps finite "
                            "differences (20 of 84 checks fail on a correct backward). The backward is the same "
-                           "code in both dtypes; to see float32 on two backends, use pycapsnet crosscheck --dtype float32")
+                           "code in both dtypes; to check a float32 backward against the float64 one checked "
+                           "here: pycapsnet crosscheck --a numpy --b BACKEND --dtype-b float32")
 
 
 def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6, seed=0):

@@ -9,6 +9,7 @@ import pytest
 
 import backends
 from pycapsnet import CapsNet, checkpoint, cli
+from tests.conftest import SMALL
 
 PAPER_SMALL = dict(conv_channels=16, primary_types=4)  # 28x28 digits, a quick model
 
@@ -46,7 +47,7 @@ def test_gradcheck_in_float32_is_refused_with_the_reason(capsys):
     assert cli.main(["gradcheck", "--dtype", "float32", "--samples", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: gradcheck runs in float64 only, not float32: float32 rounding swamps")
-    assert "pycapsnet crosscheck --dtype float32" in err
+    assert "pycapsnet crosscheck --a numpy --b BACKEND --dtype-b float32" in err
 
 
 def test_crosscheck_agrees_and_catches_a_perturbation(ckpt, capsys):
@@ -60,6 +61,23 @@ def test_crosscheck_agrees_and_catches_a_perturbation(ckpt, capsys):
     assert rc == 1
     assert [line for line in out.splitlines() if line.startswith("dL/d primary.W")][0].rstrip().endswith("DISAGREE")
     assert "1 disagree" in out
+
+
+def test_a_float32_backward_is_checked_against_the_float64_one(ckpt, capsys):
+    """--dtype-b: side b in float32, side a in float64 (the backward gradcheck checks), from the same
+    float32 weights; float32's rounding stays far inside the tolerance, a 0.1% error does not."""
+    rows, models = cli.crosscheck("numpy", "numpy", "float64", batch=2, config=SMALL, dtype_b="float32")
+    hi, lo = models
+    assert (hi.B.dtype, lo.B.dtype) == ("float64", "float32")
+    for k, p in lo.params.items():  # the same numbers on both sides: float64 holds float32's exactly
+        np.testing.assert_array_equal(hi.B.to_numpy(hi.params[k]), lo.B.to_numpy(p).astype(np.float64), err_msg=k)
+    assert max(r["max_rel"] for r in rows) < 1e-5
+    argv = ["crosscheck", "--a", "numpy", "--b", "numpy", "--dtype-b", "float32", "--checkpoint", ckpt, "--batch", "2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("numpy:cpu/float64  vs  numpy:cpu/float32") and "(tolerance 0.0001 of each tensor's scale, float64 vs float32)" in out
+    assert cli.main(argv + ["--perturb-grad", "classcaps.W=1.001"]) == 1
+    assert "1 disagree" in capsys.readouterr().out
 
 
 def test_crosscheck_float32_tolerance_follows_the_dtype(capsys):
