@@ -7,7 +7,8 @@
 #              convolution, forward and gradients against NumPy, the captured step against the
 #              step op by op, the CLI's CPU-vs-GPU crosscheck, the training scripts on the GPU
 #  gradcheck   finite differences in float64 on both GPU backends (pycapsnet gradcheck)
-#  crosscheck  NumPy vs CuPy and torch CPU vs CUDA on the paper architecture, float32
+#  crosscheck  NumPy vs CuPy and torch CPU vs CUDA on the paper architecture, float32, and each
+#              GPU's float32 against the CPU's float64
 #  bench       CuPy and torch:cuda (hand-written; each as a CUDA graph and op by op) against PyTorch
 #              autograd on the same GPU, batch 64 and 256, each also as a picture
 #  profile     where a step's time goes, op by op (benchmarks/profile_step.py)
@@ -52,6 +53,9 @@ fi
 if want crosscheck; then
     run crosscheck_numpy_cupy 120 6 python -m pycapsnet.cli crosscheck --a numpy --b cupy --dtype float32
     run crosscheck_torch_cpu_cuda 120 6 python -m pycapsnet.cli crosscheck --a torch:cpu --b torch:cuda --dtype float32
+    # the GPUs' float32 backward against the float64 one on the CPU, which gradcheck checks
+    run crosscheck_cupy_f32_vs_numpy_f64 120 6 python -m pycapsnet.cli crosscheck --a numpy --b cupy --dtype-b float32
+    run crosscheck_cuda_f32_vs_cpu_f64 120 6 python -m pycapsnet.cli crosscheck --a torch:cpu --b torch:cuda --dtype-b float32
 fi
 if want bench; then
     run bench_b64 300 15 python benchmarks/bench.py --backends cupy cupy+graph torch:cuda torch:cuda+eager --ref-device cuda \
