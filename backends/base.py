@@ -114,6 +114,12 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU); call before reading a clock."""
 
+    def quiet_float_errors(self):
+        """A context in which overflow and invalid values (inf, NaN) pass without warnings, for a
+        caller that checks the result itself: the trainer tests every step's loss and stops with
+        one line that says what to do.  NumPy warns on them; CuPy and PyTorch never do."""
+        return contextlib.nullcontext()
+
     def capture(self, fn):
         """Record ``fn``'s device work and return a callable that replays it: the kernels, their
         arguments and the addresses of every array they touch are fixed at capture, so ``fn`` must

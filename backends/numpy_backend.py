@@ -53,6 +53,9 @@ class NumpyBackend(Backend):
         self._check_host_transfer("reading an array on the host")
         return np.asarray(x)
 
+    def quiet_float_errors(self):
+        return np.errstate(over="ignore", invalid="ignore", divide="ignore")
+
     def einsum(self, subscripts, *operands):
         parsed = parse_einsum_pair(subscripts) if len(operands) == 2 and self.lib is np else None
         if parsed is None:

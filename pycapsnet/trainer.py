@@ -258,13 +258,13 @@ def train(args, backend_name: str) -> dict:
     prepare_out_dir(out_dir)
     ckpt_path = os.path.join(out_dir, CHECKPOINT)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    resumed_here = ckpt is not None and os.path.exists(ckpt_path) and os.path.samefile(ckpt["path"], ckpt_path)
+    if os.path.exists(ckpt_path) and not resumed_here and not getattr(args, "overwrite", False):
+        raise CapsNetError(f"{out_dir} already holds a checkpoint from an earlier run; continue it with "
+                           f"--resume {out_dir}, train into another directory with --out DIR, or replace "
+                           "it with --overwrite")
     if not ckpt:
-        if os.path.exists(ckpt_path) and not getattr(args, "overwrite", False):
-            raise CapsNetError(f"{out_dir} already holds a checkpoint from an earlier run; continue it with "
-                               f"--resume {out_dir}, train into another directory with --out DIR, or replace "
-                               "it with --overwrite")
         open(metrics_path, "w").close()  # a fresh run starts a fresh record
-    args.resolved_out = out_dir  # for the Ctrl-C message
     opt = optim.make(args.optimizer, model, args.lr)
     start = 0
     if ckpt:
@@ -276,6 +276,9 @@ def train(args, backend_name: str) -> dict:
                  f"(the total, not the number of more epochs); pass --epochs {start + 1} or more to continue")
             return {}
         _say(f"resuming after epoch {start} from {ckpt['path']}")
+    # The checkpoint to go back to if the run stops early (a NaN loss, Ctrl-C): the one it resumed
+    # from, then each one it writes.  (An old checkpoint that --overwrite is replacing is not one.)
+    args.last_good = (args.resume, start) if ckpt else None
     # Where the backend can record a step and replay it (a CUDA graph), full batches go through
     # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
     captured = None
@@ -293,15 +296,16 @@ def train(args, backend_name: str) -> dict:
         t0 = time.perf_counter()
         for step, (x, y) in enumerate(bar):
             replayed = captured is not None and len(y) == captured.batch_size
-            if replayed:
-                out = captured(x, y)  # the update is part of the recording: checked after it
-            else:
-                out = model.train_step_grads(x, y)
+            with B.quiet_float_errors():  # an overflow ends in a non-finite loss, reported just below
+                if replayed:
+                    out = captured(x, y)  # the update is part of the recording: checked after it
+                else:
+                    out = model.train_step_grads(x, y)
             if not np.isfinite(out.loss):
                 raise TrainingDiverged(
                     f"the loss became {out.loss} at epoch {epoch + 1}, step {step + 1}; stopped. "
-                    + (f"The last good checkpoint is {ckpt_path} (epoch {epoch})" if os.path.exists(ckpt_path)
-                       else "No checkpoint was written yet") + "; try a lower --lr.")
+                    + ("The last good checkpoint is {} (epoch {})".format(*args.last_good) if args.last_good
+                       else "This run wrote no checkpoint yet") + "; try a lower --lr.")
             if not replayed:
                 opt.step()
             pred = B.to_numpy(B.xp.argmax(out.lengths, axis=1))
@@ -323,6 +327,7 @@ def train(args, backend_name: str) -> dict:
                              title=f"epoch {epoch + 1}: test accuracy {100 * test_acc:.2f}%")
         checkpoint.save(ckpt_path, model, opt, epoch=epoch + 1, test_acc=test_acc,
                         recipe={k: getattr(args, k) for k in RECIPE})
+        args.last_good = (out_dir, epoch + 1)
         _say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
              f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s ({last['train_samples_per_s']:.0f} samples/s)")
     _say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {out_dir}")
@@ -348,9 +353,9 @@ def run(args, backend_name: str) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
-        out = getattr(args, "resolved_out", None)
-        where = f"continue with --resume {out}" if out else "nothing was written yet"
-        print(f"\ninterrupted: the last checkpoint written is intact; {where}", file=sys.stderr)
+        good = getattr(args, "last_good", None)
+        print("\ninterrupted: " + ("the last good checkpoint ({}, epoch {}) is intact; continue with --resume {}".format(
+            *good, good[0]) if good else "this run wrote no checkpoint yet; nothing to resume"), file=sys.stderr)
         return 130
 
 

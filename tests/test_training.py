@@ -316,7 +316,7 @@ def test_ctrl_c_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(CapsNet, "train_step_grads", interrupt_mid_epoch)
     assert _main(FAST + ["--epochs", "3", "--resume", out]) == 130
-    assert f"interrupted: the last checkpoint written is intact; continue with --resume {out}" in capsys.readouterr().err
+    assert f"interrupted: the last good checkpoint ({out}, epoch 1) is intact; continue with --resume {out}" in capsys.readouterr().err
     assert Path(os.path.join(out, "checkpoint.npz")).read_bytes() == before
     assert checkpoint.load(out)["header"]["epoch"] == 1
 
@@ -334,8 +334,28 @@ def test_nan_loss_stops_with_a_message(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(CapsNet, "train_step_grads", nan_loss)
     assert _main(FAST + ["--epochs", "2", "--resume", out]) == 3
     err = capsys.readouterr().err
-    assert "loss became nan at epoch 2, step 1" in err and "last good checkpoint" in err
+    assert f"loss became nan at epoch 2, step 1; stopped. The last good checkpoint is {out} (epoch 1)" in err
     assert checkpoint.load(out)["header"]["epoch"] == 1
+
+
+def test_a_run_stopped_early_names_only_its_own_checkpoints(tmp_path, capsys):
+    """A real divergence (--lr 1e9), in a run replacing an older one (--overwrite): the older
+    checkpoint is not offered as this run's last good one, and NumPy's overflow warnings give way
+    to the trainer's one line."""
+    out = str(tmp_path / "run")
+    assert _main(FAST + ["--epochs", "1", "--out", out]) == 0
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train_numpy.py"), *FAST, "--epochs", "1", "--out", out,
+                        "--overwrite", "--lr", "1e9", "--no-progress"], capture_output=True, text=True)
+    assert r.returncode == 3, r.stderr
+    assert r.stderr.splitlines()[-1].startswith("error: the loss became nan at epoch 1, step ")
+    assert r.stderr.endswith("; stopped. This run wrote no checkpoint yet; try a lower --lr.\n")
+    assert "RuntimeWarning" not in r.stderr, r.stderr
+    # resuming from one run into another run's directory is refused, as a fresh run there is
+    other = str(tmp_path / "other")
+    assert _main(FAST + ["--epochs", "1", "--out", other]) == 0
+    capsys.readouterr()
+    assert _main(FAST + ["--epochs", "2", "--resume", out, "--out", other]) == 2
+    assert f"{other} already holds a checkpoint from an earlier run" in capsys.readouterr().err
 
 
 def test_cli_errors_are_one_line_and_nonzero(tmp_path):
