@@ -22,6 +22,11 @@ from .errors import BackendError, CapsNetError
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 
 
+def _lower_precision(*dtypes):
+    """The dtype that every one of ``dtypes`` holds exactly (float32 of float32 and float64)."""
+    return min((d for d in dtypes if d), key=lambda d: np.dtype(d).itemsize)
+
+
 def format_table(rows, cols):
     """Plain-text table of dict rows (a missing key prints empty); used here and by the benchmark."""
     cell = lambda r, c: str(r.get(c, ""))
@@ -72,7 +77,7 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
     from .model import CapsNet
 
     dtypes = (dtype, dtype_b or dtype)
-    low = min(dtypes, key=lambda d: np.dtype(d).itemsize)  # the precision both sides can hold exactly
+    low = _lower_precision(*dtypes)
     models, outputs = [], []
     for spec, dt in zip((spec_a, spec_b), dtypes):
         B = _backend(spec, dt)  # backends.get reads 'torch:cuda' as name and device
@@ -118,8 +123,7 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
 
 def cmd_crosscheck(args):
     dtypes = args.dtype if args.dtype_b in (None, args.dtype) else f"{args.dtype} vs {args.dtype_b}"
-    low = "float32" if "float32" in (args.dtype, args.dtype_b) else "float64"
-    tol = args.rtol if args.rtol is not None else TOLERANCE[low]
+    tol = args.rtol if args.rtol is not None else TOLERANCE[_lower_precision(args.dtype, args.dtype_b)]
     rows, models = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, args.perturb,
                               dtype_b=args.dtype_b)
     src = args.checkpoint or f"seeded initialisation (seed {args.seed})"

@@ -2,9 +2,10 @@
 
 On a GPU, a CapsNet step at batch 64 is some 900 small array operations.  Launching them one by one
 from Python takes longer than running them: on an H100, torch:cuda's step took 7.8 ms op by op and
-4.2 ms replayed (benchmarks/results-h100-batch64.json).  ``CapturedStep`` records the step's device work once, through the backend's
-``capture`` (a CUDA graph on torch:cuda and CuPy), and each call then copies the batch into the recording's
-fixed input arrays, writes the optimizer's scalars of this step and replays the recording.
+4.2 ms replayed (benchmarks/results-h100-batch64.json).  ``CapturedStep`` records the step's device
+work once, through the backend's ``capture`` (a CUDA graph on torch:cuda and CuPy), and each call
+then copies the batch into the recording's fixed input arrays, writes the optimizer's scalars of
+this step and replays the recording.
 
 The math is the same code as the ordinary step: what is recorded is ``CapsNet._train_step_grads``
 (zero_grad, forward, both losses, backward) followed by ``Optimizer.apply``.  Only the host-side

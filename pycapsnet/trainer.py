@@ -222,6 +222,9 @@ def prepare_out_dir(path):
 
 def train(args, backend_name: str) -> dict:
     ckpt = checkpoint.load(args.resume) if args.resume else None
+    # The checkpoint to go back to if the run stops early (a NaN loss, Ctrl-C): the one it resumed
+    # from, then each one it writes.  (An old checkpoint that --overwrite is replacing is not one.)
+    args.last_good = (args.resume, int(ckpt["header"].get("epoch", 0))) if ckpt else None
     settle(args, ckpt)
     B = backends.get(backend_name, device=getattr(args, "device", None), dtype=args.dtype)
     train_set, test_set = data.load(args.dataset, args.data_dir)
@@ -276,9 +279,6 @@ def train(args, backend_name: str) -> dict:
                  f"(the total, not the number of more epochs); pass --epochs {start + 1} or more to continue")
             return {}
         _say(f"resuming after epoch {start} from {ckpt['path']}")
-    # The checkpoint to go back to if the run stops early (a NaN loss, Ctrl-C): the one it resumed
-    # from, then each one it writes.  (An old checkpoint that --overwrite is replacing is not one.)
-    args.last_good = (args.resume, start) if ckpt else None
     # Where the backend can record a step and replay it (a CUDA graph), full batches go through
     # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
     captured = None
@@ -354,8 +354,9 @@ def run(args, backend_name: str) -> int:
         return 3
     except KeyboardInterrupt:
         good = getattr(args, "last_good", None)
-        print("\ninterrupted: " + ("the last good checkpoint ({}, epoch {}) is intact; continue with --resume {}".format(
-            *good, good[0]) if good else "this run wrote no checkpoint yet; nothing to resume"), file=sys.stderr)
+        where = (f"the last good checkpoint ({good[0]}, epoch {good[1]}) is intact; continue with --resume {good[0]}"
+                 if good else "this run wrote no checkpoint yet; nothing to resume")
+        print(f"\ninterrupted: {where}", file=sys.stderr)
         return 130
 
 
