@@ -428,8 +428,7 @@ def main(argv=None):
 
     if args.scaling:
         results["scaling"] = scaling(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
+    with open(args.json, "w") as f:  # --json's directory was made and tried when the command line was read
         json.dump(results, f, indent=1)
     print(f"\nJSON: {args.json}")
     return 0

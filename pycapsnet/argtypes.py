@@ -9,6 +9,7 @@ benchmark that ends by failing to write its result.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import tempfile
@@ -63,22 +64,22 @@ def writable_file(text: str) -> str:
     path = os.path.abspath(text)
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text} is a directory; name the file to write")
-    blocker = file_in_the_way(os.path.dirname(path))
-    if blocker:
-        raise argparse.ArgumentTypeError(f"cannot write {text}: {blocker} is a file, not a directory")
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), prefix=".write-test-"):
-            pass
+        make_writable_dir(os.path.dirname(path))
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write {text}: {e.strerror or e}") from None
     return text
 
 
-def file_in_the_way(directory: str) -> str | None:
-    """The file, if any, that stands where ``directory`` or one of its missing parents would go (the
-    OS then says only 'File exists' or 'Not a directory')."""
+def make_writable_dir(directory: str) -> None:
+    """Make ``directory`` and its missing parents, and check that it takes a new file.  OSError if
+    not; a file that stands where the directory or a parent would go is named (NotADirectoryError),
+    where the OS says only 'File exists' or 'Not a directory'.  Used for every output path."""
     path = os.path.abspath(directory)
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
-    return path if os.path.exists(path) and not os.path.isdir(path) else None
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, f"{path} is a file, not a directory")
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+        pass

@@ -20,7 +20,7 @@ import backends
 from backends.base import FLOAT_DTYPES
 
 from . import checkpoint, data, optim, plots
-from .argtypes import file_in_the_way, nonnegative_int, positive_float, positive_int
+from .argtypes import make_writable_dir, nonnegative_int, positive_float, positive_int
 from .capsules import PrimaryCaps
 from .errors import BackendError, CapsNetError
 from .graph import CapturedStep
@@ -203,18 +203,13 @@ def save_reconstructions(model, split, path, n=16, title=""):
 
 def prepare_out_dir(path):
     """Make the output directory and check that it takes files: a bad --out fails before the work."""
-    blocker = file_in_the_way(path)
-    if blocker == os.path.abspath(path):
+    if os.path.exists(path) and not os.path.isdir(path):
         raise CapsNetError(f"--out {path} is a file; it names the directory the results go to: "
                            "choose another with --out")
-    if blocker:
-        raise CapsNetError(f"cannot make the output directory {path}: {blocker} is a file; choose another with --out")
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".write-test")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.unlink(probe)
+        make_writable_dir(path)
+    except NotADirectoryError as e:  # a file where a parent directory should be
+        raise CapsNetError(f"cannot make the output directory {path}: {e.strerror}; choose another with --out") from None
     except OSError as e:
         raise CapsNetError(f"cannot write to output directory {path}: {e.strerror or e}; "
                            "choose another with --out") from None
