@@ -103,10 +103,15 @@ class NumpyBackend(Backend):
         return self.lib.ascontiguousarray(x)
 
     def windows(self, x, kh, kw, stride):
-        # sliding_window_view appends the window axes: (N, H-kh+1, W-kw+1, C, kh, kw); keep every
-        # stride-th window, then move C last -> (N, OH, OW, kh, kw, C).  All views.
-        v = self.lib.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(1, 2))
-        return v[:, ::stride, ::stride].transpose(0, 1, 2, 4, 5, 3)
+        # (N, H, W, C) -> (N, OH, OW, kh, kw, C), a view: window (oh, ow) starts at pixel
+        # (stride*oh, stride*ow) and steps one pixel per kernel offset.  Built from strides by hand
+        # rather than with sliding_window_view, which copies its window shape to the device on CuPy
+        # (a host transfer that a recorded step cannot hold).
+        n, h, w, c = x.shape
+        sn, sh, sw, sc = x.strides
+        oh, ow = (h - kh) // stride + 1, (w - kw) // stride + 1
+        return self.lib.lib.stride_tricks.as_strided(
+            x, (n, oh, ow, kh, kw, c), (sn, stride * sh, stride * sw, sh, sw, sc))
 
 
 _blas_spins_checked = False
