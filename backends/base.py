@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -103,9 +104,48 @@ class Backend(abc.ABC):
         BLAS call reads faster that way (PyTorch's batched matmul is ~5x slower on a transposed view)."""
 
     def matmul(self, a, b):
-        """``a @ b``.  For a batch of many small products (ClassCaps' 1,152 (N x 8) @ (8 x J*D)),
-        a backend whose BLAS runs each such product on one core may split the batch over threads."""
+        """``a @ b``.  The layers send every matrix product here, so that a backend may run it its
+        own way: NumPy splits a batch of many small products (ClassCaps' 1,152 (N x 8) @ (8 x J*D))
+        over threads, as its BLAS runs each on one core; CuPy calls cuBLAS itself while it records
+        a CUDA graph, as CuPy's own matmul refuses to run then."""
         return a @ b
+
+    def einsum_by_matmul(self, subscripts: str, a, b):
+        """A two-operand einsum as one batched ``self.matmul``: indices both operands and the output
+        have form the batch, indices both operands have and the output lacks are contracted, the
+        rest are the rows of ``a`` and the columns of ``b``.  An index only one operand has, and the
+        output lacks, is summed first.  (What einsum implementations do inside; written out so that
+        the product goes through ``matmul``.)"""
+        xp = self.xp
+        parsed = parse_einsum_pair(subscripts)
+        if parsed is None:
+            raise BackendError(f"einsum {subscripts!r}: only two operands, explicit output, no repeated index")
+        sa, sb, out = parsed
+
+        def sum_lone(x, s, other):
+            lone = [k for k, c in enumerate(s) if c not in other and c not in out]
+            if lone:
+                x, s = xp.sum(x, axis=tuple(lone)), "".join(c for c in s if c in other or c in out)
+            return x, s
+
+        a, sa = sum_lone(a, sa, sb)
+        b, sb = sum_lone(b, sb, sa)
+        size = {**dict(zip(sa, a.shape)), **dict(zip(sb, b.shape))}
+        batch = [c for c in out if c in sa and c in sb]
+        summed = [c for c in sa if c in sb and c not in out]
+        rows, cols = [c for c in sa if c not in sb], [c for c in sb if c not in sa]
+
+        def prod(cs):
+            return math.prod(size[c] for c in cs)
+
+        def as_matrices(x, s, first, second):  # (batch..., first, second), flattened
+            x = xp.permute_dims(x, [s.index(c) for c in batch + first + second])
+            return xp.reshape(x, (prod(batch), prod(first), prod(second)))
+
+        res = self.matmul(as_matrices(a, sa, rows, summed), as_matrices(b, sb, summed, cols))
+        order = batch + rows + cols
+        res = xp.reshape(res, [size[c] for c in order])
+        return self.contiguous(xp.permute_dims(res, [order.index(c) for c in out]))
 
     def all_finite(self, x) -> bool:
         self._check_host_transfer("a check that reads the device")

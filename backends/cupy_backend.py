@@ -1,5 +1,5 @@
 """CuPy backend (CUDA): the NumPy backend with cupy as the array module, plus a CUDA graph for
-``capture``."""
+``capture`` (whose matrix products call cuBLAS directly: backends/cublas.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,12 +10,28 @@ from .base import BackendError
 from .numpy_backend import NumpyBackend
 
 
+class _CupyNamespace:
+    """array_api_compat.cupy, with ``clip`` sent to ``cupy.clip``.  The compat ``clip`` of a float
+    array with a scalar bound copies through boolean masks, whose sizes CuPy reads on the host: a
+    device-to-host wait in every ReLU and margin loss, which a recorded step cannot hold."""
+
+    def __init__(self, compat, cupy):
+        self._compat, self._cupy = compat, cupy
+
+    def __getattr__(self, name):
+        value = getattr(self._compat, name)
+        setattr(self, name, value)  # looked up once
+        return value
+
+    def clip(self, x, /, min=None, max=None):
+        return self._cupy.clip(x, min, max)
+
+
 class CupyBackend(NumpyBackend):
     name = "cupy"
-    # ``capture`` records a CUDA graph, but it has not yet run on a GPU: until a GPU run of
-    # tests/test_graph.py and ``benchmarks/bench.py --backends cupy+graph`` shows it equal to the
-    # step op by op and faster, the trainer does not use it.  The benchmark's ``cupy+graph`` does.
-    can_capture = False
+    # the trainer records full batches as a CUDA graph (``capture``): on an H100, 2.6x the step
+    # op by op, whose ~900 kernel launches from Python are the whole cost (README, GPU results)
+    can_capture = True
 
     def __init__(self, dtype: str = "float32", device: str = "cuda"):
         try:
@@ -36,16 +52,33 @@ class CupyBackend(NumpyBackend):
                 raise BackendError(f"the cupy backend runs on CUDA devices ('cuda' or 'cuda:N'), not {device!r}")
             index = int(str(device).split(":")[1])
         super().__init__(dtype, "cpu")
-        import array_api_compat.cupy as xp
+        import array_api_compat.cupy as compat
 
         self.device = f"cuda:{index}"
         self._cuda_device = cupy.cuda.Device(index)
         self._cuda_device.use()
-        self.xp = xp
+        self.xp = _CupyNamespace(compat, cupy)
         self.lib = cupy
         self.threads = 1  # the GPU parallelises; host threads would only add launch overhead
         self.elementwise_block = None  # whole arrays: blocks would only add launches
         self._graph_pools = []  # the memory of every recorded graph, for as long as the backend lives
+        self._graph_blas = []   # and the cuBLAS handle and workspace each graph's products use
+        self._direct_cublas = None  # set while a step is recorded: matmul then calls cuBLAS itself
+
+    def matmul(self, a, b):
+        if self._direct_cublas is not None:
+            return self._direct_cublas.matmul(a, b)
+        return a @ b
+
+    def einsum(self, subscripts, *operands):
+        if self._direct_cublas is not None and len(operands) == 2:
+            return self.einsum_by_matmul(subscripts, *operands)  # cupy.einsum's products would refuse
+        return super().einsum(subscripts, *operands)
+
+    def _make_direct_cublas(self, stream):
+        from .cublas import DirectCublas
+
+        return DirectCublas(self.lib, stream)
 
     def to_numpy(self, x) -> np.ndarray:
         self._check_host_transfer("a device-to-host copy")
@@ -58,9 +91,10 @@ class CupyBackend(NumpyBackend):
         """A CUDA graph of ``fn`` (CuPy's stream capture), replayed with one launch on the stream
         current at the call.
 
-        As on torch, ``fn`` first runs twice on a side stream -- kernels compile, cuBLAS makes its
-        handle, layers build their constants -- the second time with host transfers refused; then
-        the third run is recorded.  A graph replays into the addresses it was recorded with, so its
+        As on torch, ``fn`` first runs twice on a side stream -- kernels compile, cuBLAS loads,
+        layers build their constants -- the second time with host transfers refused; then the third
+        run is recorded.  CuPy refuses cuBLAS on a capturing stream, so from the second run on,
+        ``matmul`` and two-operand ``einsum`` call cuBLAS directly (backends/cublas.py).  A graph replays into the addresses it was recorded with, so its
         arrays come from a memory pool of its own: CuPy's default pool would hand them to later
         allocations once the recording freed them, and its ``free_all_blocks`` (the benchmark's
         memory reset) would give them back to CUDA.  The pool stays with the backend, as the model's
@@ -71,18 +105,26 @@ class CupyBackend(NumpyBackend):
         side = cuda.Stream(non_blocking=True)  # capture cannot run on the legacy default stream
         side.wait_event(cuda.get_current_stream().record())  # the step's inputs are written there
         with cuda.using_allocator(pool.malloc), side:
-            fn()
-            with self.host_transfers_refused():
-                fn()
-                side.begin_capture()
-                try:
+            fn()  # with CuPy's matmul, which also loads cuBLAS
+            self._direct_cublas = self._make_direct_cublas(side)  # CuPy's matmul refuses to record
+            try:
+                with self.host_transfers_refused():
                     fn()
-                except BaseException:
-                    with contextlib.suppress(Exception):  # end the broken capture; its error is fn's
-                        side.end_capture()
-                    raise
-                graph = side.end_capture()
+                    side.begin_capture()
+                    try:
+                        fn()
+                    except BaseException:
+                        with contextlib.suppress(Exception):  # end the broken capture; its error is fn's
+                            side.end_capture()
+                        raise
+                    graph = side.end_capture()
+            except BaseException:
+                self._direct_cublas.close()
+                raise
+            finally:
+                blas, self._direct_cublas = self._direct_cublas, None
         cuda.get_current_stream().wait_event(side.record())  # later work follows the warm-up runs
+        self._graph_blas.append(blas)  # its workspace is in the graph
 
         def replay():
             graph.launch(stream=cuda.get_current_stream())
@@ -99,4 +141,3 @@ class CupyBackend(NumpyBackend):
         # CuPy keeps no high-water mark; its pool only grows between frees, so after freeing the
         # cached blocks, total_bytes() is the peak reserved by whatever runs next.
         self.lib.get_default_memory_pool().free_all_blocks()
-

@@ -219,7 +219,7 @@ class FourierConv2d(Conv2d):
 
     def _spectrum_of_kernel(self, ws, Fw, fs):
         """V = V_r + i V_i for frequencies fs: V_r = V[0], V_i = V[1], (2, |fs|, C', C_out)."""
-        return self.B.xp.reshape(Fw @ ws, (2, fs.stop - fs.start, -1, self.c_out))
+        return self.B.xp.reshape(self.B.matmul(Fw, ws), (2, fs.stop - fs.start, -1, self.c_out))
 
     def keeps_spectrum(self, g, x) -> bool:
         """Whether forward keeps V for backward: when it takes at most ``keep_spectrum_mb`` MB (the
@@ -230,11 +230,11 @@ class FourierConv2d(Conv2d):
     # ---- forward / backward ---------------------------------------------------------------------
     def forward(self, x):
         # x: (N, H, W, C_in) -> y: (N, OH, OW, C_out)
-        xp = self.B.xp
+        xp, mm = self.B.xp, self.B.matmul  # products through the backend (see Backend.matmul)
         n, h, w, _ = x.shape
         g = self._plan(h, w)
         F = g["F"]
-        X = xp.reshape(g["Fx"] @ self._input_to_grid(x, g), (F, 2 * n, -1))   # [X_r; X_i] (F, 2N, C')
+        X = xp.reshape(mm(g["Fx"], self._input_to_grid(x, g)), (F, 2 * n, -1))  # [X_r; X_i] (F, 2N, C')
         ws = self._kernel_to_grid(g)
         Y = self.B.empty((F, 2, n, self.c_out), dtype=self.B._dtype_name(x))   # Y_r, Y_i per frequency
         keep = self.keeps_spectrum(g, x)
@@ -244,24 +244,24 @@ class FourierConv2d(Conv2d):
             if keep:
                 kept.append(V)
             Vr, Vi = V
-            XVr, XVi = X[fs] @ Vr, X[fs] @ Vi             # [X_r V_r; X_i V_r], [X_r V_i; X_i V_i]
+            XVr, XVi = mm(X[fs], Vr), mm(X[fs], Vi)       # [X_r V_r; X_i V_r], [X_r V_i; X_i V_i]
             Y[fs, 0] = XVr[:, :n] - XVi[:, n:]             # Y_r = X_r V_r - X_i V_i
             Y[fs, 1] = XVi[:, :n] + XVr[:, n:]             # Y_i = X_r V_i + X_i V_r
-        y = g["Fy"] @ xp.reshape(Y, (2 * F, n * self.c_out))                  # (OH*OW, N*C_out)
+        y = mm(g["Fy"], xp.reshape(Y, (2 * F, n * self.c_out)))               # (OH*OW, N*C_out)
         # for backward: X, and V (kept) or else the kernel grid ws to make V again
         self.cache = (X, kept or None, None if keep else ws, tuple(x.shape))
         y = xp.reshape(y, (g["oh"], g["ow"], n, self.c_out))
         return xp.permute_dims(y, (2, 0, 1, 3)) + self.params["b"]
 
     def backward(self, dy):
-        xp = self.B.xp
+        xp, mm = self.B.xp, self.B.matmul
         (X, kept, ws, x_shape), self.cache = self.cache, None
         n, h, w, _ = x_shape
         g = self._plan(h, w)
         F = g["F"]
         self.grads["b"] += xp.sum(dy, axis=(0, 1, 2))
         dyg = xp.reshape(self.B.contiguous(xp.permute_dims(dy, (1, 2, 0, 3))), (g["oh"] * g["ow"], -1))
-        dY = xp.reshape(xp.matrix_transpose(g["Fy"]) @ dyg, (F, 2, n, self.c_out))
+        dY = xp.reshape(mm(xp.matrix_transpose(g["Fy"]), dyg), (F, 2, n, self.c_out))
         self._weight_grad(X, dY, g)
         if not self.input_grad:
             return None
@@ -275,11 +275,11 @@ class FourierConv2d(Conv2d):
                 kept[k] = None  # each chunk of V is freed once used
             else:
                 Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)  # made again (V too large to keep)
-            dYVr = dY_ri[fs] @ xp.matrix_transpose(Vr)                         # [dY_r V_r^T; dY_i V_r^T]
-            dYVi = dY_ri[fs] @ xp.matrix_transpose(Vi)                         # [dY_r V_i^T; dY_i V_i^T]
+            dYVr = mm(dY_ri[fs], xp.matrix_transpose(Vr))                     # [dY_r V_r^T; dY_i V_r^T]
+            dYVi = mm(dY_ri[fs], xp.matrix_transpose(Vi))                     # [dY_r V_i^T; dY_i V_i^T]
             dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                              # dX_r = dY_r V_r^T + dY_i V_i^T
             dX[fs, 1] = dYVr[:, n:] - dYVi[:, :n]                              # dX_i = dY_i V_r^T - dY_r V_i^T
-        dX = xp.matrix_transpose(g["Fx"]) @ xp.reshape(dX, (2 * F, -1))       # (n_h*n_w, N*C'); frees the spectrum
+        dX = mm(xp.matrix_transpose(g["Fx"]), xp.reshape(dX, (2 * F, -1)))   # (n_h*n_w, N*C'); frees the spectrum
         return self._grid_to_input(dX, n, h, w, g)
 
     def _weight_grad(self, X, dY, g):
@@ -291,7 +291,7 @@ class FourierConv2d(Conv2d):
         (dV_r = X_r^T dY_r + X_i^T dY_i, dV_i = X_r^T dY_i - X_i^T dY_r), and turned straight back
         into dL/dW: the adjoint of V = Fw ws is dws = Fw^T dV, one product summing over all
         frequencies, real and imaginary rows alike."""
-        xp, F = self.B.xp, g["F"]
+        xp, mm, F = self.B.xp, self.B.matmul, g["F"]
         n = dY.shape[2]
         dYT = self.B.empty((F, 2, self.c_out, 2, n), dtype=self.B._dtype_name(dY))
         dYT[:, 0] = xp.permute_dims(dY, (0, 3, 1, 2))                          # [dY_r^T  dY_i^T]
@@ -300,6 +300,6 @@ class FourierConv2d(Conv2d):
         dYT[:, 1, :, 1] *= -1                                                  # in place: no temporary
         dYT = xp.reshape(dYT, (F, 2 * self.c_out, 2 * n))
         for cs in g["blocks"]:
-            dVT = xp.reshape(dYT @ X[:, :, cs], (2 * F, -1))                   # rows (f, re|im), cols (o, c')
-            self._add_grid_to_kernel(g["FwT"] @ dVT, cs, g)
+            dVT = xp.reshape(mm(dYT, X[:, :, cs]), (2 * F, -1))               # rows (f, re|im), cols (o, c')
+            self._add_grid_to_kernel(mm(g["FwT"], dVT), cs, g)
             del dVT  # before the next block's is made: the peak holds one block of dV

@@ -89,7 +89,7 @@ class Conv2d(Layer):
         n, h, w, _ = x.shape
         oh, ow = self.output_hw(h, w)
         W = xp.reshape(self.params["W"], (-1, self.c_out))
-        parts = [self._im2col(x[sl]) @ W for sl in self._chunks(x)]
+        parts = [self.B.matmul(self._im2col(x[sl]), W) for sl in self._chunks(x)]
         y = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
         self.cache = x
         return xp.reshape(y + self.params["b"], (n, oh, ow, self.c_out))
@@ -105,9 +105,9 @@ class Conv2d(Layer):
         dx = self.B.zeros(tuple(x.shape), dtype=self.B._dtype_name(x)) if self.input_grad else None
         for sl in self._chunks(x):
             dy_c = dy[sl.start * rows:sl.stop * rows]
-            dW += xp.matrix_transpose(self._im2col(x[sl])) @ dy_c
+            dW += self.B.matmul(xp.matrix_transpose(self._im2col(x[sl])), dy_c)
             if dx is not None:
-                dcols = dy_c @ xp.matrix_transpose(W)  # (n_c*OH*OW, k*k*C_in)
+                dcols = self.B.matmul(dy_c, xp.matrix_transpose(W))  # (n_c*OH*OW, k*k*C_in)
                 dx[sl] = self.B.col2im(dcols, tuple(x[sl].shape), self.k, self.k, self.stride, self.padding)
         return dx
 
@@ -156,11 +156,11 @@ class Linear(Layer):
 
     def forward(self, x):
         self.cache = x
-        return x @ self.params["W"] + self.params["b"]
+        return self.B.matmul(x, self.params["W"]) + self.params["b"]
 
     def backward(self, dy):
         xp = self.B.xp
         x, self.cache = self.cache, None
-        self.grads["W"] += xp.matrix_transpose(x) @ dy
+        self.grads["W"] += self.B.matmul(xp.matrix_transpose(x), dy)
         self.grads["b"] += xp.sum(dy, axis=0)
-        return dy @ xp.matrix_transpose(self.params["W"]) if self.input_grad else None
+        return self.B.matmul(dy, xp.matrix_transpose(self.params["W"])) if self.input_grad else None

@@ -171,13 +171,24 @@ class _FakeCuda:
             self.allocator = None
 
 
+class _FakeBlas(str):  # stands in for backends.cublas.DirectCublas
+    def __new__(cls, name, log):
+        self = super().__new__(cls, name)
+        self.log = log
+        return self
+
+    def close(self):
+        self.log.append(f"{self} closed")
+
+
 def _fake_cupy_backend():
     cupy_backend = pytest.importorskip("backends.cupy_backend")
     B = cupy_backend.CupyBackend.__new__(cupy_backend.CupyBackend)  # no cupy or GPU needed for capture
     cuda = _FakeCuda()
     cuda.Stream = functools.partial(_FakeCuda.Stream, cuda)
     B.lib = type("cupy", (), {"cuda": cuda, "get_default_memory_pool": staticmethod(_FakeCuda.MemoryPool)})
-    B._graph_pools = []
+    B._graph_pools, B._graph_blas, B._direct_cublas = [], [], None
+    B._make_direct_cublas = lambda stream: _FakeBlas(f"cuBLAS handle on {stream.name}", cuda.log)
     return B, cuda
 
 
@@ -188,15 +199,16 @@ def test_cupy_records_the_step_on_a_side_stream_into_a_pool_of_its_own():
 
     def step():
         cuda.log.append((cuda.current.name, cuda.allocator is not None and cuda.allocator.__self__ is B._graph_pools[-1],
-                         B._host_transfers_refused, cuda.capturing))
+                         B._host_transfers_refused, cuda.capturing, B._direct_cublas))
 
     replay = B.capture(step)
     assert cuda.log == ["side waits for event on null",
-                        ("side", True, False, False),   # warm-up: compile kernels, build constants
-                        ("side", True, True, False),    # warm-up with host transfers refused
-                        ("side", True, True, True),     # recorded
+                        ("side", True, False, False, None),  # warm-up: compile kernels, build constants
+                        ("side", True, True, False, "cuBLAS handle on side"),  # warm-up, no host transfers,
+                        ("side", True, True, True, "cuBLAS handle on side"),   # recorded   products by cuBLAS
                         "null waits for event on side"]
     assert cuda.current is cuda.null and cuda.allocator is None and not B._host_transfers_refused
+    assert B._direct_cublas is None and B._graph_blas == ["cuBLAS handle on side"]  # kept: its workspace
     del cuda.log[:]
     replay()
     replay()
@@ -216,5 +228,6 @@ def test_cupy_ends_a_failed_recording_and_reports_the_step_error():
     with pytest.raises(ValueError, match="a host read"):
         B.capture(step)
     assert runs == [False, False, True]
+    assert cuda.log[-1] == "cuBLAS handle on side closed"  # a failed recording keeps no handle
     assert not cuda.capturing and cuda.current is cuda.null and cuda.allocator is None
-    assert not B._host_transfers_refused
+    assert not B._host_transfers_refused and B._direct_cublas is None
