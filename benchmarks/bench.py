@@ -2,7 +2,7 @@
 GEMM floor of a train step.
 
     python benchmarks/bench.py                         # numpy + torch vs autograd, batch 64, float32
-    python benchmarks/bench.py --backends cupy cupy+graph torch:cuda torch:cuda+eager --ref-device cuda   # on a GPU
+    python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda   # on a GPU
     python benchmarks/bench.py --scaling               # + throughput vs batch / routing, memory vs size
     python benchmarks/bench.py --quick                 # a seconds-long smoke run (used by the tests)
 
@@ -130,8 +130,8 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
         from pycapsnet import CapsNet, optim
         from pycapsnet.graph import CapturedStep
 
-        # "+eager": op by op where the trainer records the step (torch:cuda); "+graph": recorded where
-        # it does not (cupy, whose CUDA graph awaits a GPU run; on the CPU, a re-run)
+        # "+eager": op by op where the trainer records the step (torch:cuda, cupy); "+graph": recorded
+        # where it does not (on the CPU the recording is a re-run)
         name, _, mode = impl.partition("+")
         try:
             B = backends.get(name, dtype=dtype)
@@ -341,8 +341,8 @@ def torch_device(text: str) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="+", type=backend_spec, default=["numpy", "torch"],
-                   help="numpy, torch, torch:cuda, cupy (default: numpy torch); torch:cuda runs its step as a "
-                        "CUDA graph, torch:cuda+eager op by op; cupy+graph records CuPy's step as a CUDA graph")
+                   help="numpy, torch, torch:cuda, cupy (default: numpy torch); torch:cuda and cupy run their step "
+                        "as a CUDA graph, with +eager op by op; +graph records the step on any backend")
     p.add_argument("--ref-device", type=torch_device, default="cpu", help="device of the autograd reference (cpu or cuda)")
     p.add_argument("--no-reference", action="store_true", help="skip the autograd reference")
     p.add_argument("--batch-size", type=positive_int, default=64)

@@ -58,9 +58,9 @@ if want crosscheck; then
     run crosscheck_cuda_f32_vs_cpu_f64 120 6 python -m pycapsnet.cli crosscheck --a torch:cpu --b torch:cuda --dtype-b float32
 fi
 if want bench; then
-    run bench_b64 300 15 python benchmarks/bench.py --backends cupy cupy+graph torch:cuda torch:cuda+eager --ref-device cuda \
+    run bench_b64 300 15 python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda \
         --warmup 5 --steps 30 --json "$out/bench_b64.json"
-    run bench_b256 240 15 python benchmarks/bench.py --backends cupy cupy+graph torch:cuda torch:cuda+eager --ref-device cuda \
+    run bench_b256 240 15 python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda \
         --batch-size 256 --warmup 5 --steps 20 --rounds 2 --json "$out/bench_b256.json"
     for b in b64 b256; do
         [ -f "$out/bench_$b.json" ] && run "plot_$b" 60 1 python benchmarks/plot_results.py "$out/bench_$b.json" \

@@ -101,7 +101,7 @@ def test_benchmark_flags_refuse_impossible_numbers(script, argv, message, capsys
 
 
 def test_benchmark_measures_a_recorded_step(tmp_path):
-    """``+graph`` measures the step through CapturedStep (cupy+graph on a GPU); on the CPU the
+    """``+graph`` measures the step through CapturedStep (as plain torch:cuda and cupy do); on the CPU the
     recording is a re-run with host transfers refused, which this runs end to end."""
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--quick", "--no-reference",
