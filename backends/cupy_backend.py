@@ -29,7 +29,7 @@ class _CupyNamespace:
 
 class CupyBackend(NumpyBackend):
     name = "cupy"
-    # the trainer records full batches as a CUDA graph (``capture``): on an H100, 2.6x the step
+    # the trainer records full batches as a CUDA graph (``capture``): on an H100, 2.3x the step
     # op by op, whose ~900 kernel launches from Python are the whole cost (README, GPU results)
     can_capture = True
 
@@ -94,11 +94,13 @@ class CupyBackend(NumpyBackend):
         As on torch, ``fn`` first runs twice on a side stream -- kernels compile, cuBLAS loads,
         layers build their constants -- the second time with host transfers refused; then the third
         run is recorded.  CuPy refuses cuBLAS on a capturing stream, so from the second run on,
-        ``matmul`` and two-operand ``einsum`` call cuBLAS directly (backends/cublas.py).  A graph replays into the addresses it was recorded with, so its
-        arrays come from a memory pool of its own: CuPy's default pool would hand them to later
-        allocations once the recording freed them, and its ``free_all_blocks`` (the benchmark's
-        memory reset) would give them back to CUDA.  The pool stays with the backend, as the model's
-        gradients and the step's outputs may live in it."""
+        ``matmul`` and two-operand ``einsum`` call cuBLAS directly (backends/cublas.py).
+
+        A graph replays into the addresses it was recorded with, so its arrays come from a memory
+        pool of its own: CuPy's default pool would hand them to later allocations once the
+        recording freed them, and its ``free_all_blocks`` (the benchmark's memory reset) would give
+        them back to CUDA.  The pool stays with the backend, as the model's gradients and the
+        step's outputs may live in it."""
         cuda = self.lib.cuda
         pool = cuda.MemoryPool()
         self._graph_pools.append(pool)
