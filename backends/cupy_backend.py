@@ -68,7 +68,7 @@ class CupyBackend(NumpyBackend):
     def matmul(self, a, b):
         if self._direct_cublas is not None:
             return self._direct_cublas.matmul(a, b)
-        return a @ b
+        return super().matmul(a, b)  # CuPy's own: a @ b
 
     def einsum(self, subscripts, *operands):
         if self._direct_cublas is not None and len(operands) == 2:
