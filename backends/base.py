@@ -6,8 +6,11 @@ keepdims=True)`` means the same on NumPy, CuPy and PyTorch).  This class adds on
 standard lacks and the layers need:
 
 * moving arrays between the host (NumPy) and the backend, in the backend's float dtype;
-* ``einsum``, ``contiguous`` and ``matmul`` (``a @ b``, which a CPU backend may split over its
-  threads when the batch is many small products);
+* ``contiguous`` and ``matmul`` (``a @ b``, which a CPU backend may split over its threads when the
+  batch is many small products);
+* the three products of dynamic routing, by name: ``weighted_sum`` (s_j = sum_i c_ij û_j|i),
+  ``agreement`` (û_j|i . v_j) and ``outer_sum`` (the backward's sum of outer products), each
+  written here as plain broadcasting and overridden where a backend has a faster form;
 * the two primitives of a strided 2-D convolution on channels-last images: ``im2col`` (gather every
   kernel window into a row of a matrix) and ``col2im`` (its adjoint: scatter-add rows back);
 * ``synchronize`` for timing and ``memory`` for the memory in use;
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,10 +90,6 @@ class Backend(abc.ABC):
 
     # ---- what the Array API standard lacks ------------------------------------------------
     @abc.abstractmethod
-    def einsum(self, subscripts: str, *operands):
-        ...
-
-    @abc.abstractmethod
     def windows(self, x, kh: int, kw: int, stride: int):
         """Strided *view* of every kh x kw window of a channels-last batch.
 
@@ -101,51 +99,51 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def contiguous(self, x):
         """``x`` laid out C-contiguously (a copy only if it is a strided view), for operands that a
-        BLAS call reads faster that way (PyTorch's batched matmul is ~5x slower on a transposed view)."""
+        BLAS call reads faster that way (PyTorch's batched matmul is much slower on a transposed view)."""
 
     def matmul(self, a, b):
         """``a @ b``.  The layers send every matrix product here, so that a backend may run it its
-        own way: NumPy splits a batch of many small products (ClassCaps' 1,152 (N x 8) @ (8 x J*D))
-        over threads, as its BLAS runs each on one core; CuPy calls cuBLAS itself while it records
-        a CUDA graph, as CuPy's own matmul refuses to run then."""
+        own way: NumPy splits a batch of many small products (ClassCaps' (N x K) @ (K x J*D), one
+        per input capsule) over threads, as its BLAS runs each on one core; CuPy calls cuBLAS itself
+        while it records a CUDA graph, as CuPy's own matmul refuses to run then."""
         return a @ b
 
-    def einsum_by_matmul(self, subscripts: str, a, b):
-        """A two-operand einsum as one batched ``self.matmul``: indices both operands and the output
-        have form the batch, indices both operands have and the output lacks are contracted, the
-        rest are the rows of ``a`` and the columns of ``b``.  An index only one operand has, and the
-        output lacks, is summed first.  (What einsum implementations do inside; written out so that
-        the product goes through ``matmul``.)"""
+    def dtype_name(self, x) -> str:
+        """The float dtype of backend array ``x`` as a name ('float32', 'float64'), for ``zeros``
+        and ``empty`` buffers that must match an operand."""
+        return str(x.dtype).replace("torch.", "")
+
+    def is_floating(self, x) -> bool:
+        """Whether ``x`` -- a host NumPy array or one of this backend's -- holds real floats."""
+        if isinstance(x, np.ndarray):
+            return x.dtype.kind == "f"
+        return self.xp.isdtype(x.dtype, "real floating")
+
+    # ---- the three products of dynamic routing -------------------------------------------------
+    # Shapes: û (I, N, J, D); c, b and their gradients (N, J, I); s, v and their gradients (N, J, D).
+    # These defaults write the math as it reads, with broadcasting; a backend overrides one where
+    # another form is faster on it (NumPy: BLAS on strided views, split over threads; PyTorch:
+    # in-place multiply-adds; CuPy: cuBLAS while recording a graph).  This is where fused kernels go.
+    def weighted_sum(self, c, u_hat):
+        """s_j = sum_i c_ij û_j|i:  (N, J, I), (I, N, J, D) -> (N, J, D)."""
         xp = self.xp
-        parsed = parse_einsum_pair(subscripts)
-        if parsed is None:
-            raise BackendError(f"einsum {subscripts!r}: only two operands, explicit output, no repeated index")
-        sa, sb, out = parsed
+        c_i_first = xp.permute_dims(c, (2, 0, 1))[..., None]           # (I, N, J, 1)
+        return self.contiguous(xp.sum(u_hat * c_i_first, axis=0))
 
-        def sum_lone(x, s, other):
-            lone = [k for k, c in enumerate(s) if c not in other and c not in out]
-            if lone:
-                x, s = xp.sum(x, axis=tuple(lone)), "".join(c for c in s if c in other or c in out)
-            return x, s
+    def agreement(self, u_hat, v):
+        """a_ij = û_j|i . v_j:  (I, N, J, D), (N, J, D) -> (N, J, I)."""
+        xp = self.xp
+        return self.contiguous(xp.permute_dims(xp.sum(u_hat * v[None], axis=-1), (1, 2, 0)))
 
-        a, sa = sum_lone(a, sa, sb)
-        b, sb = sum_lone(b, sb, sa)
-        size = {**dict(zip(sa, a.shape)), **dict(zip(sb, b.shape))}
-        batch = [c for c in out if c in sa and c in sb]
-        summed = [c for c in sa if c in sb and c not in out]
-        rows, cols = [c for c in sa if c not in sb], [c for c in sb if c not in sa]
-
-        def prod(cs):
-            return math.prod(size[c] for c in cs)
-
-        def as_matrices(x, s, first, second):  # (batch..., first, second), flattened
-            x = xp.permute_dims(x, [s.index(c) for c in batch + first + second])
-            return xp.reshape(x, (prod(batch), prod(first), prod(second)))
-
-        res = self.matmul(as_matrices(a, sa, rows, summed), as_matrices(b, sb, summed, cols))
-        order = batch + rows + cols
-        res = xp.reshape(res, [size[c] for c in order])
-        return self.contiguous(xp.permute_dims(res, [order.index(c) for c in out]))
+    def outer_sum(self, coeffs, vecs):
+        """dû_j|i = sum_q coeffs[q]_ij vecs[q]_j:  lists of (N, J, I) and (N, J, D) -> (I, N, J, D).
+        The backward of routing is such a sum of outer products (routing_backward_factors)."""
+        xp = self.xp
+        out = None
+        for c, v in zip(coeffs, vecs):
+            term = xp.permute_dims(c, (2, 0, 1))[..., None] * v[None]      # (I, N, J, D)
+            out = term if out is None else out + term
+        return self.contiguous(out)
 
     def all_finite(self, x) -> bool:
         self._check_host_transfer("a check that reads the device")
@@ -209,7 +207,7 @@ class Backend(abc.ABC):
         if padding == 0:
             return x
         n, h, w, c = x.shape
-        out = self.zeros((n, h + 2 * padding, w + 2 * padding, c), dtype=self._dtype_name(x))
+        out = self.zeros((n, h + 2 * padding, w + 2 * padding, c), dtype=self.dtype_name(x))
         out[:, padding:padding + h, padding:padding + w, :] = x
         return out
 
@@ -218,7 +216,7 @@ class Backend(abc.ABC):
         flattened in (kh, kw, C) order, so that ``cols @ W.reshape(kh*kw*C, C_out)`` is the convolution."""
         win = self.windows(self.pad_hw(x, padding), kh, kw, stride)  # a view, no copy yet
         n, oh, ow = win.shape[:3]
-        cols = self.xp.empty(tuple(win.shape), dtype=self._float(self._dtype_name(x)), **self._device_kw())
+        cols = self.xp.empty(tuple(win.shape), dtype=self._float(self.dtype_name(x)), **self._device_kw())
 
         def gather(sl):
             cols[sl] = win[sl]
@@ -235,7 +233,7 @@ class Backend(abc.ABC):
         hp, wp = h + 2 * padding, w + 2 * padding
         oh, ow = (hp - kh) // stride + 1, (wp - kw) // stride + 1
         c6 = self.xp.reshape(cols, (n, oh, ow, kh, kw, c))
-        dx = self.zeros((n, hp, wp, c), dtype=self._dtype_name(cols))
+        dx = self.zeros((n, hp, wp, c), dtype=self.dtype_name(cols))
 
         def scatter(sl):
             d, src = dx[sl], c6[sl]
@@ -247,13 +245,10 @@ class Backend(abc.ABC):
         return dx[:, padding:padding + h, padding:padding + w, :] if padding else dx
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _dtype_name(self, x) -> str:
-        return str(x.dtype).replace("torch.", "")
-
     def _over_batch(self, fn, n: int) -> None:
         """Call fn(slice) over slices that split a batch of n, on ``self.threads`` threads.  Used for
         work that NumPy runs on one core and that releases the GIL: the memory-bound gathers and
-        scatters of im2col/col2im, and (NumPy backend) einsum and batches of small products."""
+        scatters of im2col/col2im, and (NumPy backend) the routing products and batches of small products."""
         if self.threads <= 1 or n < 2 * self.threads:
             fn(slice(None))
             return
@@ -309,32 +304,3 @@ def reset_process_peak() -> None:
             f.write("5")
     except OSError:
         pass
-
-
-def parse_einsum_pair(subscripts):
-    """'ab,bc->ac' -> ('ab', 'bc', 'ac'); None for forms the fast paths do not handle (ellipsis,
-    implicit output, an index repeated within one operand)."""
-    if "..." in subscripts or "->" not in subscripts:
-        return None
-    ins, out = subscripts.replace(" ", "").split("->")
-    parts = ins.split(",")
-    if len(parts) != 2 or any(len(set(t)) != len(t) for t in (*parts, out)):
-        return None
-    return parts[0], parts[1], out
-
-
-def stacked_outer_form(subscripts):
-    """'qA,qB->O' with O made of exactly the indices of A and B, where A and B each have an index
-    the other lacks: a sum over q of outer products (the routing backward's 'qnji,qnjd->injd').
-    Returns (A, B, O), or None for other forms -- among them the contractions 'nji,injd->njd',
-    where "q" would be a summed index of the big operand and the output is small."""
-    parsed = parse_einsum_pair(subscripts)
-    if parsed is None:
-        return None
-    sa, sb, out = parsed
-    q, A, Bs = sa[:1], sa[1:], sb[1:]
-    if not q or sb[:1] != q or q in out or set(A) | set(Bs) != set(out):
-        return None
-    if not set(A) - set(Bs) or not set(Bs) - set(A):
-        return None
-    return A, Bs, out

@@ -29,8 +29,8 @@ class _CupyNamespace:
 
 class CupyBackend(NumpyBackend):
     name = "cupy"
-    # the trainer records full batches as a CUDA graph (``capture``): on an H100, 2.3x the step
-    # op by op, whose ~900 kernel launches from Python are the whole cost (README, GPU results)
+    # the trainer records full batches as a CUDA graph (``capture``): a step op by op is hundreds of
+    # kernel launches from Python, which cost more than the kernels (docs/performance.md, GPU)
     can_capture = True
 
     def __init__(self, dtype: str = "float32", device: str = "cuda"):
@@ -70,10 +70,27 @@ class CupyBackend(NumpyBackend):
             return self._direct_cublas.matmul(a, b)
         return super().matmul(a, b)  # CuPy's own: a @ b
 
-    def einsum(self, subscripts, *operands):
-        if self._direct_cublas is not None and len(operands) == 2:
-            return self.einsum_by_matmul(subscripts, *operands)  # cupy.einsum's products would refuse
-        return super().einsum(subscripts, *operands)
+    # The routing products (see Backend): cupy.einsum op by op; while a step is recorded, batched
+    # products through ``matmul`` (which then calls cuBLAS itself: cupy.einsum's would refuse).
+    def weighted_sum(self, c, u_hat):
+        if self._direct_cublas is not None:
+            return weighted_sum_by_matmul(self, c, u_hat)
+        return self._einsum("nji,injd->njd", c, u_hat)
+
+    def agreement(self, u_hat, v):
+        if self._direct_cublas is not None:
+            return agreement_by_matmul(self, u_hat, v)
+        return self._einsum("injd,njd->nji", u_hat, v)
+
+    def outer_sum(self, coeffs, vecs):
+        C, V = self.xp.stack(coeffs), self.xp.stack(vecs)
+        if self._direct_cublas is not None:
+            return outer_sum_by_matmul(self, C, V)
+        return self._einsum("qnji,qnjd->injd", C, V)
+
+    def _einsum(self, subscripts, a, b):
+        # (its result follows the operands' memory order; the layers expect C order)
+        return self.lib.ascontiguousarray(self.lib.einsum(subscripts, a, b, optimize=False))
 
     def _make_direct_cublas(self, stream):
         from .cublas import DirectCublas
@@ -94,7 +111,7 @@ class CupyBackend(NumpyBackend):
         As on torch, ``fn`` first runs twice on a side stream -- kernels compile, cuBLAS loads,
         layers build their constants -- the second time with host transfers refused; then the third
         run is recorded.  CuPy refuses cuBLAS on a capturing stream, so from the second run on,
-        ``matmul`` and two-operand ``einsum`` call cuBLAS directly (backends/cublas.py).
+        ``matmul`` and the routing products call cuBLAS directly (backends/cublas.py).
 
         A graph replays into the addresses it was recorded with, so its arrays come from a memory
         pool of its own: CuPy's default pool would hand them to later allocations once the
@@ -143,3 +160,32 @@ class CupyBackend(NumpyBackend):
         # CuPy keeps no high-water mark; its pool only grows between frees, so after freeing the
         # cached blocks, total_bytes() is the peak reserved by whatever runs next.
         self.lib.get_default_memory_pool().free_all_blocks()
+
+
+# The routing products as one batched matrix product each, the batch being the (n, j) pairs -- the
+# form cuBLAS records.  Written with the backend's xp and matmul, so the CPU tests run them too.
+def weighted_sum_by_matmul(B, c, u_hat):
+    """s[n, j] = c[n, j, :] (1, I) @ û[:, n, j, :] (I, D)."""
+    xp = B.xp
+    i, n, j, d = u_hat.shape
+    u = xp.reshape(xp.permute_dims(u_hat, (1, 2, 0, 3)), (n * j, i, d))
+    return xp.reshape(B.matmul(xp.reshape(c, (n * j, 1, i)), u), (n, j, d))
+
+
+def agreement_by_matmul(B, u_hat, v):
+    """a[n, j] = û[:, n, j, :] (I, D) @ v[n, j] (D, 1)."""
+    xp = B.xp
+    i, n, j, d = u_hat.shape
+    u = xp.reshape(xp.permute_dims(u_hat, (1, 2, 0, 3)), (n * j, i, d))
+    return xp.reshape(B.matmul(u, xp.reshape(v, (n * j, d, 1))), (n, j, i))
+
+
+def outer_sum_by_matmul(B, C, V):
+    """dû[:, n, j] = C[:, n, j, :]^T (I, Q) @ V[:, n, j] (Q, D); C (Q, N, J, I), V (Q, N, J, D)."""
+    xp = B.xp
+    q, n, j, i = C.shape
+    d = V.shape[-1]
+    Cm = xp.reshape(xp.permute_dims(C, (1, 2, 3, 0)), (n * j, i, q))
+    Vm = xp.reshape(xp.permute_dims(V, (1, 2, 0, 3)), (n * j, q, d))
+    du = xp.reshape(B.matmul(Cm, Vm), (n, j, i, d))
+    return B.contiguous(xp.permute_dims(du, (2, 0, 1, 3)))

@@ -2,8 +2,9 @@
 differences are the module and the host transfers -- what the CPU tests cover, the GPU confirms.
 
 NumPy runs its elementwise loops and einsum on one core, and OpenBLAS runs a small product on one
-core too; only large products use every core.  So on the CPU this backend splits the routing's
-einsums and ClassCaps' batches of small products over the batch, on its threads (``_over_batch``)."""
+core too; only large products use every core.  So on the CPU this backend splits the routing
+products and ClassCaps' batches of small products over the batch, on its threads (``_over_batch``).
+(The CuPy backend overrides the routing products: those here write into NumPy arrays.)"""
 from __future__ import annotations
 
 import os
@@ -12,13 +13,13 @@ import warnings
 
 import numpy as np
 
-from .base import Backend, PerformanceWarning, keep_freed_memory, parse_einsum_pair
+from .base import Backend, PerformanceWarning, keep_freed_memory
 
 
 class NumpyBackend(Backend):
     name = "numpy"
     elementwise_block = 1 << 20  # 4 MB of float32: one block's temporaries stay in cache
-    # einsum and matmul split their batch over the threads only from this size up (in elements of
+    # the routing products and matmul split their batch over the threads only from this size up (in elements of
     # the bigger operand): below it a thread's hand-off costs more than it saves
     parallel_min_elements = 1 << 18
 
@@ -56,31 +57,50 @@ class NumpyBackend(Backend):
     def quiet_float_errors(self):
         return np.errstate(over="ignore", invalid="ignore", divide="ignore")
 
-    def einsum(self, subscripts, *operands):
-        parsed = parse_einsum_pair(subscripts) if len(operands) == 2 and self.lib is np else None
-        if parsed is None:
-            # (its result follows the operands' memory order; the layers expect C order)
-            return self.lib.ascontiguousarray(self.lib.einsum(subscripts, *operands, optimize=False))
-        (sa, sb, out), (a, b) = parsed, operands
-        size = dict(zip(sa + sb, a.shape + b.shape))
-        res = np.empty([size[c] for c in out], dtype=np.result_type(a, b))  # C order
-        # NumPy runs an einsum on one core.  A batch index -- one that both operands and the output
-        # have, such as routing's n -- splits it into independent parts, one per thread.
-        batch = [c for c in out if c in sa and c in sb]
-        if not batch or max(a.size, b.size) < self.parallel_min_elements:
-            _einsum_into(subscripts, parsed, a, b, res)
-            return res
-        k = batch[0]
+    # The routing products (see Backend), CPU only.  NumPy runs einsum and a small product on one core, so each
+    # is split over the batch n on this backend's threads, and each part writes straight into its
+    # slice of the result: s and dû as batched BLAS products on strided views (nothing copied), the
+    # agreement by einsum's loop (its sum runs along û's contiguous last axis, where the loop wins).
+    def weighted_sum(self, c, u_hat):
+        n, j, _ = c.shape
+        s = np.empty((n, j, u_hat.shape[-1]), dtype=np.result_type(c, u_hat))
+
+        def part(sl):  # per (n, j): c[n, j, :] (1, I) @ û[:, n, j, :] (I, D)
+            np.matmul(c[sl, :, None, :], u_hat[:, sl].transpose(1, 2, 0, 3), out=s[sl, :, None, :])
+
+        self._split_batch(part, n, u_hat.size)
+        return s
+
+    def agreement(self, u_hat, v):
+        i, n, j, _ = u_hat.shape
+        a = np.empty((n, j, i), dtype=np.result_type(u_hat, v))
 
         def part(sl):
-            def cut(x, subs):
-                return x[(slice(None),) * subs.index(k) + (sl,)]
+            np.einsum("injd,njd->nji", u_hat[:, sl], v[sl], out=a[sl], optimize=False)
 
-            _einsum_into(subscripts, parsed, cut(a, sa), cut(b, sb), cut(res, out))
+        self._split_batch(part, n, u_hat.size)
+        return a
 
+    def outer_sum(self, coeffs, vecs):
+        C, V = np.stack(coeffs), np.stack(vecs)                 # (Q, N, J, I), (Q, N, J, D)
+        _, n, j, i = C.shape
+        du = np.empty((i, n, j, V.shape[-1]), dtype=np.result_type(C, V))
+
+        def part(sl):  # per (n, j): (I, Q) @ (Q, D) into the strided slice dû[:, n, j, :]
+            np.matmul(C[:, sl].transpose(1, 2, 3, 0), V[:, sl].transpose(1, 2, 0, 3),
+                      out=du[:, sl].transpose(1, 2, 0, 3))
+
+        self._split_batch(part, n, max(C.size, V.size))
+        return du
+
+    def _split_batch(self, part, n, elements):
+        """part(slice) over the batch, on the threads when the work (``elements`` of the biggest
+        operand) is large enough to pay for the hand-off."""
+        if elements < self.parallel_min_elements:
+            part(slice(None))
+            return
         _warn_if_blas_spins()
-        self._over_batch(part, size[k])
-        return res
+        self._over_batch(part, n)
 
     def matmul(self, a, b):
         if (self.lib is not np or self.threads <= 1 or a.ndim < 3 or a.ndim != b.ndim
@@ -162,49 +182,3 @@ def _blas_name() -> str:
 # OpenBLAS runs a product of m*k*n multiply-adds on one thread below this size
 # (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD), and on all of them from it up
 _BLAS_THREADED_PRODUCT = 65536 * 4
-
-
-def _einsum_into(subscripts, parsed, a, b, out):
-    """out[...] = einsum(subscripts, a, b), by a batched matmul where that form applies, else by
-    NumPy's einsum loop (optimize=False: the contractions the layers use are batched, with no BLAS
-    path of their own, and the loop does them in one pass without temporaries)."""
-    if not _einsum_as_matmul(parsed, a, b, out):
-        np.einsum(subscripts, a, b, out=out, optimize=False)
-
-
-def _einsum_as_matmul(parsed, a, b, out):
-    """A two-operand einsum with one summed index, as one batched matrix product on views of the
-    operands, written straight into ``out`` (laid out as the einsum's output): the indices both
-    operands and the output share are the batch, a's own output indices the rows, b's own the
-    columns.  With several row (or column) indices the leading ones become broadcast batch axes;
-    none becomes a size-1 axis.  NumPy hands each batch's product to BLAS when the matrix views have
-    a unit stride, whatever the batch strides, so nothing is copied.
-
-    Used where NumPy's einsum loop is slow: when the bigger operand's last index is not the summed
-    one.  For routing's 'qnji,qnjd->injd' (a sum of outer products, q summed) that is, per (n, j), a
-    (I, Q) @ (Q, D) product into the strided slice dû[:, n, j, :]; for 'nji,injd->njd' a
-    (1, I) @ (I, D) product per (n, j).  'injd,njd->nji' stays with einsum (the summed d is û's
-    contiguous axis, where the loop is faster).  Returns False, writing nothing, when the form does
-    not apply."""
-    sa, sb, out_subs = parsed
-    summed = [c for c in sa if c in sb and c not in out_subs]
-    if len(summed) != 1 or set(sa) | set(sb) != set(out_subs) | set(summed):
-        return False
-    if (sa if a.size >= b.size else sb)[-1] == summed[0]:
-        return False  # the bigger operand is summed along its contiguous axis: einsum's loop is faster
-    k = summed[0]
-    batch = [c for c in out_subs if c in sa and c in sb]
-    rows = [c for c in out_subs if c not in sb]
-    cols = [c for c in out_subs if c not in sa]
-
-    def arrange(x, subs, axes):
-        """View of x with the given axes (None: a new size-1 axis)."""
-        v = x.transpose([subs.index(c) for c in axes if c is not None and c in subs])
-        return np.expand_dims(v, tuple(p for p, c in enumerate(axes) if c is None or c not in subs))
-
-    lead = batch + rows[:-1] + cols[:-1]
-    r_in, c_in = rows[-1:] or [None], cols[-1:] or [None]           # the matrix axes (or size 1)
-    a_m = arrange(a, sa, lead + r_in + [k])                          # (lead, rows, k)
-    b_m = arrange(b, sb, lead + [k] + c_in)                          # (lead, k, cols)
-    np.matmul(a_m, b_m, out=arrange(out, out_subs, lead + r_in + c_in))  # (lead, rows, cols), in place
-    return True

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from .base import Backend, BackendError, keep_freed_memory, parse_einsum_pair, stacked_outer_form
+from .base import Backend, BackendError, keep_freed_memory
 
 
 def is_torch_device(name: str) -> bool:
@@ -18,8 +18,8 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, dtype: str = "float32", device: str = "cpu"):
-        # Large CPU tensors (the im2col matrix is ~190 MB at batch 64) on transparent huge pages:
-        # 2-3x faster to fill than on 4 KB pages.  NumPy does this by default; PyTorch reads this
+        # Large CPU tensors (the im2col matrix, hundreds of MB) on transparent huge pages: faster to
+        # fill than 4 KB pages.  NumPy does this by default; PyTorch reads this
         # switch when its allocator starts, so it only helps if torch was not used before.
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         try:
@@ -49,7 +49,7 @@ class TorchBackend(Backend):
             keep_freed_memory()  # PyTorch's CPU allocator is glibc's malloc: same reasoning as NumPy
         else:
             # A step is hundreds of small kernels: on a GPU, launching them costs more than running
-            # them.  A CUDA graph launches them all at once (H100, batch 64: 7.8 -> 4.2 ms per step).
+            # them.  A CUDA graph launches them all at once (docs/performance.md, GPU).
             self.can_capture = True
 
     def _float(self, dtype=None):
@@ -93,14 +93,20 @@ class TorchBackend(Backend):
             fn()
         return graph.replay
 
-    def einsum(self, subscripts, *operands):
-        if len(operands) == 2:
-            out = _broadcast_contract(subscripts, *operands)
-            if out is None:
-                out = _stacked_outer_sum(subscripts, *operands)
-            if out is not None:
-                return out
-        return self.torch.einsum(subscripts, *operands)
+    # weighted_sum and agreement: Backend's broadcast forms read û in place, where torch.einsum maps
+    # them to bmm after copying û into a batch-major layout.
+    def outer_sum(self, coeffs, vecs):
+        """Backend.outer_sum accumulated in place, one multiply-add (addcmul_) per term, into a
+        C-ordered result (a product of permuted views would follow their memory order instead)."""
+        def term(c, v):  # c_ij (N, J, I) and v_j (N, J, D) as broadcastable (I, N, J, 1), (1, N, J, D)
+            return c.permute(2, 0, 1)[..., None], v[None]
+
+        n, j, i = coeffs[0].shape
+        du = coeffs[0].new_empty((i, n, j, vecs[0].shape[-1]))
+        self.torch.mul(*term(coeffs[0], vecs[0]), out=du)
+        for c, v in zip(coeffs[1:], vecs[1:]):
+            du.addcmul_(*term(c, v))
+        return du
 
     def contiguous(self, x):
         return x.contiguous()
@@ -125,51 +131,3 @@ class TorchBackend(Backend):
             self.torch.cuda.reset_peak_memory_stats(self._device)
         else:
             super().reset_peak_memory()
-
-
-def _to_order(t, subs, order):
-    """View ``t`` (indexed by ``subs``) in index order ``order``, with size-1 axes for absent indices."""
-    present = [subs.index(c) for c in order if c in subs]
-    shape = [t.shape[subs.index(c)] if c in subs else 1 for c in order]
-    return t.permute(present).reshape(shape)
-
-
-def _broadcast_contract(subscripts, a, b):
-    """A two-operand einsum as broadcast multiply + sum, when that reads each element once: when the
-    full product of the two operands is no larger than the bigger of them (every index of the small
-    operand also indexes the big one, e.g. 'nji,injd->njd').  torch.einsum maps such contractions
-    to bmm, which first copies the big operand into a batch-major layout; here it is read in place,
-    2-3x faster for the routing sums.  Returns None when the rule does not apply."""
-    parsed = parse_einsum_pair(subscripts)
-    if parsed is None:
-        return None
-    sa, sb, out = parsed
-    big, small, s_big, s_small = (a, b, sa, sb) if a.numel() >= b.numel() else (b, a, sb, sa)
-    if not set(s_small) <= set(s_big) or not set(out) <= set(s_big):
-        return None
-    prod = big * _to_order(small, s_small, s_big)
-    summed = [k for k, c in enumerate(s_big) if c not in out]
-    if summed:
-        prod = prod.sum(dim=summed)
-    kept = [c for c in s_big if c in out]
-    return prod.permute([kept.index(c) for c in out]).contiguous()  # C order, as the layers expect
-
-
-def _stacked_outer_sum(subscripts, a, b):
-    """'qA,qB->O' where every index of A and B appears in O and vice versa: a sum over q of outer
-    products (the routing backward's 'qnji,qnjd->injd').  Accumulated in place slice by slice
-    (addcmul_), 5x faster than torch.einsum, which builds it as a bmm into a transposed layout."""
-    import torch
-
-    form = stacked_outer_form(subscripts)
-    if form is None:
-        return None
-    A, Bs, out = form
-    size = {**dict(zip(A, a.shape[1:])), **dict(zip(Bs, b.shape[1:]))}
-    # the result in C order: a product of permuted views would follow their memory order instead,
-    # and the caller's reshape would then copy it
-    acc = a.new_empty([size[c] for c in out])
-    torch.mul(_to_order(a[0], A, out), _to_order(b[0], Bs, out), out=acc)
-    for k in range(1, a.shape[0]):
-        acc.addcmul_(_to_order(a[k], A, out), _to_order(b[k], Bs, out))
-    return acc

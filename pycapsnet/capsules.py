@@ -6,7 +6,7 @@ import numpy as np
 from . import init as initializers
 from .fourier import FourierConv2d
 from .layers import Conv2d, Layer
-from .routing import MODES, d_u_hat_from_factors, routing_backward_factors, routing_forward
+from .routing import MODES, routing_backward_factors, routing_forward
 from .squash import squash, squash_backward
 
 
@@ -17,9 +17,9 @@ class PrimaryCaps(Layer):
     Channel t*K + k of position p is component k of capsule (p, t); with channels-last output the
     regrouping is a reshape, and u_i = squash(s_i) over k.
 
-    ``conv``: "fourier" (default, ``FourierConv2d``: the same convolution with ~3.5x fewer
-    multiply-adds at the paper's size) or "im2col" (``Conv2d``: the textbook form).  Both give the
-    same parameters from the same rng and the same results to rounding.
+    ``conv``: "fourier" (default, ``FourierConv2d``: the same convolution with fewer multiply-adds
+    at the paper's size) or "im2col" (``Conv2d``: the textbook form).  Both give the same
+    parameters from the same rng and the same results to rounding.
     """
 
     CONVS = {"fourier": FourierConv2d, "im2col": Conv2d}
@@ -40,12 +40,11 @@ class PrimaryCaps(Layer):
         self.cache = (s, s_norm, tuple(y.shape))
         return u
 
-    def backward(self, du):
+    def backward(self, du, input_grad=True):
         s, s_norm, y_shape = self.cache
         self.cache = None
         ds = squash_backward(self.B.xp, s, s_norm, du)
-        self.conv.input_grad = self.input_grad
-        return self.conv.backward(self.B.xp.reshape(ds, y_shape))
+        return self.conv.backward(self.B.xp.reshape(ds, y_shape), input_grad)
 
 
 class ClassCaps(Layer):
@@ -55,7 +54,7 @@ class ClassCaps(Layer):
     class j).  With ``share_spatial`` W is (1, T, J, D, K): one transform per capsule *type*, shared
     over the P positions, so the parameter count no longer grows with the image size.
 
-    Backward: from dû (routing_backward_factors, then d_u_hat_from_factors),
+    Backward: from dû (routing_backward_factors, then B.outer_sum),
     dW_ij = sum_n dû_j|i u_i^T  (summed over positions too when shared)  and  du_i = sum_j W_ij^T dû_j|i.
     """
 
@@ -72,7 +71,6 @@ class ClassCaps(Layer):
         shape = (1 if share_spatial else positions, types, n_classes, out_dim, in_dim)
         self._add_param("W", initializers.capsule_transform(rng, shape))
         self.trace = None
-        self.fixed_coupling = None  # (N, J, I): hold the last c_ij fixed (see routing_forward)
 
     def forward(self, u):
         # u: (N, P, T, K) -> v: (N, J, D)
@@ -80,31 +78,35 @@ class ClassCaps(Layer):
         n = u.shape[0]
         ut = xp.permute_dims(u, (1, 2, 0, 3))                                   # (P, T, N, K)
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))  # (P|1, T, J*D, K)
-        # B.matmul: 1,152 small products (N x K) @ (K x J*D), which a backend may split over threads
+        # B.matmul: P*T small products (N x K) @ (K x J*D), which a backend may split over threads
         u_hat = self.B.matmul(ut, self.B.contiguous(xp.matrix_transpose(Wm)))     # (P, T, N, J*D)
         u_hat = xp.reshape(u_hat, (self.P * self.T, n, self.J, self.D))          # û_j|i (I, N, J, D)
-        v, self.trace = routing_forward(self.B, u_hat, self.iters, self.fixed_coupling)
+        v, self.trace = self.route(u_hat)
         self.cache = (ut, u_hat)
         return v
+
+    def route(self, u_hat):
+        """Dynamic routing of û: (v_j, the trace of every iteration) (routing.py)."""
+        return routing_forward(self.B, u_hat, self.iters)
 
     @property
     def coupling(self):
         """c_ij of each routing iteration of the last forward: list of (N, I, J) arrays."""
         return [self.B.xp.permute_dims(t[0], (0, 2, 1)) for t in self.trace]
 
-    def backward(self, dv):
+    def backward(self, dv, input_grad=True):
         xp = self.B.xp
         ut, u_hat = self.cache
         self.cache = None
         factors = routing_backward_factors(self.B, u_hat, self.trace, dv, self.routing_grad)
-        del u_hat  # its last use: free û (47 MB at the paper's size) before its gradient is made
-        d_u_hat = d_u_hat_from_factors(self.B, *factors)                         # dû (I, N, J, D)
+        del u_hat  # its last use: free û (as large as its gradient) before its gradient is made
+        d_u_hat = self.B.outer_sum(*factors)                                      # dû (I, N, J, D)
         dh = xp.reshape(d_u_hat, (self.P, self.T, -1, self.J * self.D))          # (P, T, N, J*D)
         dW = self.B.matmul(xp.matrix_transpose(dh), ut)                           # (P, T, J*D, K)
         if self.share_spatial:
             dW = xp.sum(dW, axis=0, keepdims=True)
         self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
-        if not self.input_grad:
+        if not input_grad:
             return None
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))
         du = self.B.matmul(dh, Wm)                                                # (P, T, N, K)

@@ -158,7 +158,7 @@ class FourierConv2d(Conv2d):
         n, h, w, c = x.shape
         if (h, w) == (rows, cols):
             return x
-        out = self.B.zeros((n, rows, cols, c), dtype=self.B._dtype_name(x))
+        out = self.B.zeros((n, rows, cols, c), dtype=self.B.dtype_name(x))
         out[:, :min(h, rows), :min(w, cols), :] = x[:, :rows, :cols, :]
         return out
 
@@ -201,7 +201,7 @@ class FourierConv2d(Conv2d):
         """W (k, k, C_in, C_out) -> ws (kq*kq, C', C_out): the kernel split into its s x s phases
         like the input, each zero-padded to kq x kq taps."""
         kq, s, W = g["kq"], self.stride, self.params["W"]
-        ws = self.B.zeros((kq, kq, s * s * self.c_in, self.c_out), dtype=self.B._dtype_name(W))
+        ws = self.B.zeros((kq, kq, s * s * self.c_in, self.c_out), dtype=self.B.dtype_name(W))
         for rh, rw, ta, tb, c, at in self._phases():
             ws[:ta, :tb, at] = W[rh::s, rw::s, c]
         return self.B.xp.reshape(ws, (kq * kq, -1))
@@ -236,7 +236,7 @@ class FourierConv2d(Conv2d):
         F = g["F"]
         X = xp.reshape(mm(g["Fx"], self._input_to_grid(x, g)), (F, 2 * n, -1))  # [X_r; X_i] (F, 2N, C')
         ws = self._kernel_to_grid(g)
-        Y = self.B.empty((F, 2, n, self.c_out), dtype=self.B._dtype_name(x))   # Y_r, Y_i per frequency
+        Y = self.B.empty((F, 2, n, self.c_out), dtype=self.B.dtype_name(x))   # Y_r, Y_i per frequency
         keep = self.keeps_spectrum(g, x)
         kept = []
         for fs, Fw in g["chunks"]:
@@ -253,7 +253,7 @@ class FourierConv2d(Conv2d):
         y = xp.reshape(y, (g["oh"], g["ow"], n, self.c_out))
         return xp.permute_dims(y, (2, 0, 1, 3)) + self.params["b"]
 
-    def backward(self, dy):
+    def backward(self, dy, input_grad=True):
         xp, mm = self.B.xp, self.B.matmul
         (X, kept, ws, x_shape), self.cache = self.cache, None
         n, h, w, _ = x_shape
@@ -263,9 +263,9 @@ class FourierConv2d(Conv2d):
         dyg = xp.reshape(self.B.contiguous(xp.permute_dims(dy, (1, 2, 0, 3))), (g["oh"] * g["ow"], -1))
         dY = xp.reshape(mm(xp.matrix_transpose(g["Fy"]), dyg), (F, 2, n, self.c_out))
         self._weight_grad(X, dY, g)
-        if not self.input_grad:
+        if not input_grad:
             return None
-        c_phase, dtype = X.shape[-1], self.B._dtype_name(X)
+        c_phase, dtype = X.shape[-1], self.B.dtype_name(X)
         del X  # its last use: free it before dX, as large, is made
         dX = self.B.empty((F, 2, n, c_phase), dtype=dtype)
         dY_ri = xp.reshape(dY, (F, 2 * n, self.c_out))                        # [dY_r; dY_i]
@@ -293,7 +293,7 @@ class FourierConv2d(Conv2d):
         frequencies, real and imaginary rows alike."""
         xp, mm, F = self.B.xp, self.B.matmul, g["F"]
         n = dY.shape[2]
-        dYT = self.B.empty((F, 2, self.c_out, 2, n), dtype=self.B._dtype_name(dY))
+        dYT = self.B.empty((F, 2, self.c_out, 2, n), dtype=self.B.dtype_name(dY))
         dYT[:, 0] = xp.permute_dims(dY, (0, 3, 1, 2))                          # [dY_r^T  dY_i^T]
         dYT[:, 1, :, 0] = xp.matrix_transpose(dY[:, 1])                        # [dY_i^T  -dY_r^T]
         dYT[:, 1, :, 1] = xp.matrix_transpose(dY[:, 0])

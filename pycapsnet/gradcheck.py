@@ -22,7 +22,7 @@ check's own tolerance straddles a kink.  Such entries are counted in ``Check.kin
 whose sampled entries all straddle kinks fails.
 
 The "final" routing-gradient mode is the exact gradient of the routing with the last coupling
-coefficients c_ij held fixed, so its checks perturb that function: ClassCaps.fixed_coupling.
+coefficients c_ij held fixed, so its checks perturb that function (``_freeze_final_coupling``).
 Used by the test suite and by ``pycapsnet gradcheck``.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .fourier import FourierConv2d
 from .layers import Conv2d, Linear, ReLU, Sigmoid
 from .losses import MarginLoss, ReconstructionLoss
 from .model import CapsNet
-from .routing import softmax, softmax_backward
+from .routing import routing_forward, softmax, softmax_backward
 from .squash import squash, squash_backward
 
 
@@ -102,9 +102,12 @@ def check_tensors(B, label, loss_fn, tensors, analytic, samples=20, eps=1e-5, to
 
 
 def _freeze_final_coupling(layer):
-    """In "final" mode, hold the last coupling coefficients fixed for the perturbed evaluations."""
+    """In "final" mode, hold the last coupling coefficients fixed for the perturbed evaluations: the
+    layer's routing is replaced, on this instance, by the same routing with c^{R-1} given
+    (routing_forward's ``fixed_coupling``), the function whose exact gradient that mode computes."""
     if isinstance(layer, ClassCaps) and layer.routing_grad == "final":
-        layer.fixed_coupling = layer.trace[-1][0]
+        c = layer.trace[-1][0]
+        layer.route = lambda u_hat: routing_forward(layer.B, u_hat, layer.iters, fixed_coupling=c)
 
 
 # ---- single layers ------------------------------------------------------------------------------

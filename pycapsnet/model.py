@@ -174,7 +174,6 @@ class CapsNet:
         rng = np.random.default_rng(seed)
         B = self.B
         self.conv1 = Conv2d(B, c, cfg.conv_channels, cfg.conv_kernel, rng=rng, init=he_uniform)
-        self.conv1.input_grad = False  # the image needs no gradient in training
         self.relu1 = ReLU(B)
         self.primary = PrimaryCaps(B, cfg.conv_channels, cfg.primary_types, cfg.primary_dim,
                                    cfg.primary_kernel, cfg.primary_stride, rng=rng,
@@ -348,9 +347,7 @@ class CapsNet:
         dv = dv + self.length.backward(self.margin.backward())
         du = self.classcaps.backward(dv)
         dh = self.primary.backward(du)
-        self.conv1.input_grad = input_grad
-        dx = self.conv1.backward(self.relu1.backward(dh))
-        self.conv1.input_grad = False
+        dx = self.conv1.backward(self.relu1.backward(dh), input_grad)  # training needs no dL/dx
         self._cache = None
         if dx is None:
             return None

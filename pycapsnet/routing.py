@@ -24,13 +24,17 @@ carrying db = dL/db^{r+1}  (zero at r = R-1, where dL/dv^{R-1} is the incoming g
     db    += c^r (dc^r - sum_j c^r dc^r)      (softmax backward; b^r feeds b^{r+1} with slope 1)
 and û collects one outer product from every place it was used:
     dû_j|i = sum_r c^r_ij ds^r_j  +  sum_{r<R-1} db^{r+1}_ij v^r_j
-(formed in a single pass at the end, as one contraction over the stacked terms).
+(formed in a single pass at the end: B.outer_sum).
 At r = 0 the logits b^0 = 0 are constants, so dc^0 and db^0 are not needed.
 
 Backward, mode "final" -- the coupling coefficients c^{R-1} are treated as constants (as if the
 routing loop ran under stop-gradient), and the gradient flows through the last weighted sum only:
     dû_j|i = c^{R-1}_ij ds^{R-1}_j
 This is the exact gradient of that detached function (tests compare it with autograd on it).
+
+The three products -- s_j = sum_i c_ij û_j|i, the agreement û_j|i . v_j and the sum of outer
+products -- are named backend operations (B.weighted_sum, B.agreement, B.outer_sum): one plain form
+in backends/base.py, and faster ones where a backend has them.
 """
 from __future__ import annotations
 
@@ -68,25 +72,19 @@ def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
             s = xp.sum(u_hat, axis=0) / n_out
         else:
             c = fixed_coupling if fixed else softmax(xp, b)  # (N, J, I)
-            s = B.einsum("nji,injd->njd", c, u_hat)       # s_j = sum_i c_ij û_j|i
+            s = B.weighted_sum(c, u_hat)                  # s_j = sum_i c_ij û_j|i
         v, s_norm = squash(xp, s)
         trace.append((c, s, s_norm, v))
         if not last:
-            agreement = B.einsum("injd,njd->nji", u_hat, v)  # û_j|i . v_j
+            agreement = B.agreement(u_hat, v)             # û_j|i . v_j
             b = agreement if b is None else b + agreement
     return v, trace
-
-
-def d_u_hat_from_factors(B, coeffs, vecs):
-    """dû_j|i = sum_q coeffs[q]_ij vecs[q]_j, one contraction over the stacked terms (each backend
-    picks its fastest form: NumPy a batched matmul, PyTorch in-place multiply-adds)."""
-    return B.einsum("qnji,qnjd->injd", B.xp.stack(coeffs), B.xp.stack(vecs))
 
 
 def routing_backward_factors(B, u_hat, trace, dv, mode: str = "full"):
     """The backward from dL/dv (N, J, D) up to dL/dû (I, N, J, D), which is a sum of outer
     products: returns the lists (coeffs, vecs),
-    coeffs[q] (N, J, I) and vecs[q] (N, J, D), of its terms (``d_u_hat_from_factors`` sums them).
+    coeffs[q] (N, J, I) and vecs[q] (N, J, D), of its terms (``B.outer_sum`` sums them).
     Kept apart so that a caller can free û, whose last use this is, before dû is made."""
     xp = B.xp
     if mode == "final":
@@ -99,14 +97,14 @@ def routing_backward_factors(B, u_hat, trace, dv, mode: str = "full"):
     for r in reversed(range(len(trace))):
         c, s, s_norm, v = trace[r]
         if db is not None:
-            dv = B.einsum("nji,injd->njd", db, u_hat)
+            dv = B.weighted_sum(db, u_hat)
             coeffs.append(db)
             vecs.append(v)
         ds = squash_backward(xp, s, s_norm, dv)
         coeffs.append(c)
         vecs.append(ds)
         if r > 0:
-            dc = B.einsum("injd,njd->nji", u_hat, ds)
+            dc = B.agreement(u_hat, ds)
             db_r = softmax_backward(xp, c, dc)
             db = db_r if db is None else db + db_r
     return coeffs, vecs

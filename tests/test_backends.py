@@ -94,70 +94,44 @@ def test_transfers_dtypes_and_memory(spec):
     B.synchronize()
 
 
-@pytest.mark.parametrize("subscripts,shape_a,shape_b", [
-    ("nji,injd->njd", (3, 4, 5), (5, 3, 4, 6)),       # routing: s_j = sum_i c_ij u_hat (broadcast path;
-    ("injd,njd->nji", (5, 3, 4, 6), (3, 4, 6)),       # agreement                        NumPy: matmul)
-    ("qnji,qnjd->injd", (3, 3, 4, 5), (3, 3, 4, 6)),  # routing backward (stacked outer-product path)
-    ("inj,injd->njd", (5, 3, 4), (5, 3, 4, 6)),       # ... other index orders
-    ("injd,njd->inj", (5, 3, 4, 6), (3, 4, 6)),
-    ("qinj,qnjd->injd", (3, 5, 3, 4), (3, 3, 4, 6)),
-    ("qinj,qnjd->nijd", (3, 5, 3, 4), (3, 3, 4, 6)),
-    ("ijk,kl->ilj", (2, 3, 4), (4, 5)),               # NumPy's matmul form: two row indices
-    ("qinj,qjnd->injd", (3, 5, 3, 4), (3, 4, 3, 6)),
-    ("qin,qndk->indk", (3, 5, 4), (3, 4, 6, 2)),
-    ("inj,njd->injd", (5, 3, 4), (3, 4, 6)),          # outer product (falls back to torch.einsum)
-    ("ab,bc->ac", (2, 3), (3, 4)),                    # matmul (falls back)
-    ("ij,ij->", (3, 4), (3, 4)),
-])
-def test_torch_einsum_fast_paths_match_torch_einsum(subscripts, shape_a, shape_b):
-    torch = pytest.importorskip("torch")
-    B = backends.get("torch", dtype="float64")
+# The three routing products, each with its einsum: the definition every form must equal.
+ROUTING_PRODUCTS = {
+    "weighted_sum": ("nji,injd->njd", [(3, 4, 5), (5, 3, 4, 6)]),       # s_j = sum_i c_ij û_j|i
+    "agreement": ("injd,njd->nji", [(5, 3, 4, 6), (3, 4, 6)]),          # û_j|i . v_j
+    "outer_sum": ("qnji,qnjd->injd", [(3, 3, 4, 5), (3, 3, 4, 6)]),     # sum_q coeffs[q]_ij vecs[q]_j
+}
+
+
+def routing_product(B, name, a, b):
+    """Call B.<name> on host operands (outer_sum takes its stacked operands as lists)."""
+    a, b = B.asarray(a), B.asarray(b)
+    if name == "outer_sum":
+        return getattr(B, name)(list(a), list(b))
+    return getattr(B, name)(a, b)
+
+
+@pytest.mark.parametrize("name", ROUTING_PRODUCTS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
+def test_routing_products_equal_their_einsum_in_c_order(backend, name):
+    # "default": Backend's plain broadcast form, which a backend inherits unless it overrides it.
+    # C order: the layers reshape these results (dû -> (P, T, N, J*D)); a result in another memory
+    # order makes each reshape a full copy, and the next matmul leave BLAS.
+    from backends.base import Backend
+    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
+    subscripts, shapes = ROUTING_PRODUCTS[name]
     rng = np.random.default_rng(0)
-    a, b = (torch.tensor(rng.standard_normal(s)) for s in (shape_a, shape_b))
-    ref = torch.einsum(subscripts, a, b)
-    out = B.einsum(subscripts, a, b)
-    assert tuple(out.shape) == tuple(ref.shape)
-    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(backends.get("numpy", dtype="float64").einsum(subscripts, a.numpy(), b.numpy()),
-                               ref.numpy(), rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("subscripts,is_outer", [
-    ("qinj,qnjd->injd", True),   # the routing backward's sum of outer products
-    ("qnji,qnjd->injd", True),
-    ("qin,qndk->indk", True),
-    ("inj,injd->njd", False),    # contractions of the big operand: the plain einsum is the fast path
-    ("injd,njd->inj", False),
-    ("qij,qij->ij", False),      # no index of its own on either side: not an outer product
-])
-def test_stacked_outer_form_takes_only_sums_of_outer_products(subscripts, is_outer):
-    # The outer-product paths copy or re-lay the operands, which is cheap only when both are small
-    # next to the output; taking 'inj,injd->njd' for one cost ~20 ms per routing sum in NumPy.
-    from backends.base import stacked_outer_form
-    assert (stacked_outer_form(subscripts) is not None) == is_outer
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("subscripts,shape_a,shape_b", [
-    ("injd,njd->nji", (5, 3, 4, 6), (3, 4, 6)),       # NumPy's einsum would follow û's memory order
-    ("nji,injd->njd", (3, 4, 5), (5, 3, 4, 6)),
-    ("qnji,qnjd->injd", (3, 3, 4, 5), (3, 3, 4, 6)),  # torch's product of permuted views would too
-])
-def test_routing_einsums_return_c_ordered_arrays(backend, subscripts, shape_a, shape_b):
-    # The layers reshape these results (dû -> (P, T, N, J*D)); a result in another memory order
-    # makes each reshape a full copy, and the next matmul leave BLAS.
-    B = backends.get(backend, dtype="float64")
-    rng = np.random.default_rng(0)
-    a, b = (B.asarray(rng.standard_normal(s)) for s in (shape_a, shape_b))
-    out = B.einsum(subscripts, a, b)
-    assert B.to_numpy(B.contiguous(out)).shape == tuple(out.shape)
+    a, b = (rng.standard_normal(s) for s in shapes)
+    out = (getattr(Backend, name)(B, *((list(B.asarray(a)), list(B.asarray(b))) if name == "outer_sum"
+                                       else (B.asarray(a), B.asarray(b))))
+           if backend == "default" else routing_product(B, name, a, b))
+    np.testing.assert_allclose(B.to_numpy(out), np.einsum(subscripts, a, b), rtol=1e-12, atol=1e-12)
     contiguous = out.flags["C_CONTIGUOUS"] if hasattr(out, "flags") else out.is_contiguous()
-    assert contiguous, subscripts
+    assert contiguous, name
 
 
 @pytest.fixture
 def split_numpy(monkeypatch):
-    """A NumPy backend that splits every batched einsum and small-product batch over 2 threads
+    """A NumPy backend that splits every routing product and small-product batch over 2 threads
     (whatever this machine's core count), recording each split it makes."""
     B = backends.get("numpy", dtype="float64")
     B.threads, B.parallel_min_elements = 2, 0
@@ -172,18 +146,13 @@ def split_numpy(monkeypatch):
     return B
 
 
-@pytest.mark.parametrize("subscripts,shape_a,shape_b", [
-    ("nji,injd->njd", (6, 4, 5), (5, 6, 4, 3)),       # routing: s_j (matmul form), split over n
-    ("injd,njd->nji", (5, 6, 4, 3), (6, 4, 3)),       # agreement (einsum loop)
-    ("qnji,qnjd->injd", (3, 6, 4, 5), (3, 6, 4, 3)),  # dû, split over n: a strided slice of the output
-    ("qinj,qjnd->injd", (3, 5, 6, 4), (3, 4, 6, 3)),  # split over i
-    ("ij,ij->i", (7, 4), (7, 4)),
-])
-def test_numpy_einsum_split_over_threads_matches_numpy(split_numpy, subscripts, shape_a, shape_b):
+@pytest.mark.parametrize("name", ROUTING_PRODUCTS)
+def test_numpy_routing_products_split_over_threads_match_einsum(split_numpy, name):
+    subscripts, shapes = ROUTING_PRODUCTS[name]
     rng = np.random.default_rng(0)
-    a, b = rng.standard_normal(shape_a), rng.standard_normal(shape_b)
-    out = split_numpy.einsum(subscripts, a, b)
-    assert split_numpy.splits, "the batch was not split: the threaded path did not run"
+    a, b = (rng.standard_normal(s) for s in shapes)
+    out = routing_product(split_numpy, name, a, b)
+    assert split_numpy.splits == [3], "the batch was not split: the threaded path did not run"
     assert out.flags["C_CONTIGUOUS"]
     np.testing.assert_allclose(out, np.einsum(subscripts, a, b), rtol=1e-12, atol=1e-12)
 

@@ -1,6 +1,6 @@
 """What a recorded CuPy step runs instead of CuPy's own products, checked on the CPU: the direct
 cuBLAS call's row-major to column-major translation (backends/cublas.py), against a column-major
-GEMM written in NumPy; the einsum written as one matmul; the namespace's clip.  On a GPU,
+GEMM written in NumPy; the routing products written as batched matmuls; the namespace's clip.  On a GPU,
 test_graph.py's test_captured_step_equals_the_step_op_by_op[cupy] runs them for real."""
 import ctypes
 
@@ -10,8 +10,10 @@ import pytest
 
 import backends
 from backends import cublas
+from backends import cupy_backend
 from backends.cupy_backend import _CupyNamespace
 from tests.conftest import CPU_BACKENDS
+from tests.test_backends import ROUTING_PRODUCTS
 
 
 class _NumpyCublas(cublas.DirectCublas):
@@ -101,31 +103,20 @@ def test_direct_cublas_refuses_what_it_cannot_multiply():
         _NumpyCublas().matmul(np.ones((2, 3)), np.ones((2, 2)))
 
 
-EINSUMS = {  # routing's, and a few forms more
-    "nji,injd->njd": [(3, 4, 5), (5, 3, 4, 2)],
-    "injd,njd->nji": [(5, 3, 4, 2), (3, 4, 2)],
-    "qnji,qnjd->injd": [(2, 3, 4, 5), (2, 3, 4, 6)],
-    "ab,bc->ac": [(3, 4), (4, 5)],
-    "abx,by->a": [(3, 4, 2), (4, 6)],  # x and y each summed alone first
-    "ij,ij->": [(3, 4), (3, 4)],
-    "i,j->ij": [(3,), (4,)],
-}
-
-
-@pytest.mark.parametrize("spec", CPU_BACKENDS)
-@pytest.mark.parametrize("subscripts", EINSUMS)
-def test_einsum_by_matmul_equals_einsum(spec, subscripts):
-    B = backends.get(spec, dtype="float64")
+@pytest.mark.parametrize("spec", CPU_BACKENDS + ["numpy+column-major GEMM"])
+@pytest.mark.parametrize("name", ROUTING_PRODUCTS)
+def test_routing_products_by_matmul_equal_their_einsum(spec, name):
+    # the forms a recording CuPy backend uses: every product through B.matmul, so through cuBLAS --
+    # here also through the column-major GEMM above, which reads the operands as cuBLAS would
+    B = backends.get(spec.partition("+")[0], dtype="float64")
+    if spec.endswith("GEMM"):
+        B.matmul = _NumpyCublas().matmul
+    subscripts, shapes = ROUTING_PRODUCTS[name]
     rng = np.random.default_rng(2)
-    a, b = (rng.standard_normal(s) for s in EINSUMS[subscripts])
-    got = B.to_numpy(B.einsum_by_matmul(subscripts, B.asarray(a), B.asarray(b)))
+    a, b = (rng.standard_normal(s) for s in shapes)
+    form = getattr(cupy_backend, f"{name}_by_matmul")
+    got = B.to_numpy(form(B, B.asarray(a), B.asarray(b)))
     np.testing.assert_allclose(got, np.einsum(subscripts, a, b), rtol=1e-12, atol=1e-12)
-
-
-def test_einsum_by_matmul_names_what_it_cannot_do():
-    B = backends.get("numpy", dtype="float64")
-    with pytest.raises(backends.BackendError, match="repeated index"):
-        B.einsum_by_matmul("ii,i->i", np.ones((2, 2)), np.ones(2))
 
 
 def test_cupy_namespace_clips_with_the_library_and_passes_the_rest_on():
