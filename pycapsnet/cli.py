@@ -160,7 +160,7 @@ def cmd_inspect(args):
 
     x, y = test.x[args.index:args.index + 1], int(test.y[args.index])
     out = model.forward(x)
-    pred = int(B.to_numpy(B.xp.argmax(out.lengths, axis=1))[0])
+    pred = int(out.predictions[0])
     v = B.to_numpy(out.v)                                   # (1, J, D)
     D = v.shape[-1]
     # Figure 4: move each dimension of the predicted capsule over [-0.25, 0.25], decode each

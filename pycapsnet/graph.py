@@ -27,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import CapsNetError
-from .model import Outputs, require_batch_size
+from .checks import require_batch_size
+from .model import Outputs
 
 
 class CapturedStep:

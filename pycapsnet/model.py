@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -18,6 +17,7 @@ import numpy as np
 import backends as _backends
 
 from .capsules import CapsuleLength, ClassCaps, PrimaryCaps
+from .checks import check_capsules, check_images, check_labels, config_with, require_batch_size
 from .errors import CapsNetError
 from .init import he_uniform
 from .layers import Conv2d, Linear, ReLU, Sigmoid
@@ -68,12 +68,6 @@ class CapsNetConfig:
         return asdict(self)
 
 
-def require_batch_size(batch_size) -> None:
-    """CapsNetError unless ``batch_size`` is a whole number >= 1 (an int, not a bool or a float)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise CapsNetError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")
-
-
 def _geometry(cfg):
     """(positions P of the primary capsule grid, (H2, W2)) for a config; CapsNetError if too small."""
     if len(cfg.input_shape) != 3:
@@ -102,42 +96,51 @@ def param_shapes(cfg: CapsNetConfig) -> dict:
         "classcaps.W": (1 if cfg.share_spatial else positions, cfg.primary_types, cfg.n_classes,
                         cfg.class_dim, cfg.primary_dim),
     }
-    sizes = (cfg.n_classes * cfg.class_dim, *cfg.decoder_hidden, c * h * w)
-    for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]), start=1):
+    for k, (a, b) in enumerate(decoder_sizes(cfg), start=1):
         shapes[f"decoder{k}.W"], shapes[f"decoder{k}.b"] = (a, b), (b,)
     return shapes
 
 
+def decoder_sizes(cfg: CapsNetConfig):
+    """(inputs, outputs) of each decoder layer: masked capsules J*D -> hidden ... -> C*H*W pixels."""
+    sizes = (cfg.n_classes * cfg.class_dim, *cfg.decoder_hidden, int(np.prod(cfg.input_shape)))
+    return list(zip(sizes[:-1], sizes[1:]))
+
+
 class Outputs:
     """What ``forward`` and ``loss`` return: class capsules v_j (N, J, D), their lengths (N, J) and
-    the reconstruction (N, C, H, W), on the device.  After ``loss``, the loss values stay on the
-    device too until read: ``loss`` (the total) and ``parts`` (margin, reconstruction) fetch all
-    three with one transfer, so a GPU step is not held up mid-way to read them."""
+    the reconstruction (N, C, H, W), on the device.  After ``loss``, the loss values and the
+    predicted classes stay on the device too until read: ``loss`` (the total), ``parts`` (margin,
+    reconstruction) and ``predictions`` fetch all of them with one transfer, so a GPU step is not
+    held up mid-way, nor read twice."""
 
-    def __init__(self, v, lengths, reconstruction=None):
+    def __init__(self, B, v, lengths, reconstruction=None):
         self.v, self.lengths, self.reconstruction = v, lengths, reconstruction
-        self.losses = None  # device array (3,): total, margin, reconstruction
-        self._B, self._host = None, None
-
-    def set_losses(self, B, total, margin, recon):
+        self.summary = None  # device array (3 + N,): total, margin, reconstruction, predicted classes
         self._B, self._host = B, None
-        self.losses = B.xp.stack([total, margin, recon])
+
+    def set_losses(self, total, margin, recon):
+        xp = self._B.xp
+        self._host = None
+        predicted = xp.astype(xp.argmax(self.lengths, axis=1), total.dtype)  # class indices, exact in floats
+        self.summary = xp.concat([xp.stack([total, margin, recon]), predicted])
 
     def renewed(self) -> "Outputs":
-        """The same arrays with the host copy of the losses dropped: for arrays that were
+        """The same arrays with the host copy of the summary dropped: for arrays that were
         overwritten in place (a replayed captured step), so that ``loss`` reads them again."""
-        out = Outputs(self.v, self.lengths, self.reconstruction)
-        out._B, out.losses = self._B, self.losses
+        out = Outputs(self._B, self.v, self.lengths, self.reconstruction)
+        out.summary = self.summary
         return out
 
     def _fetch(self):
         if self._host is None:
-            self._host = [None] * 3 if self.losses is None else [float(a) for a in self._B.to_numpy(self.losses)]
+            self._host = None if self.summary is None else self._B.to_numpy(self.summary).astype(np.float64)
         return self._host
 
     @property
     def loss(self):
-        return self._fetch()[0]
+        host = self._fetch()
+        return None if host is None else float(host[0])
 
     @loss.setter
     def loss(self, value):
@@ -145,8 +148,16 @@ class Outputs:
 
     @property
     def parts(self) -> dict:
-        _, margin, recon = self._fetch()
-        return {} if self.losses is None else {"margin": margin, "reconstruction": recon}
+        host = self._fetch()
+        return {} if host is None else {"margin": float(host[1]), "reconstruction": float(host[2])}
+
+    @property
+    def predictions(self):
+        """The longest capsule of each sample: host int64 (N,)."""
+        host = self._fetch()
+        if host is None:  # a forward without losses
+            return np.argmax(self._B.to_numpy(self.lengths), axis=1)
+        return host[3:].astype(np.int64)
 
 
 class CapsNet:
@@ -157,17 +168,7 @@ class CapsNet:
         self.B = _backends.get(backend)  # a name, or a Backend (returned as it is)
         cfg = config or CapsNetConfig()
         if overrides:
-            fields = list(cfg.to_dict())
-            unknown = sorted(set(overrides) - set(fields))
-            if unknown:
-                hints = [f"{k}: did you mean {m[0]}?" for k in unknown if (m := difflib.get_close_matches(k, fields, n=1))]
-                if {"dtype", "device"} & set(unknown):
-                    hints.append("the dtype and device belong to the backend, e.g. "
-                                 f"CapsNet(backends.get({self.B.name!r}, dtype='float64'))")
-                raise CapsNetError(f"CapsNet got unknown option(s) {', '.join(unknown)}"
-                                   + (f" ({'; '.join(hints)})" if hints else "")
-                                   + f"; the options are the fields of CapsNetConfig: {', '.join(fields)}")
-            cfg = CapsNetConfig(**{**cfg.to_dict(), **overrides})
+            cfg = config_with(cfg, overrides, self.B.name)
         self.config = cfg
         self.n_positions, self.primary_hw = _geometry(cfg)  # primary capsule grid; checks the input size
         c, h, w = cfg.input_shape
@@ -181,11 +182,11 @@ class CapsNet:
         self.classcaps = ClassCaps(B, self.n_positions, cfg.primary_types, cfg.primary_dim, cfg.n_classes,
                                    cfg.class_dim, cfg.routing_iters, cfg.routing_grad, cfg.share_spatial, rng=rng)
         self.length = CapsuleLength(B)
-        sizes = (cfg.n_classes * cfg.class_dim, *cfg.decoder_hidden, c * h * w)
         self.decoder = []
-        for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-            self.decoder.append(Linear(B, a, b, rng=rng, init=he_uniform if k < len(sizes) - 2 else None))
-            self.decoder.append(ReLU(B) if k < len(sizes) - 2 else Sigmoid(B))
+        for k, (a, b) in enumerate(decoder_sizes(cfg)):
+            hidden = k < len(cfg.decoder_hidden)
+            self.decoder.append(Linear(B, a, b, rng=rng, init=he_uniform if hidden else None))
+            self.decoder.append(ReLU(B) if hidden else Sigmoid(B))
         self.margin = MarginLoss(B, cfg.m_plus, cfg.m_minus, cfg.lam)
         self.recon_loss = ReconstructionLoss(B, cfg.recon_weight)
         self._eye = B.asarray(np.eye(cfg.n_classes))  # row j: the one-hot mask of class j
@@ -234,49 +235,12 @@ class CapsNet:
         for k, p in own.items():
             p[...] = self.B.asarray(state[k])
 
-    # ---- input checks ---------------------------------------------------------------------------
-    def check_images(self, x):
-        c, h, w = self.config.input_shape
-        if not hasattr(x, "shape"):  # a nested list or tuple of pixels
-            x = np.asarray(x)
-        shape = tuple(x.shape)
-        if len(shape) != 4:
-            raise CapsNetError(f"images must be a 4-D batch (N, C, H, W) = (N, {c}, {h}, {w}); got shape {shape}"
-                               + (" -- add a channel axis: x[:, None]" if len(shape) == 3 and c == 1 else ""))
-        if shape[1] != c:
-            raise CapsNetError(f"images have {shape[1]} channels but the model expects {c} (shape (N, C, H, W)); "
-                               "build the model with input_shape matching your data")
-        if shape[2:] != (h, w):
-            raise CapsNetError(f"images are {shape[2]}x{shape[3]} but the model expects {h}x{w}; "
-                               "resize them or build the model with input_shape=" f"({c}, {shape[2]}, {shape[3]})")
-        if shape[0] == 0:
-            raise CapsNetError(f"the batch of images is empty (shape {shape}); pass at least one image")
-        if "float" not in str(x.dtype):
-            raise CapsNetError(f"images must be floating point (scaled to [0, 1]), got dtype {x.dtype}; "
-                               "e.g. x.astype('float32') / 255")
-        x = self.B.asarray(x)
-        if not self.B.all_finite(x):
-            raise CapsNetError("images contain NaN or inf values; clean the input data")
-        return x
-
-    def check_labels(self, y, n):
-        y_host = np.asarray(y) if isinstance(y, (np.ndarray, list, tuple)) else self.B.to_numpy(y)
-        if y_host.ndim != 1 or y_host.shape[0] != n:
-            raise CapsNetError(f"labels must be a 1-D array of {n} class indices, got shape {y_host.shape}")
-        if y_host.dtype.kind not in "iu":
-            raise CapsNetError(f"labels must be integers (class indices), got dtype {y_host.dtype}; "
-                               "use y.astype('int64')")
-        J = self.config.n_classes
-        if y_host.size and (y_host.min() < 0 or y_host.max() >= J):
-            raise CapsNetError(f"labels must lie in [0, {J - 1}] for {J} classes; got values from "
-                               f"{y_host.min()} to {y_host.max()}")
-        return y_host.astype(np.int64)
-
+    # ---- input checks (checks.py) ----------------------------------------------------------------
     def checked(self, x, y=None):
         """x and y checked (check_images, check_labels) and on the device, as the underscored methods
         below take them; y may be None."""
-        x = self.check_images(x)
-        return x, None if y is None else self.B.asarray(self.check_labels(y, x.shape[0]))
+        x = check_images(self.B, self.config.input_shape, x)
+        return x, None if y is None else self.B.asarray(check_labels(self.B, self.config.n_classes, y, x.shape[0]))
 
     # ---- forward / backward -----------------------------------------------------------------------
     # The public methods check their input on the host and hand device arrays to the underscored
@@ -293,7 +257,7 @@ class CapsNet:
         u = self.primary.forward(h)                 # u_i (N, P, T, K)
         v = self.classcaps.forward(u)               # v_j (N, J, D)
         lengths = self.length.forward(v)            # (N, J)
-        out = Outputs(v=v, lengths=lengths)
+        out = Outputs(self.B, v, lengths)
         self._cache = {"x": x, "v": v, "mask": None}
         if reconstruct:
             chosen = y if y is not None else xp.argmax(lengths, axis=1)
@@ -312,15 +276,8 @@ class CapsNet:
     def decode(self, v, classes):
         """Reconstruction from class capsules v (N, J, D), keeping only capsule ``classes[n]`` of
         each sample (the others masked to 0), as the decoder sees them."""
-        J, D = self.config.n_classes, self.config.class_dim
-        shape = tuple(np.shape(v))
-        if len(shape) != 3 or shape[1:] != (J, D):
-            raise CapsNetError(f"class capsules must have shape (N, {J}, {D}) (N, classes, class_dim); got {shape}")
-        classes = np.asarray(classes)
-        if classes.shape != (shape[0],) or classes.dtype.kind not in "iu" or not ((0 <= classes) & (classes < J)).all():
-            raise CapsNetError(f"classes must be {shape[0]} integers in [0, {J - 1}], one per sample; "
-                               f"got {classes.tolist() if classes.size <= 8 else classes.shape}")
-        return self._decode(self.B.asarray(v), self.B.asarray(classes.astype(np.int64)))[0]
+        classes = check_capsules(v, classes, self.config.n_classes, self.config.class_dim)
+        return self._decode(self.B.asarray(v), self.B.asarray(classes))[0]
 
     def loss(self, x, y) -> Outputs:
         """Forward with the label mask plus both losses; ``backward()`` then fills the gradients."""
@@ -331,7 +288,7 @@ class CapsNet:
         onehot = self._cache["mask"]  # with labels, the decoder's mask is the one-hot target
         margin = self.margin.forward(out.lengths, onehot)
         recon = self.recon_loss.forward(out.reconstruction, x)
-        out.set_losses(self.B, margin + recon, margin, recon)
+        out.set_losses(margin + recon, margin, recon)
         return out
 
     def backward(self, input_grad: bool = False):
@@ -366,10 +323,10 @@ class CapsNet:
 
     def predict(self, x, batch_size: int = 256):
         """Class indices (host int64 array) by the longest class capsule, ``batch_size`` images at a
-        time: a forward holds ~2 MB per 28x28 image (û alone is I x J x D floats), so 2,000 digits at
-        once took 4 GB."""
+        time: a forward holds some MB per 28x28 image (û alone is I x J x D floats), so a whole
+        test set at once would hold gigabytes."""
         require_batch_size(batch_size)
-        x = self.check_images(x)
+        x = check_images(self.B, self.config.input_shape, x)
         lengths = []
         for a in range(0, x.shape[0], batch_size):
             lengths.append(self.B.to_numpy(self._forward(x[a:a + batch_size], None, reconstruct=False).lengths))
@@ -377,8 +334,8 @@ class CapsNet:
         return np.argmax(np.concatenate(lengths), axis=1).astype(np.int64)
 
     def release(self):
-        """Drop what forward kept for a backward (the PrimaryCaps spectra and û alone are ~180 MB
-        at batch 64), e.g. after an evaluation, so that it is not held into the next step."""
+        """Drop what forward kept for a backward (the PrimaryCaps spectra and û alone are hundreds
+        of MB at batch 64), e.g. after an evaluation, so that it is not held into the next step."""
         for layer in (self.conv1, self.relu1, self.primary, self.primary.conv, self.classcaps, self.length,
                       *self.decoder):
             layer.cache = None

@@ -186,8 +186,7 @@ def evaluate(model: CapsNet, split: data.Split, batch_size: int = 100, progress:
     n_batches = (len(split) + batch_size - 1) // batch_size
     for x, y in _progress(data.batches(split, batch_size), n_batches, "eval", not progress):
         out = model.loss(x, y)
-        pred = model.B.to_numpy(model.B.xp.argmax(out.lengths, axis=1))
-        correct += int((pred == y).sum())
+        correct += int((out.predictions == y).sum())
         loss_sum += out.loss * len(y)
     model.release()  # no backward follows: do not carry forward's caches into the next train step
     return correct / len(split), loss_sum / len(split)
@@ -197,9 +196,7 @@ def save_reconstructions(model, split, path, n=16, title=""):
     x, y = split.x[:n], split.y[:n]
     out = model.forward(x)  # masked by the longest capsule, as at test time
     model.release()
-    B = model.B
-    pred = B.to_numpy(B.xp.argmax(out.lengths, axis=1))
-    return plots.reconstruction_grid(x, B.to_numpy(out.reconstruction), y, pred, path, title)
+    return plots.reconstruction_grid(x, model.B.to_numpy(out.reconstruction), y, out.predictions, path, title)
 
 
 def prepare_out_dir(path):
@@ -304,9 +301,8 @@ def train(args, backend_name: str) -> dict:
                        else "This run wrote no checkpoint yet") + "; try a lower --lr.")
             if not replayed:
                 opt.step()
-            pred = B.to_numpy(B.xp.argmax(out.lengths, axis=1))
             seen += len(y)
-            correct += int((pred == y).sum())
+            correct += int((out.predictions == y).sum())
             loss_sum += out.loss * len(y)
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{100 * correct / seen:.1f}%")

@@ -5,7 +5,7 @@ import pytest
 import backends
 from pycapsnet import CapsNet, CapsNetConfig, CapsNetError
 from pycapsnet.model import param_shapes
-from tests.conftest import SMALL
+from tests.conftest import CPU_BACKENDS, SMALL
 
 
 def test_paper_mnist_parameter_count():
@@ -203,3 +203,22 @@ def test_evaluation_releases_what_forward_kept_for_backward():
     m.forward(x)
     evaluate(m, data_mod.Split(x, np.array([1, 2])), batch_size=2)
     assert all(layer.cache is None for layer in layers)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_train_step_reads_the_device_once(backend, monkeypatch):
+    """Host images are checked on the host; the losses and the predicted classes come back in one
+    transfer: on a GPU each read is a wait for the whole queue of the step."""
+    B = backends.get(backend, dtype="float64")
+    model = CapsNet(B, seed=0, **SMALL)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((3, *model.config.input_shape)), np.array([0, 3, 1])
+    reads, real_to_numpy, real_all_finite = [], B.to_numpy, B.all_finite
+    monkeypatch.setattr(B, "to_numpy", lambda a: reads.append(tuple(a.shape)) or real_to_numpy(a))
+    monkeypatch.setattr(B, "all_finite", lambda a: reads.append("all_finite on the device")
+                        if not isinstance(a, np.ndarray) else real_all_finite(a))
+    out = model.train_step_grads(x, y)
+    loss, parts, predictions = out.loss, out.parts, out.predictions
+    assert reads == [(3 + 3,)]  # total, margin, reconstruction, then one class per sample
+    assert loss == pytest.approx(parts["margin"] + parts["reconstruction"], rel=1e-12)
+    np.testing.assert_array_equal(predictions, np.argmax(real_to_numpy(out.lengths), axis=1))
