@@ -38,15 +38,13 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from backends import NAMES  # noqa: E402
-from backends.base import FLOAT_DTYPES  # noqa: E402
-from backends.torch_backend import is_torch_device  # noqa: E402  (imports no torch)
-from pycapsnet.argtypes import nonnegative_int, positive_int, writable_file  # noqa: E402
-from pycapsnet.capsules import PrimaryCaps  # noqa: E402
-from pycapsnet.cli import format_table  # noqa: E402
+from backends import NAMES
+from backends.base import FLOAT_DTYPES
+from backends.torch_backend import is_torch_device  # (imports no torch)
+from pycapsnet.argtypes import nonnegative_int, positive_int, writable_file
+from pycapsnet.capsules import PrimaryCaps
+from pycapsnet.cli import format_table
 
 QUICK = dict(conv_channels=16, primary_types=4)
 
@@ -95,7 +93,7 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
     if is_ref:
         import torch
 
-        from benchmarks.autograd_capsnet import AutogradCapsNet
+        from pycapsnet.reference import AutogradCapsNet
         from pycapsnet import CapsNet
 
         cuda = device.startswith("cuda")

@@ -17,16 +17,13 @@ times the page faults: torch's ClassCaps product read 19 ms against 3 ms with re
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import backends  # noqa: E402,F401  (imported for its effect, before NumPy: see backends/__init__.py)
-import numpy as np  # noqa: E402
+import backends  # noqa: F401,I001  (imported for its effect, before NumPy: see backends/__init__.py)
+import numpy as np
 
-from backends.base import keep_freed_memory  # noqa: E402
-from pycapsnet.argtypes import positive_int  # noqa: E402
-from bench import _median_time  # noqa: E402  (run as a script: benchmarks/ is on the path)
+from backends.base import keep_freed_memory
+from pycapsnet.argtypes import positive_int
+from bench import _median_time  # (run as a script: benchmarks/ is on the path)
 
 
 def _median_ms(fn, reps):

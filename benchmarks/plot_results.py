@@ -14,10 +14,8 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from pycapsnet.argtypes import writable_file  # noqa: E402
+from pycapsnet.argtypes import writable_file
 from pycapsnet.plots import pyplot  # noqa: E402  (matplotlib with the Agg backend: no display needed)
 
 

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-import backends  # noqa: E402  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
-import numpy as np  # noqa: E402
+import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
+import numpy as np
 
-from pycapsnet.argtypes import positive_int  # noqa: E402
+from pycapsnet.argtypes import positive_int
 
 
 def profile(backend="numpy", batch=64, steps=4, warmup=2):

@@ -1,4 +1,6 @@
-"""A PyTorch-autograd CapsNet of the same architecture -- the *reference*, never the library.
+"""A PyTorch-autograd CapsNet of the same architecture -- the *reference*, never the library's
+training path: the first thing to compare the hand-written backward with.  Needs PyTorch (this
+module is not imported by ``import pycapsnet``).
 
 Written the way readable_capsnet writes one: nn-style convolutions (F.conv2d, NCHW) and an einsum
 routing loop, with every gradient left to autograd.  It reads pycapsnet's parameters (same names,
