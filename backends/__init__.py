@@ -9,15 +9,14 @@ from __future__ import annotations
 import os
 import sys
 
-# NumPy's BLAS, OpenBLAS, keeps its idle worker threads spinning for ~0.1 s after every product
-# (2^28 cycles).  On a 2-core machine they then hold the core that the NumPy backend's own threads
-# (einsum and small products split over the batch) need: those threads gained nothing in a train
-# step until the workers were told to sleep after 2^16 cycles (~25 us), and the step ran 10-13%
-# faster (README, Results: "NumPy's threads").  OpenBLAS reads this when NumPy loads it, so it
-# applies when this package is imported before NumPy, as the training scripts, the CLI and the
-# benchmarks do.  A value already in the environment wins.  When NumPy came first, the setting is
-# too late for this process (the numpy backend then warns: ``PerformanceWarning``), but still
-# reaches the processes it starts.
+# NumPy's BLAS, OpenBLAS, keeps its idle worker threads spinning for a while (2^28 cycles) after
+# every product.  On a machine with few cores they then hold the cores that the NumPy backend's own
+# threads (the routing products and small products split over the batch) need; told to sleep after
+# 2^16 cycles, they give the cores back (docs/performance.md, "NumPy's threads").  OpenBLAS reads
+# this when NumPy loads it, so it applies when this package is imported before NumPy, as the
+# training scripts, the CLI and the benchmarks do.  A value already in the environment wins.  When
+# NumPy came first, the setting is too late for this process (the numpy backend then warns:
+# ``PerformanceWarning``), but still reaches the processes it starts.
 OPENBLAS_TIMEOUT_TOO_LATE = "numpy" in sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in os.environ
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 

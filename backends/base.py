@@ -265,8 +265,8 @@ def keep_freed_memory() -> bool:
     """Ask glibc to keep freed large blocks for reuse instead of returning them to the OS.
 
     A train step allocates and frees many 10-60 MB temporaries.  By default glibc serves each from
-    fresh mmap'd pages, and the kernel must fault in and zero every page again: on the 2-core test
-    machine that cost ~15% of a NumPy step.  With the mmap and trim thresholds at 1 GiB, freed
+    fresh mmap'd pages, and the kernel must fault in and zero every page again, a large share of a
+    NumPy step on a machine with few cores.  With the mmap and trim thresholds at 1 GiB, freed
     blocks are reused.  The process's resident size then stays near its peak between steps (the
     peak itself does not grow).  An explicit MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ in
     the environment wins (the benchmark's live-memory run sets one).  Returns whether it applied;

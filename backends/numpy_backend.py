@@ -139,9 +139,8 @@ _blas_spins_checked = False
 
 def _warn_if_blas_spins():
     """Once per process, at the first split over threads: warn if NumPy loaded OpenBLAS before
-    ``import backends`` could set its thread timeout.  OpenBLAS's idle workers then spin ~0.1 s
-    after every product, on the core that the split needs (backends/__init__.py; README, Results:
-    "NumPy's threads")."""
+    ``import backends`` could set its thread timeout.  OpenBLAS's idle workers then spin after every
+    product, on the core that the split needs (backends/__init__.py)."""
     global _blas_spins_checked
     if _blas_spins_checked:
         return
@@ -151,8 +150,8 @@ def _warn_if_blas_spins():
     if OPENBLAS_TIMEOUT_TOO_LATE and "openblas" in _blas_name():
         warnings.warn(
             "NumPy was imported before pycapsnet, so its OpenBLAS started with idle threads that spin "
-            "for ~0.1 s after every product, on the core the numpy backend's own threads need: a train "
-            "step takes 11-15% longer. Import pycapsnet (or backends) before numpy, or set "
+            "after every product, on the core the numpy backend's own threads need: a train step "
+            "takes longer. Import pycapsnet (or backends) before numpy, or set "
             "OPENBLAS_THREAD_TIMEOUT=16 in the environment.", PerformanceWarning,
             stacklevel=_first_caller_outside_the_library())
 

@@ -209,6 +209,7 @@ def _data_flags(p):
 
 
 def build_parser():
+    from backends import NAMES
     from backends.base import FLOAT_DTYPES
 
     from .trainer import add_arguments, add_limit_test
@@ -216,10 +217,10 @@ def build_parser():
     p = argparse.ArgumentParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    names = ("numpy", "cupy", "torch")
+    specs = ", ".join(sorted({*NAMES, "torch:cuda"}))  # what --backend, --a and --b take
 
     g = sub.add_parser("gradcheck", help="finite-difference checks of every layer and the full loss")
-    g.add_argument("--backend", default="numpy", help="numpy, torch, torch:cuda, cupy (default: numpy)")
+    g.add_argument("--backend", default="numpy", help=f"{specs} (default: numpy)")
     g.add_argument("--dtype", default="float64", choices=FLOAT_DTYPES,
                    help="float64 only: float32 rounding swamps finite differences, so it is refused")
     g.add_argument("--samples", type=positive_int, default=20, help="entries sampled per tensor (default: 20)")
@@ -228,7 +229,7 @@ def build_parser():
     g.set_defaults(fn=cmd_gradcheck)
 
     c = sub.add_parser("crosscheck", help="same weights and batch on two backends or devices")
-    c.add_argument("--a", default="numpy", help="first side, e.g. numpy, torch, torch:cuda, cupy (default: numpy)")
+    c.add_argument("--a", default="numpy", help=f"first side: {specs} (default: numpy)")
     c.add_argument("--b", default="torch", help="second side (default: torch)")
     c.add_argument("--checkpoint", default=None, help="weights from this checkpoint (default: seeded initialisation)")
     c.add_argument("--dtype", default="float64", choices=FLOAT_DTYPES)
@@ -248,7 +249,7 @@ def build_parser():
     i.add_argument("checkpoint")
     i.add_argument("--out", default="inspect", help="output directory (default: ./inspect)")
     i.add_argument("--index", type=nonnegative_int, default=0, help="which test image to perturb and route (default: 0)")
-    i.add_argument("--backend", default="numpy", choices=names)
+    i.add_argument("--backend", default="numpy", choices=NAMES)
     i.add_argument("--device", default=None)
     _data_flags(i)
     i.set_defaults(fn=cmd_inspect)
@@ -259,7 +260,7 @@ def build_parser():
 
     e = sub.add_parser("evaluate", help="test accuracy of a checkpoint")
     e.add_argument("checkpoint")
-    e.add_argument("--backend", default="numpy", choices=names)
+    e.add_argument("--backend", default="numpy", choices=NAMES)
     e.add_argument("--device", default=None)
     _data_flags(e)
     e.add_argument("--dtype", choices=FLOAT_DTYPES, help="default: the dtype the run trained in")

@@ -53,13 +53,15 @@ product), so neither it nor a running sum over frequency chunks ever exists in f
 When it does not pay.  The kernel is transformed once per step whatever the batch (three passes
 over 5x W), so at small batches the transforms outweigh the saved products: for PrimaryCaps on
 28 x 28 the im2col ``Conv2d`` is faster at batch 16, and on 64 x 64 or 128 x 128 inputs at batch 8
-(README, "Speed and memory").  ``CapsNetConfig.primary_conv`` chooses.
+(docs/performance.md).  ``CapsNetConfig.primary_conv`` chooses.
 
 Valid (padding-0 after ``padding``) convolutions of any stride and rectangular size.  The numbers
 equal ``Conv2d``'s to rounding (the tests check 1e-12 in float64); finite differences and the
 autograd oracle check the gradients independently.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import math
 
@@ -120,13 +122,30 @@ def dft_matrices(n_h: int, n_w: int, kq: int, oh: int, ow: int):
     return Fx, Fw, Fy
 
 
+@dataclass
+class Plan:
+    """What FourierConv2d needs for one input size, made once (``FourierConv2d._plan``)."""
+    oh: int            # output height and width
+    ow: int
+    kq: int            # taps per phase of the kernel, per axis
+    n_h: int           # the phase grid the transforms run over
+    n_w: int
+    padded: tuple      # (H, W) of the zero-padded input
+    F: int             # frequencies kept (half the spectrum)
+    Fx: object         # (2F, n_h*n_w) DFT of the input grid
+    Fy: object         # (oh*ow, 2F) real part of the inverse DFT
+    FwT: object        # (kq*kq, 2F) adjoint of the kernel's DFT
+    chunks: list       # (frequency slice, its rows of the kernel's DFT) pairs
+    blocks: list       # slices of phase channels for the weight gradient
+
+
 class FourierConv2d(Conv2d):
     """``Conv2d`` (same parameters, same initialisation from the same rng, same results) computed
     per spatial frequency; see the module docstring for the math."""
 
-    freq_chunk = 13       # frequencies whose transformed weights V exist at one time (13 x 2 MB for PrimaryCaps)
+    freq_chunk = 13       # frequencies whose transformed weights V exist at one time
     keep_spectrum_mb = 128  # keep V from forward for dX when it takes at most this many MB
-    channel_block = 256   # phase channels whose weight-gradient spectrum dV exists at one time (27 MB)
+    channel_block = 256   # phase channels whose weight-gradient spectrum dV exists at one time
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -147,7 +166,7 @@ class FourierConv2d(Conv2d):
             # per chunk of frequencies, the real rows then the imaginary rows: one product per chunk
             # reads the kq^2 x C'C_out kernel grid once for both parts
             Fw_chunks = [self.B.asarray(np.concatenate([Fw_r[fs], Fw_i[fs]])) for fs in chunks]
-            self._plans[key] = dict(oh=oh, ow=ow, kq=kq, n_h=n_h, n_w=n_w, padded=(h + 2 * p, w + 2 * p),
+            self._plans[key] = Plan(oh=oh, ow=ow, kq=kq, n_h=n_h, n_w=n_w, padded=(h + 2 * p, w + 2 * p),
                                     F=F, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy), FwT=self.B.asarray(Fw.T),
                                     chunks=list(zip(chunks, Fw_chunks)), blocks=blocks)
         return self._plans[key]
@@ -165,19 +184,19 @@ class FourierConv2d(Conv2d):
     def _input_to_grid(self, x, g):
         """(N, H, W, C_in) -> xs (n_h*n_w, N*C'): grid point first, channel c' = (r_h, r_w, c)."""
         xp, s = self.B.xp, self.stride
-        x = self._fit(self.B.pad_hw(x, self.padding), s * g["n_h"], s * g["n_w"])
+        x = self._fit(self.B.pad_hw(x, self.padding), s * g.n_h, s * g.n_w)
         n = x.shape[0]
-        x = xp.reshape(x, (n, g["n_h"], s, g["n_w"], s, self.c_in))
+        x = xp.reshape(x, (n, g.n_h, s, g.n_w, s, self.c_in))
         x = self.B.contiguous(xp.permute_dims(x, (1, 3, 0, 2, 4, 5)))       # (n_h, n_w, N, s, s, C)
-        return xp.reshape(x, (g["n_h"] * g["n_w"], n * s * s * self.c_in))
+        return xp.reshape(x, (g.n_h * g.n_w, n * s * s * self.c_in))
 
     def _grid_to_input(self, dxs, n, h, w, g):
         """Adjoint of ``_input_to_grid``: (n_h*n_w, N*C') -> (N, H, W, C_in)."""
         xp, s, p = self.B.xp, self.stride, self.padding
-        dx = xp.reshape(dxs, (g["n_h"], g["n_w"], n, s, s, self.c_in))
+        dx = xp.reshape(dxs, (g.n_h, g.n_w, n, s, s, self.c_in))
         dx = xp.reshape(self.B.contiguous(xp.permute_dims(dx, (2, 0, 3, 1, 4, 5))),
-                        (n, s * g["n_h"], s * g["n_w"], self.c_in))
-        dx = self._fit(dx, *g["padded"])
+                        (n, s * g.n_h, s * g.n_w, self.c_in))
+        dx = self._fit(dx, *g.padded)
         return dx[:, p:p + h, p:p + w, :] if p else dx
 
     def _phases(self, channels=None):
@@ -200,7 +219,7 @@ class FourierConv2d(Conv2d):
     def _kernel_to_grid(self, g):
         """W (k, k, C_in, C_out) -> ws (kq*kq, C', C_out): the kernel split into its s x s phases
         like the input, each zero-padded to kq x kq taps."""
-        kq, s, W = g["kq"], self.stride, self.params["W"]
+        kq, s, W = g.kq, self.stride, self.params["W"]
         ws = self.B.zeros((kq, kq, s * s * self.c_in, self.c_out), dtype=self.B.dtype_name(W))
         for rh, rw, ta, tb, c, at in self._phases():
             ws[:ta, :tb, at] = W[rh::s, rw::s, c]
@@ -211,7 +230,7 @@ class FourierConv2d(Conv2d):
         dwsT (kq*kq, C_out*|channels|), the gradient of the kernel grid with its two channel axes
         swapped (as the weight gradient makes it), each phase's taps back to their kernel rows,
         columns and channels (the zero padding has no gradient)."""
-        xp, s, kq = self.B.xp, self.stride, g["kq"]
+        xp, s, kq = self.B.xp, self.stride, g.kq
         dwsT = xp.reshape(dwsT, (kq, kq, self.c_out, -1))
         for rh, rw, ta, tb, c, at in self._phases(channels):
             dW_phase = self.grads["W"][rh::s, rw::s, c]   # a view: += writes into grads["W"]
@@ -224,7 +243,7 @@ class FourierConv2d(Conv2d):
     def keeps_spectrum(self, g, x) -> bool:
         """Whether forward keeps V for backward: when it takes at most ``keep_spectrum_mb`` MB (the
         paper's PrimaryCaps, 52 frequencies: 109 MB; on a 64 x 64 input, 392 frequencies: 822 MB)."""
-        size = spectrum_mb(g["F"], self.stride ** 2 * self.c_in, self.c_out, x.dtype.itemsize)
+        size = spectrum_mb(g.F, self.stride ** 2 * self.c_in, self.c_out, x.dtype.itemsize)
         return size <= self.keep_spectrum_mb
 
     # ---- forward / backward ---------------------------------------------------------------------
@@ -233,13 +252,13 @@ class FourierConv2d(Conv2d):
         xp, mm = self.B.xp, self.B.matmul  # products through the backend (see Backend.matmul)
         n, h, w, _ = x.shape
         g = self._plan(h, w)
-        F = g["F"]
-        X = xp.reshape(mm(g["Fx"], self._input_to_grid(x, g)), (F, 2 * n, -1))  # [X_r; X_i] (F, 2N, C')
+        F = g.F
+        X = xp.reshape(mm(g.Fx, self._input_to_grid(x, g)), (F, 2 * n, -1))  # [X_r; X_i] (F, 2N, C')
         ws = self._kernel_to_grid(g)
         Y = self.B.empty((F, 2, n, self.c_out), dtype=self.B.dtype_name(x))   # Y_r, Y_i per frequency
         keep = self.keeps_spectrum(g, x)
         kept = []
-        for fs, Fw in g["chunks"]:
+        for fs, Fw in g.chunks:
             V = self._spectrum_of_kernel(ws, Fw, fs)
             if keep:
                 kept.append(V)
@@ -247,10 +266,10 @@ class FourierConv2d(Conv2d):
             XVr, XVi = mm(X[fs], Vr), mm(X[fs], Vi)       # [X_r V_r; X_i V_r], [X_r V_i; X_i V_i]
             Y[fs, 0] = XVr[:, :n] - XVi[:, n:]             # Y_r = X_r V_r - X_i V_i
             Y[fs, 1] = XVi[:, :n] + XVr[:, n:]             # Y_i = X_r V_i + X_i V_r
-        y = mm(g["Fy"], xp.reshape(Y, (2 * F, n * self.c_out)))               # (OH*OW, N*C_out)
+        y = mm(g.Fy, xp.reshape(Y, (2 * F, n * self.c_out)))               # (OH*OW, N*C_out)
         # for backward: X, and V (kept) or else the kernel grid ws to make V again
         self.cache = (X, kept or None, None if keep else ws, tuple(x.shape))
-        y = xp.reshape(y, (g["oh"], g["ow"], n, self.c_out))
+        y = xp.reshape(y, (g.oh, g.ow, n, self.c_out))
         return xp.permute_dims(y, (2, 0, 1, 3)) + self.params["b"]
 
     def backward(self, dy, input_grad=True):
@@ -258,10 +277,10 @@ class FourierConv2d(Conv2d):
         (X, kept, ws, x_shape), self.cache = self.cache, None
         n, h, w, _ = x_shape
         g = self._plan(h, w)
-        F = g["F"]
+        F = g.F
         self.grads["b"] += xp.sum(dy, axis=(0, 1, 2))
-        dyg = xp.reshape(self.B.contiguous(xp.permute_dims(dy, (1, 2, 0, 3))), (g["oh"] * g["ow"], -1))
-        dY = xp.reshape(mm(xp.matrix_transpose(g["Fy"]), dyg), (F, 2, n, self.c_out))
+        dyg = xp.reshape(self.B.contiguous(xp.permute_dims(dy, (1, 2, 0, 3))), (g.oh * g.ow, -1))
+        dY = xp.reshape(mm(xp.matrix_transpose(g.Fy), dyg), (F, 2, n, self.c_out))
         self._weight_grad(X, dY, g)
         if not input_grad:
             return None
@@ -269,7 +288,7 @@ class FourierConv2d(Conv2d):
         del X  # its last use: free it before dX, as large, is made
         dX = self.B.empty((F, 2, n, c_phase), dtype=dtype)
         dY_ri = xp.reshape(dY, (F, 2 * n, self.c_out))                        # [dY_r; dY_i]
-        for k, (fs, Fw) in enumerate(g["chunks"]):
+        for k, (fs, Fw) in enumerate(g.chunks):
             if kept:
                 Vr, Vi = kept[k]
                 kept[k] = None  # each chunk of V is freed once used
@@ -279,7 +298,7 @@ class FourierConv2d(Conv2d):
             dYVi = mm(dY_ri[fs], xp.matrix_transpose(Vi))                     # [dY_r V_i^T; dY_i V_i^T]
             dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                              # dX_r = dY_r V_r^T + dY_i V_i^T
             dX[fs, 1] = dYVr[:, n:] - dYVi[:, :n]                              # dX_i = dY_i V_r^T - dY_r V_i^T
-        dX = mm(xp.matrix_transpose(g["Fx"]), xp.reshape(dX, (2 * F, -1)))   # (n_h*n_w, N*C'); frees the spectrum
+        dX = mm(xp.matrix_transpose(g.Fx), xp.reshape(dX, (2 * F, -1)))   # (n_h*n_w, N*C'); frees the spectrum
         return self._grid_to_input(dX, n, h, w, g)
 
     def _weight_grad(self, X, dY, g):
@@ -291,7 +310,7 @@ class FourierConv2d(Conv2d):
         (dV_r = X_r^T dY_r + X_i^T dY_i, dV_i = X_r^T dY_i - X_i^T dY_r), and turned straight back
         into dL/dW: the adjoint of V = Fw ws is dws = Fw^T dV, one product summing over all
         frequencies, real and imaginary rows alike."""
-        xp, mm, F = self.B.xp, self.B.matmul, g["F"]
+        xp, mm, F = self.B.xp, self.B.matmul, g.F
         n = dY.shape[2]
         dYT = self.B.empty((F, 2, self.c_out, 2, n), dtype=self.B.dtype_name(dY))
         dYT[:, 0] = xp.permute_dims(dY, (0, 3, 1, 2))                          # [dY_r^T  dY_i^T]
@@ -299,7 +318,7 @@ class FourierConv2d(Conv2d):
         dYT[:, 1, :, 1] = xp.matrix_transpose(dY[:, 0])
         dYT[:, 1, :, 1] *= -1                                                  # in place: no temporary
         dYT = xp.reshape(dYT, (F, 2 * self.c_out, 2 * n))
-        for cs in g["blocks"]:
+        for cs in g.blocks:
             dVT = xp.reshape(mm(dYT, X[:, :, cs]), (2 * F, -1))               # rows (f, re|im), cols (o, c')
-            self._add_grid_to_kernel(mm(g["FwT"], dVT), cs, g)
+            self._add_grid_to_kernel(mm(g.FwT, dVT), cs, g)
             del dVT  # before the next block's is made: the peak holds one block of dV

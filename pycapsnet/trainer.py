@@ -28,6 +28,7 @@ from .model import CapsNet, CapsNetConfig
 from .routing import MODES as ROUTING_MODES
 
 CHECKPOINT = "checkpoint.npz"
+METRICS = "metrics.jsonl"
 
 
 class TrainingDiverged(RuntimeError):
@@ -88,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--share-spatial", action="store_true", default=None,
                    help="one routing transform per primary capsule type, shared over positions")
     p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS),
-                   help="how PrimaryCaps convolves: fourier (~3.5x fewer multiply-adds) or im2col (the textbook "
+                   help="how PrimaryCaps convolves: fourier (fewer multiply-adds) or im2col (the textbook "
                         f"form); same weights, same results to rounding (default: {d['primary_conv']})")
     p.add_argument("--out", default=None, help="output directory (default: runs/<backend>)")
     p.add_argument("--resume", default=None, metavar="CKPT",
@@ -102,8 +103,7 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--no-progress", action="store_true", help="no progress bar (per-epoch lines only)")
     p.add_argument("--no-graph", action="store_true",
                    help="launch the step's operations one by one even where the backend can record the "
-                        "step once and replay it (a CUDA graph on torch:cuda and CuPy; on an H100 at batch 64, "
-                        "1.8x and 2.3x faster)")
+                        "step once and replay it (a CUDA graph on torch:cuda and CuPy, which is faster)")
 
 
 def add_limit_test(p) -> None:
@@ -214,6 +214,40 @@ def prepare_out_dir(path):
 
 
 def train(args, backend_name: str) -> dict:
+    """The whole run: set-up, then each epoch trained, evaluated and committed to ``--out``."""
+    model, train_set, test_set, ckpt = _setup(args, backend_name)
+    if args.eval_only:
+        t0 = time.perf_counter()
+        acc, loss = evaluate(model, test_set, progress=not args.no_progress)
+        _say(f"test accuracy {100 * acc:.2f}%  loss {loss:.4f}  ({time.perf_counter() - t0:.1f} s)")
+        return {"test_acc": acc, "test_loss": loss}
+    out_dir, opt, start = _prepare_run(args, model, train_set, ckpt)
+    if start is None:
+        return {}
+    B = model.B
+    # Where the backend can record a step and replay it (a CUDA graph), full batches go through
+    # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
+    captured = None
+    if B.can_capture and not getattr(args, "no_graph", False) and len(train_set) >= args.batch_size:
+        captured = CapturedStep(model, opt, args.batch_size)
+    last = {}
+    for epoch in range(start, args.epochs):
+        opt.lr = optim.exponential_lr(args.lr, args.lr_decay, epoch)
+        seen, correct, loss_sum, train_time = _train_epoch(args, model, opt, captured, train_set, epoch)
+        test_acc, test_loss = evaluate(model, test_set)
+        last = {"epoch": epoch + 1, "lr": opt.lr, "train_loss": loss_sum / seen, "train_acc": correct / seen,
+                "test_loss": test_loss, "test_acc": test_acc, "train_seconds": round(train_time, 2),
+                "train_samples_per_s": round(seen / train_time, 1), "backend": B.label}
+        _commit_epoch(args, model, opt, test_set, out_dir, last)
+        _say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
+             f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s ({last['train_samples_per_s']:.0f} samples/s)")
+    _say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {out_dir}")
+    return last
+
+
+def _setup(args, backend_name):
+    """(model, train split, test split, checkpoint or None) from the command line: the run's
+    checkpoint read and its flags settled (``settle``), the backend made, the data loaded."""
     ckpt = checkpoint.load(args.resume) if args.resume else None
     # The checkpoint to go back to if the run stops early (a NaN loss, Ctrl-C): the one it resumed
     # from, then each one it writes.  (An old checkpoint that --overwrite is replacing is not one.)
@@ -225,8 +259,6 @@ def train(args, backend_name: str) -> dict:
         train_set = data.Split(train_set.x[:args.limit], train_set.y[:args.limit])
     if args.limit_test is not None:
         test_set = data.Split(test_set.x[:args.limit_test], test_set.y[:args.limit_test])
-    out_dir = args.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", B.name))
-
     if ckpt:
         model = CapsNet(B, checkpoint.config_of(ckpt))
         model.load_state_dict(ckpt["params"])
@@ -240,90 +272,87 @@ def train(args, backend_name: str) -> dict:
                            f"{model.config.input_shape}")
     _say(f"pycapsnet on {B.label}: {model.n_params():,} parameters, {len(train_set)} train / "
          f"{len(test_set)} test images ({args.dataset if not args.data_dir else args.data_dir})")
+    return model, train_set, test_set, ckpt
 
-    if args.eval_only:
-        t0 = time.perf_counter()
-        acc, loss = evaluate(model, test_set, progress=not args.no_progress)
-        _say(f"test accuracy {100 * acc:.2f}%  loss {loss:.4f}  ({time.perf_counter() - t0:.1f} s)")
-        return {"test_acc": acc, "test_loss": loss}
 
+def _prepare_run(args, model, train_set, ckpt):
+    """(output directory, optimizer, first epoch) for training, the directory checked and the
+    optimizer's state restored on --resume; first epoch None when there is nothing to train."""
     side = min(train_set.x.shape[2:])  # the shift augments training only: evaluation never reads it
     if args.shift >= side:
         raise CapsNetError(f"--shift {args.shift} is not less than the {side}-pixel image side: shifted "
                            f"images could be blank; use a smaller --shift (the paper's is 2)")
+    out_dir = args.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", model.B.name))
     prepare_out_dir(out_dir)
     ckpt_path = os.path.join(out_dir, CHECKPOINT)
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
     resumed_here = ckpt is not None and os.path.exists(ckpt_path) and os.path.samefile(ckpt["path"], ckpt_path)
     if os.path.exists(ckpt_path) and not resumed_here and not getattr(args, "overwrite", False):
         raise CapsNetError(f"{out_dir} already holds a checkpoint from an earlier run; continue it with "
                            f"--resume {out_dir}, train into another directory with --out DIR, or replace "
                            "it with --overwrite")
     if not ckpt:
-        open(metrics_path, "w").close()  # a fresh run starts a fresh record
+        open(os.path.join(out_dir, METRICS), "w").close()  # a fresh run starts a fresh record
     opt = optim.make(args.optimizer, model, args.lr)
-    start = 0
-    if ckpt:
-        if ckpt["optim"] and ckpt["header"].get("optimizer") == args.optimizer:
-            opt.load_state_dict(ckpt["optim"])
-        start = int(ckpt["header"].get("epoch", 0))
-        if start >= args.epochs:
-            _say(f"nothing to train: {ckpt['path']} has finished epoch {start} and --epochs is {args.epochs} "
-                 f"(the total, not the number of more epochs); pass --epochs {start + 1} or more to continue")
-            return {}
-        _say(f"resuming after epoch {start} from {ckpt['path']}")
-    # Where the backend can record a step and replay it (a CUDA graph), full batches go through
-    # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
-    captured = None
-    if B.can_capture and not getattr(args, "no_graph", False) and len(train_set) >= args.batch_size:
-        captured = CapturedStep(model, opt, args.batch_size)
-    last = {}
-    for epoch in range(start, args.epochs):
-        opt.lr = optim.exponential_lr(args.lr, args.lr_decay, epoch)
-        rng = np.random.default_rng([args.seed, epoch])  # resuming replays the same shuffles
-        n_batches = (len(train_set) + args.batch_size - 1) // args.batch_size
-        bar = _progress(data.batches(train_set, args.batch_size, rng, args.shift), n_batches,
-                        f"epoch {epoch + 1}/{args.epochs}", args.no_progress)
-        seen = correct = 0
-        loss_sum = 0.0
-        t0 = time.perf_counter()
-        for step, (x, y) in enumerate(bar):
-            replayed = captured is not None and len(y) == captured.batch_size
-            with B.quiet_float_errors():  # an overflow ends in a non-finite loss, reported just below
-                if replayed:
-                    out = captured(x, y)  # the update is part of the recording: checked after it
-                else:
-                    out = model.train_step_grads(x, y)
-            if not np.isfinite(out.loss):
-                raise TrainingDiverged(
-                    f"the loss became {out.loss} at epoch {epoch + 1}, step {step + 1}; stopped. "
-                    + ("The last good checkpoint is {} (epoch {})".format(*args.last_good) if args.last_good
-                       else "This run wrote no checkpoint yet") + "; try a lower --lr.")
-            if not replayed:
-                opt.step()
-            seen += len(y)
-            correct += int((out.predictions == y).sum())
-            loss_sum += out.loss * len(y)
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{100 * correct / seen:.1f}%")
-        B.synchronize()
-        train_time = time.perf_counter() - t0
-        test_acc, test_loss = evaluate(model, test_set)
-        last = {"epoch": epoch + 1, "lr": opt.lr, "train_loss": loss_sum / seen, "train_acc": correct / seen,
-                "test_loss": test_loss, "test_acc": test_acc, "train_seconds": round(train_time, 2),
-                "train_samples_per_s": round(seen / train_time, 1), "backend": B.label}
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(last) + "\n")
-        _plot_curves(metrics_path, os.path.join(out_dir, "curves.png"))
-        save_reconstructions(model, test_set, os.path.join(out_dir, "reconstructions.png"),
-                             title=f"epoch {epoch + 1}: test accuracy {100 * test_acc:.2f}%")
-        checkpoint.save(ckpt_path, model, opt, epoch=epoch + 1, test_acc=test_acc,
-                        recipe={k: getattr(args, k) for k in RECIPE})
-        args.last_good = (out_dir, epoch + 1)
-        _say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
-             f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s ({last['train_samples_per_s']:.0f} samples/s)")
-    _say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {out_dir}")
-    return last
+    if not ckpt:
+        return out_dir, opt, 0
+    if ckpt["optim"] and ckpt["header"].get("optimizer") == args.optimizer:
+        opt.load_state_dict(ckpt["optim"])
+    start = int(ckpt["header"].get("epoch", 0))
+    if start >= args.epochs:
+        _say(f"nothing to train: {ckpt['path']} has finished epoch {start} and --epochs is {args.epochs} "
+             f"(the total, not the number of more epochs); pass --epochs {start + 1} or more to continue")
+        return out_dir, opt, None
+    _say(f"resuming after epoch {start} from {ckpt['path']}")
+    return out_dir, opt, start
+
+
+def _train_epoch(args, model, opt, captured, train_set, epoch):
+    """One pass over the shuffled, shifted training split, a progress bar showing the running loss
+    and accuracy; every step's loss is checked.  Returns (samples, correct, loss sum, seconds)."""
+    B = model.B
+    rng = np.random.default_rng([args.seed, epoch])  # resuming replays the same shuffles
+    n_batches = (len(train_set) + args.batch_size - 1) // args.batch_size
+    bar = _progress(data.batches(train_set, args.batch_size, rng, args.shift), n_batches,
+                    f"epoch {epoch + 1}/{args.epochs}", args.no_progress)
+    seen = correct = 0
+    loss_sum = 0.0
+    t0 = time.perf_counter()
+    for step, (x, y) in enumerate(bar):
+        replayed = captured is not None and len(y) == captured.batch_size
+        with B.quiet_float_errors():  # an overflow ends in a non-finite loss, reported just below
+            if replayed:
+                out = captured(x, y)  # the update is part of the recording: checked after it
+            else:
+                out = model.train_step_grads(x, y)
+        if not np.isfinite(out.loss):
+            raise TrainingDiverged(
+                f"the loss became {out.loss} at epoch {epoch + 1}, step {step + 1}; stopped. "
+                + ("The last good checkpoint is {} (epoch {})".format(*args.last_good) if args.last_good
+                   else "This run wrote no checkpoint yet") + "; try a lower --lr.")
+        if not replayed:
+            opt.step()
+        seen += len(y)
+        correct += int((out.predictions == y).sum())
+        loss_sum += out.loss * len(y)
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{100 * correct / seen:.1f}%")
+    B.synchronize()
+    return seen, correct, loss_sum, time.perf_counter() - t0
+
+
+def _commit_epoch(args, model, opt, test_set, out_dir, record):
+    """What an epoch leaves in ``out_dir``: its metrics line, the curves and reconstructions, and
+    the checkpoint (written atomically), after which it is the run's last good one."""
+    metrics_path = os.path.join(out_dir, METRICS)
+    with open(metrics_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    _plot_curves(metrics_path, os.path.join(out_dir, "curves.png"))
+    epoch, test_acc = record["epoch"], record["test_acc"]
+    save_reconstructions(model, test_set, os.path.join(out_dir, "reconstructions.png"),
+                         title=f"epoch {epoch}: test accuracy {100 * test_acc:.2f}%")
+    checkpoint.save(os.path.join(out_dir, CHECKPOINT), model, opt, epoch=epoch, test_acc=test_acc,
+                    recipe={k: getattr(args, k) for k in RECIPE})
+    args.last_good = (out_dir, epoch)
 
 
 def _plot_curves(metrics_path, png_path):
