@@ -82,87 +82,16 @@ def _median_time(fn, warmup, steps, sync):
 
 def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
     """Measure one implementation: 'numpy', 'torch', 'torch:cuda', 'cupy', 'autograd', 'autograd:cuda'."""
-    import backends
-    from backends.base import keep_freed_memory, process_memory, reset_process_peak
+    from backends.base import keep_freed_memory, process_memory
 
     keep_freed_memory()  # what the CPU backends do (backends/base.py): the reference gets it too
     x, y = _batch(batch, input_size)
     cfg = dict(config, input_shape=(1, input_size, input_size))
-    is_ref = impl.startswith("autograd")
-    device = impl.split(":", 1)[1] if ":" in impl else "cpu"
-    if is_ref:
-        import torch
-
-        from pycapsnet.reference import AutogradCapsNet
-        from pycapsnet import CapsNet
-
-        cuda = device.startswith("cuda")
-        if cuda and not torch.cuda.is_available():
-            return {"impl": impl, "error": "no CUDA GPU for the autograd reference"}
-        sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
-        mem0 = process_memory()["current"]
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        host = CapsNet("numpy", seed=0, **cfg)  # pycapsnet's initialisation, copied over
-        ref = AutogradCapsNet(host.config, host.state_dict(), device=device, dtype=getattr(torch, dtype))
-        del host
-        opt = torch.optim.Adam(ref.parameters(), 1e-3)
-        xt = torch.as_tensor(x, dtype=getattr(torch, dtype), device=device)
-        yt = torch.as_tensor(y, device=device)
-
-        def train():
-            opt.zero_grad(set_to_none=False)
-            loss, _, _ = ref.loss(xt, yt)
-            loss.backward()
-            opt.step()
-
-        def evaluate():
-            with torch.no_grad():
-                ref.forward(xt)[1].argmax(1)
-
-        label = f"autograd torch:{device}"
-        mem_fn = (lambda: torch.cuda.max_memory_allocated()) if cuda else None
-        reset = (lambda: torch.cuda.reset_peak_memory_stats()) if cuda else reset_process_peak
-        n_params = sum(p.numel() for p in ref.parameters())
-    else:
-        from pycapsnet import CapsNet, optim
-        from pycapsnet.graph import CapturedStep
-
-        # "+eager": op by op where the trainer records the step (torch:cuda, cupy); "+graph": recorded
-        # where it does not (on the CPU the recording is a re-run)
-        name, _, mode = impl.partition("+")
-        try:
-            B = backends.get(name, dtype=dtype)
-        except backends.BackendError as e:
-            return {"impl": impl, "error": str(e)}
-        sync = B.synchronize
-        mem0 = process_memory()["current"]
-        B.reset_peak_memory()
-        model = CapsNet(B, seed=0, **cfg)
-        opt = optim.Adam(model, 1e-3)
-        xb = B.asarray(x)
-        graph = mode == "graph" or (B.can_capture and mode != "eager")
-        if graph:
-            captured = CapturedStep(model, opt, batch)
-
-            def train():
-                captured(xb, y)
-        else:
-            def train():
-                model.train_step_grads(xb, y)
-                opt.step()
-
-        def evaluate():
-            model.predict(xb)
-
-        on_gpu = B.device.startswith("cuda")
-        recorded = ", CUDA graph" if on_gpu else ", recorded"  # on the CPU: a re-run, host transfers refused
-        label = B.label.replace(f"/{dtype}", "") + (recorded if graph else ", op by op" if mode else "")
-        mem_fn = (lambda: B.memory()["peak"]) if on_gpu else None
-        # a CUDA graph allocates while it is recorded, not when replayed: its peak counts from the
-        # model's creation (on the CPU a "recording" re-runs the step, which allocates as it goes)
-        reset = (lambda: None) if graph and on_gpu else B.reset_peak_memory if on_gpu else reset_process_peak
-        n_params = model.n_params()
+    setup = _reference_step if impl.startswith("autograd") else _pycapsnet_step
+    made = setup(impl, batch, dtype, cfg, x, y)
+    if "error" in made:
+        return made
+    train, evaluate, sync, reset, mem_fn = made["train"], made["evaluate"], made["sync"], made["reset"], made["mem_fn"]
 
     # warm up, then measure the train step's peak memory over the timed steps
     for _ in range(warmup):
@@ -171,44 +100,119 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
     reset()
     t_train, all_train = _median_time(train, 0, steps, sync)
     if mem_fn is None:
-        peak = process_memory()["peak"] - mem0
+        peak = process_memory()["peak"] - made["mem0"]
     else:
         peak = mem_fn()
     t_eval, _ = _median_time(evaluate, 1, steps, sync)
-    return {"impl": impl, "label": label, "batch": batch, "dtype": dtype, "input_size": input_size,
-            "params": int(n_params), "train_step_s": t_train, "train_samples_per_s": batch / t_train,
+    return {"impl": impl, "label": made["label"], "batch": batch, "dtype": dtype, "input_size": input_size,
+            "params": int(made["n_params"]), "train_step_s": t_train, "train_samples_per_s": batch / t_train,
             "train_step_all_s": all_train, "eval_samples_per_s": batch / t_eval,
             "peak_train_mem_mb": peak / 2**20, "routing_iters": cfg.get("routing_iters", 3),
             "share_spatial": bool(cfg.get("share_spatial", False))}
 
 
-def gemm_floor(impl, batch, dtype, reps, config):
-    """Seconds of a train step's unavoidable matrix products, with the backend's own matmul."""
-    import backends
+def _reference_step(impl, batch, dtype, cfg, x, y):
+    """The autograd reference's train step and evaluation, with what worker() needs to time them
+    (a dict; {'impl', 'error'} when it cannot run here)."""
+    import torch
 
-    name = "torch" + impl[len("autograd"):] if impl.startswith("autograd") else impl.partition("+")[0]
+    from backends.base import process_memory, reset_process_peak
+    from pycapsnet import CapsNet
+    from pycapsnet.reference import AutogradCapsNet
+
+    device = impl.split(":", 1)[1] if ":" in impl else "cpu"
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        return {"impl": impl, "error": "no CUDA GPU for the autograd reference"}
+    mem0 = process_memory()["current"]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    host = CapsNet("numpy", seed=0, **cfg)  # pycapsnet's initialisation, copied over
+    ref = AutogradCapsNet(host.config, host.state_dict(), device=device, dtype=getattr(torch, dtype))
+    del host
+    opt = torch.optim.Adam(ref.parameters(), 1e-3)
+    xt = torch.as_tensor(x, dtype=getattr(torch, dtype), device=device)
+    yt = torch.as_tensor(y, device=device)
+
+    def train():
+        opt.zero_grad(set_to_none=False)
+        loss, _, _ = ref.loss(xt, yt)
+        loss.backward()
+        opt.step()
+
+    def evaluate():
+        with torch.no_grad():
+            ref.forward(xt)[1].argmax(1)
+
+    return {"train": train, "evaluate": evaluate, "label": f"autograd torch:{device}", "mem0": mem0,
+            "sync": (lambda: torch.cuda.synchronize()) if cuda else (lambda: None),
+            "mem_fn": (lambda: torch.cuda.max_memory_allocated()) if cuda else None,
+            "reset": (lambda: torch.cuda.reset_peak_memory_stats()) if cuda else reset_process_peak,
+            "n_params": sum(p.numel() for p in ref.parameters())}
+
+
+def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
+    """pycapsnet's train step (recorded where the trainer records it) and evaluation, as
+    ``_reference_step`` returns them."""
+    import backends
+    from backends.base import process_memory, reset_process_peak
+    from pycapsnet import CapsNet, optim
+    from pycapsnet.graph import CapturedStep
+
+    # "+eager": op by op where the trainer records the step (torch:cuda, cupy); "+graph": recorded
+    # where it does not (on the CPU the recording is a re-run)
+    name, _, mode = impl.partition("+")
     try:
         B = backends.get(name, dtype=dtype)
     except backends.BackendError as e:
         return {"impl": impl, "error": str(e)}
-    from pycapsnet.fourier import FourierConv2d, half_spectrum, phase_grid, spectrum_mb
-    from pycapsnet.model import CapsNetConfig, _geometry
+    mem0 = process_memory()["current"]
+    B.reset_peak_memory()
+    model = CapsNet(B, seed=0, **cfg)
+    opt = optim.Adam(model, 1e-3)
+    xb = B.asarray(x)
+    graph = mode == "graph" or (B.can_capture and mode != "eager")
+    if graph:
+        captured = CapturedStep(model, opt, batch)
 
-    cfg = CapsNetConfig(**config)  # the geometry only: no model is built
+        def train():
+            captured(xb, y)
+    else:
+        def train():
+            model.train_step_grads(xb, y)
+            opt.step()
+
+    def evaluate():
+        model.predict(xb)
+
+    on_gpu = B.device.startswith("cuda")
+    recorded = ", CUDA graph" if on_gpu else ", recorded"  # on the CPU: a re-run, host transfers refused
+    # a CUDA graph allocates while it is recorded, not when replayed: its peak counts from the
+    # model's creation (on the CPU a "recording" re-runs the step, which allocates as it goes)
+    return {"train": train, "evaluate": evaluate, "mem0": mem0, "sync": B.synchronize,
+            "label": B.label.replace(f"/{dtype}", "") + (recorded if graph else ", op by op" if mode else ""),
+            "mem_fn": (lambda: B.memory()["peak"]) if on_gpu else None,
+            "reset": (lambda: None) if graph and on_gpu else B.reset_peak_memory if on_gpu else reset_process_peak,
+            "n_params": model.n_params()}
+
+
+def step_products(cfg, n, dtype):
+    """The matrix products of a train step at batch n: ([(label, m, k, n, batch dims)], how many of
+    them come first as the im2col formulation's; the rest are what the Fourier PrimaryCaps runs
+    instead of the three PrimaryCaps products)."""
+    from pycapsnet.fourier import FourierConv2d, half_spectrum, phase_grid, spectrum_mb
+    from pycapsnet.model import _geometry, decoder_sizes
 
     P, _ = _geometry(cfg)
     c, h, w = cfg.input_shape
     k1, C1, k2, s2 = cfg.conv_kernel, cfg.conv_channels, cfg.primary_kernel, cfg.primary_stride
     T, K, J, D = cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim
     h1 = (h - k1 + 1) * (w - k1 + 1)
-    rng = np.random.default_rng(0)
-    r = lambda *s: B.asarray(rng.standard_normal(s).astype(dtype))
-    products = []  # (name, A, B) with A @ B
+    products = []
 
-    def mm(label, m, k, n, batch_dims=()):
-        products.append((label, r(*batch_dims, m, k), r(*batch_dims, k, n)))
+    def mm(label, m, k, cols, batch_dims=()):
+        products.append((label, m, k, cols, batch_dims))
 
-    n = batch
     mm("conv1 forward", n * h1, k1 * k1 * c, C1)
     mm("conv1 dW", k1 * k1 * c, n * h1, C1)
     mm("primary forward", n * P, k2 * k2 * C1, T * K)
@@ -217,8 +221,7 @@ def gemm_floor(impl, batch, dtype, reps, config):
     mm("classcaps u_hat", n, K, J * D, (P, T))
     mm("classcaps dW", J * D, n, K, (P, T))
     mm("classcaps du", n, J * D, K, (P, T))
-    sizes = (J * D, *cfg.decoder_hidden, c * h * w)
-    for a, b in zip(sizes[:-1], sizes[1:]):
+    for a, b in decoder_sizes(cfg):
         mm(f"decoder {a}->{b} forward", n, a, b)
         mm(f"decoder {a}->{b} dW", a, n, b)
         mm(f"decoder {a}->{b} dX", n, b, a)
@@ -243,6 +246,24 @@ def gemm_floor(impl, batch, dtype, reps, config):
     mm("fourier output transform", oh * ow, 2 * F, n * O)
     mm("fourier output transform dY", 2 * F, oh * ow, n * O)
     mm("fourier input transform dX", n_h * n_w, 2 * F, n * Cp)
+    return products, direct
+
+
+def gemm_floor(impl, batch, dtype, reps, config):
+    """Seconds of a train step's unavoidable matrix products, with the backend's own matmul."""
+    import backends
+
+    name = "torch" + impl[len("autograd"):] if impl.startswith("autograd") else impl.partition("+")[0]
+    try:
+        B = backends.get(name, dtype=dtype)
+    except backends.BackendError as e:
+        return {"impl": impl, "error": str(e)}
+    from pycapsnet.model import CapsNetConfig
+
+    shapes, direct = step_products(CapsNetConfig(**config), batch, dtype)  # the geometry only: no model
+    rng = np.random.default_rng(0)
+    r = lambda *s: B.asarray(rng.standard_normal(s).astype(dtype))
+    products = [(label, r(*bd, m, k), r(*bd, k, n)) for label, m, k, n, bd in shapes]  # (name, A, B): A @ B
 
     per = {}
     for label, A, Bm in products:
@@ -336,7 +357,41 @@ def torch_device(text: str) -> str:
     return text
 
 
-def main(argv=None):
+def table_row(r, ref, floor, args):
+    """One implementation's row of the printed table; adds the derived ratios to its result ``r``."""
+    if "error" in r:
+        return {"implementation": r["impl"], "train samples/s": "skipped: " + r["error"][:70]}
+    row = {"implementation": r["label"] + (" (hand-written)" if not r["impl"].startswith("autograd") else ""),
+           "train samples/s": f"{r['train_samples_per_s']:.1f}", "eval samples/s": f"{r['eval_samples_per_s']:.1f}",
+           "peak train MB": f"{r['peak_train_mem_mb']:.0f}"}
+    # seconds for one pass over MNIST's 60,000 training digits at this throughput (steps only:
+    # no data loading, evaluation or logging)
+    r["epoch_60k_s"] = 60000 / r["train_samples_per_s"]
+    row["60k epoch s"] = f"{r['epoch_60k_s']:.1f}"
+    if ref and r is not ref:
+        per_round = [a / b for a, b in zip(r["train_samples_per_s_rounds"], ref["train_samples_per_s_rounds"])]
+        r["speedup_vs_autograd_rounds"] = per_round
+        r["speedup_vs_autograd"] = float(np.median(per_round))
+        r["memory_vs_autograd"] = r["peak_train_mem_mb"] / ref["peak_train_mem_mb"]
+        row["train vs autograd"] = (f"{r['speedup_vs_autograd']:.2f}x" if len(per_round) == 1 else
+                                    f"{r['speedup_vs_autograd']:.2f}x ({min(per_round):.2f}-{max(per_round):.2f})")
+        row["memory vs autograd"] = f"{r['memory_vs_autograd']:.2f}x"
+    if "floor_s" in floor:
+        r["gemm_floor_s"] = floor["floor_s"]
+        r["step_over_floor"] = r["train_step_s"] / floor["floor_s"]
+        row["GEMM floor s"] = f"{floor['floor_s']:.3f} ({floor['gflop_per_s']:.0f} GFLOP/s)"
+        row["step / floor"] = f"{r['step_over_floor']:.2f}"
+        # the products this step itself runs: the autograd reference and primary_conv=im2col
+        # run the im2col ones; the fourier PrimaryCaps runs fewer (see step_products)
+        fourier = not r["impl"].startswith("autograd") and args.primary_conv == "fourier"
+        own = floor["fourier_floor_s"] if fourier else floor["floor_s"]
+        r["own_floor_s"], r["step_over_own_floor"] = own, r["train_step_s"] / own
+        row["own products s"] = f"{own:.3f}"
+        row["step / own"] = f"{r['step_over_own_floor']:.2f}"
+    return row
+
+
+def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="+", type=backend_spec, default=["numpy", "torch"],
                    help="numpy, torch, torch:cuda, cupy (default: numpy torch); torch:cuda and cupy run their step "
@@ -358,7 +413,11 @@ def main(argv=None):
     p.add_argument("--json", type=writable_file, default=os.path.join(ROOT, "benchmarks", "results.json"),
                    help="where the results go (default: benchmarks/results.json, the README's)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     if args.worker:
         _run_worker(args.worker)
         return 0
@@ -383,40 +442,7 @@ def main(argv=None):
         results["main"].append(_measure(impl, args, speed=_median_run(runs[impl])))
         results["floor"][impl] = _spawn("floor", impl, args)
     ref = next((r for r in results["main"] if r["impl"].startswith("autograd") and "error" not in r), None)
-    rows = []
-    for r in results["main"]:
-        if "error" in r:
-            rows.append({"implementation": r["impl"], "train samples/s": "skipped: " + r["error"][:70]})
-            continue
-        floor = results["floor"].get(r["impl"], {})
-        row = {"implementation": r["label"] + (" (hand-written)" if not r["impl"].startswith("autograd") else ""),
-               "train samples/s": f"{r['train_samples_per_s']:.1f}", "eval samples/s": f"{r['eval_samples_per_s']:.1f}",
-               "peak train MB": f"{r['peak_train_mem_mb']:.0f}"}
-        # seconds for one pass over MNIST's 60,000 training digits at this throughput (steps only:
-        # no data loading, evaluation or logging)
-        r["epoch_60k_s"] = 60000 / r["train_samples_per_s"]
-        row["60k epoch s"] = f"{r['epoch_60k_s']:.1f}"
-        if ref and r is not ref:
-            per_round = [a / b for a, b in zip(r["train_samples_per_s_rounds"], ref["train_samples_per_s_rounds"])]
-            r["speedup_vs_autograd_rounds"] = per_round
-            r["speedup_vs_autograd"] = float(np.median(per_round))
-            r["memory_vs_autograd"] = r["peak_train_mem_mb"] / ref["peak_train_mem_mb"]
-            row["train vs autograd"] = (f"{r['speedup_vs_autograd']:.2f}x" if len(per_round) == 1 else
-                                        f"{r['speedup_vs_autograd']:.2f}x ({min(per_round):.2f}-{max(per_round):.2f})")
-            row["memory vs autograd"] = f"{r['memory_vs_autograd']:.2f}x"
-        if "floor_s" in floor:
-            r["gemm_floor_s"] = floor["floor_s"]
-            r["step_over_floor"] = r["train_step_s"] / floor["floor_s"]
-            row["GEMM floor s"] = f"{floor['floor_s']:.3f} ({floor['gflop_per_s']:.0f} GFLOP/s)"
-            row["step / floor"] = f"{r['step_over_floor']:.2f}"
-            # the products this step itself runs: the autograd reference and primary_conv=im2col
-            # run the im2col ones; the fourier PrimaryCaps runs fewer (see gemm_floor)
-            fourier = not r["impl"].startswith("autograd") and args.primary_conv == "fourier"
-            own = floor["fourier_floor_s"] if fourier else floor["floor_s"]
-            r["own_floor_s"], r["step_over_own_floor"] = own, r["train_step_s"] / own
-            row["own products s"] = f"{own:.3f}"
-            row["step / own"] = f"{r['step_over_own_floor']:.2f}"
-        rows.append(row)
+    rows = [table_row(r, ref, results["floor"].get(r["impl"], {}), args) for r in results["main"]]
     cfg_txt = "tiny model (--quick)" if args.quick else "paper MNIST CapsNet"
     print(f"\n{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up,"
           f" median of {args.rounds} rounds (ratio range in brackets); hand-written PrimaryCaps: {args.primary_conv}")

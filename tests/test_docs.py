@@ -1,0 +1,98 @@
+"""The README's commands run as written, so that the README cannot rot.
+
+Every command in a ```bash block, and every ```python block, is run here, in a scratch directory,
+in order (the training command leaves the checkpoint that inspect and evaluate read).  A long
+command is marked in LONG with the quick form this test runs instead -- the same command with
+flags that shrink the work appended -- or, where it cannot run here, with the place that runs it."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+QUICK_MODEL = "--epochs 1 --limit 64 --limit-test 32 --conv-channels 16 --primary-types 4 --no-progress"
+
+# command as written -> what runs instead: a str (the quick form) or None with the reason it is not run here
+LONG = {
+    "pip install -e . && python train_numpy.py": f"python train_numpy.py {QUICK_MODEL}",
+    "python train_numpy.py": f"python train_numpy.py {QUICK_MODEL} --out quick-run",
+    "pycapsnet train": f"pycapsnet train {QUICK_MODEL} --out quick-train",
+    "python benchmarks/bench.py": "python benchmarks/bench.py --quick --no-reference --rounds 1 --json bench.json",
+    'pip install torch==2.13.0 -e ".[test]" && python -m pytest': (None, ".ci/run runs exactly this line"),
+    'pip install -e ".[cupy]"': (None, "CuPy installs on a CUDA machine only"),
+    'pip install -e ".[torch]"': (None, "the test command installs torch (the [test] extra)"),
+    "bash benchmarks/gpu_check.sh": (None, "needs a CUDA GPU; benchmarks/gpu_check.sh is run on one"),
+}
+
+
+def readme_blocks():
+    text = open(README, encoding="utf-8").read()
+    return re.findall(r"```(bash|python)\n(.*?)```", text, flags=re.S)
+
+
+def readme_commands():
+    """(language, command) in README order: each line of a bash block, each python block whole.
+    Inline commands of the prose (`bash ...`, `python ...`) count too."""
+    out = []
+    for lang, body in readme_blocks():
+        if lang == "python":
+            out.append(("python", body))
+        else:
+            out += [("bash", line.split("  #")[0].strip()) for line in body.splitlines() if line.strip()]
+    text = open(README, encoding="utf-8").read()
+    for cmd in re.findall(r"`((?:python|bash|pycapsnet|pip) [^`]+)`", text):
+        if ("bash", cmd) not in out:
+            out.append(("bash", cmd))
+    return out
+
+
+def _shell_form(cmd):
+    """The command with the repository's scripts named by their path (it runs in a scratch dir)."""
+    for script in ("train_numpy.py", "train_torch.py", "train_cupy.py", "benchmarks/"):
+        cmd = re.sub(rf"(?<![\w/]){re.escape(script)}", os.path.join(ROOT, script), cmd)
+    return cmd
+
+
+def test_every_readme_command_is_run_or_marked(tmp_path):
+    ran = []
+    for lang, cmd in readme_commands():
+        if lang == "python":
+            r = subprocess.run([sys.executable, "-c", cmd], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, f"README's Python example failed:\n{r.stderr[-2000:]}"
+            ran.append("python example")
+            continue
+        if cmd in LONG and isinstance(LONG[cmd], tuple):
+            continue  # run elsewhere (LONG says where)
+        quick = LONG.get(cmd, cmd)
+        if quick.startswith("pip "):
+            pytest.fail(f"README command {cmd!r} installs packages: mark it in LONG")
+        r = subprocess.run(_shell_form(quick), shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"README command {cmd!r} (run as {quick!r}) failed:\n{r.stderr[-2000:]}"
+        ran.append(cmd)
+    assert "python example" in ran and any(c.startswith("pycapsnet gradcheck") for c in ran), ran
+
+
+def test_the_marks_name_readme_commands():
+    commands = {c for _, c in readme_commands()}
+    stale = [c for c in LONG if c not in commands]
+    assert not stale, f"LONG names commands the README no longer has: {stale}"
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    test_command = 'pip install torch==2.13.0 -e ".[test]" && python -m pytest'
+    assert ("bash", test_command) in readme_commands()
+    assert test_command in ci.splitlines()[-1], "the last line of .ci/run must be the README's test command"
+
+
+def test_readme_is_short():
+    assert len(open(README, encoding="utf-8").read()) <= 12_000
+
+
+def test_shell_form_names_scripts_by_path():
+    assert _shell_form("python train_numpy.py --x") == f"python {os.path.join(ROOT, 'train_numpy.py')} --x"
+    assert shlex.split(_shell_form("python benchmarks/bench.py"))[1] == os.path.join(ROOT, "benchmarks/bench.py")
