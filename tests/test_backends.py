@@ -102,12 +102,12 @@ ROUTING_PRODUCTS = {
 }
 
 
-def routing_product(B, name, a, b):
-    """Call B.<name> on host operands (outer_sum takes its stacked operands as lists)."""
+def routing_product(B, name, a, b, fn=None):
+    """B.<name> (or ``fn(B, ...)``, e.g. Backend's own form) on host operands; outer_sum takes its
+    stacked operands as lists."""
     a, b = B.asarray(a), B.asarray(b)
-    if name == "outer_sum":
-        return getattr(B, name)(list(a), list(b))
-    return getattr(B, name)(a, b)
+    call = (lambda *args: fn(B, *args)) if fn else getattr(B, name)
+    return call(list(a), list(b)) if name == "outer_sum" else call(a, b)
 
 
 @pytest.mark.parametrize("name", ROUTING_PRODUCTS)
@@ -121,9 +121,7 @@ def test_routing_products_equal_their_einsum_in_c_order(backend, name):
     subscripts, shapes = ROUTING_PRODUCTS[name]
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal(s) for s in shapes)
-    out = (getattr(Backend, name)(B, *((list(B.asarray(a)), list(B.asarray(b))) if name == "outer_sum"
-                                       else (B.asarray(a), B.asarray(b))))
-           if backend == "default" else routing_product(B, name, a, b))
+    out = routing_product(B, name, a, b, getattr(Backend, name) if backend == "default" else None)
     np.testing.assert_allclose(B.to_numpy(out), np.einsum(subscripts, a, b), rtol=1e-12, atol=1e-12)
     contiguous = out.flags["C_CONTIGUOUS"] if hasattr(out, "flags") else out.is_contiguous()
     assert contiguous, name
