@@ -1,60 +1,57 @@
 """Checkpoints: one ``.npz`` of host NumPy arrays -- parameters, optimizer state, and a JSON header
 with the model configuration -- so a checkpoint written on one backend loads on any other.
 
-Writes are atomic: the file is written to a temporary name in the same directory, flushed to disk,
-then renamed over the old one (``os.replace``), so an interruption (Ctrl-C, a crash, a full disk)
-leaves the previous checkpoint intact.
+Writes are atomic (``files.atomic_write``): an interruption (Ctrl-C, a kill, a crash, a full disk)
+leaves the previous checkpoint intact.  Nothing non-finite is written, and ``load`` checks what it
+reads, so that a damaged file is one message naming it, never a traceback from deep inside.
 """
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
+from dataclasses import fields
 
 import numpy as np
 
+from . import files
 from .errors import CapsNetError
 from .model import CapsNet, CapsNetConfig
+from .optim import NAMES as optim_names
 
 FORMAT = "pycapsnet-checkpoint-1"
 
 
 def save(path: str, model: CapsNet, optimizer=None, **meta) -> str:
     """Write ``path`` (or ``path/checkpoint.npz`` when ``path`` is a directory, as ``load`` reads it),
-    making missing parent directories; returns the file's path."""
+    making missing parent directories; returns the file's path.  ``meta`` goes into the header
+    (the trainer's: epoch, test_acc, recipe, history).  A parameter or optimizer state holding NaN
+    or inf is refused: a checkpoint is something to go back to, and such a model is not one."""
     if os.path.isdir(path):
         path = os.path.join(path, "checkpoint.npz")
     arrays = {f"param/{k}": v for k, v in model.state_dict().items()}
     if optimizer is not None:
         arrays.update({f"optim/{k}": v for k, v in optimizer.state_dict().items()})
+    bad = next((k for k, v in arrays.items() if not np.isfinite(v).all()), None)
+    if bad is not None:
+        raise CapsNetError(f"refusing to write the checkpoint {path}: {bad} holds NaN or inf values "
+                           "(the model has diverged; try a lower learning rate)")
     header = {"format": FORMAT, "config": model.config.to_dict(), "backend": model.B.label,
               "optimizer": type(optimizer).__name__.lower() if optimizer is not None else None, **meta}
-    arrays["header"] = np.array(json.dumps(header))
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = None
+    arrays["header"] = np.array(json.dumps(header, allow_nan=False))  # strict JSON: no NaN
     try:
-        os.makedirs(directory, exist_ok=True)
-        # written beside the target and renamed over it: a crash or a full disk leaves the last
-        # checkpoint whole, never half a new one
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        files.atomic_write(path, lambda f: np.savez(f, **arrays))
     except OSError as e:
         raise CapsNetError(f"cannot write the checkpoint {path}: {e.strerror or e}"
                            + ("; the one written there before is intact" if os.path.exists(path) else "")) from e
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 
 def load(path: str) -> dict:
-    """{'header': dict, 'params': {name: array}, 'optim': {name: array}}; CapsNetError naming the
-    file if it is missing, not a pycapsnet checkpoint, or corrupt."""
+    """{'header': dict, 'params': {name: array}, 'optim': {name: array}, 'path': str}; CapsNetError
+    naming the file and what is wrong if it is missing, not a pycapsnet checkpoint, damaged (a
+    header that is not what ``save`` writes) or holds non-finite numbers."""
     if os.path.isdir(path):
         path = os.path.join(path, "checkpoint.npz")
     if not os.path.exists(path):
@@ -63,31 +60,92 @@ def load(path: str) -> dict:
     # The zip signature is checked first: np.load takes any other file for a pickle, and would suggest
     # loading it unsafely.  np.load gets the open file, not the path: on a damaged archive it would
     # leave its own handle open.
-    with open(path, "rb") as f:
-        if f.read(4) != b"PK\x03\x04":
-            raise CapsNetError(f"{unreadable}: it is not an .npz archive (training writes one to RUN/checkpoint.npz)")
-        f.seek(0)
-        try:
-            with np.load(f, allow_pickle=False) as z:
-                files = {k: z[k] for k in z.files}
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-            raise CapsNetError(f"{unreadable}: a damaged or truncated .npz archive ({type(e).__name__}: {e})") from None
-    if "header" not in files:
-        raise CapsNetError(f"{unreadable}: an .npz archive, but without the header pycapsnet writes "
-                           f"(it holds {', '.join(sorted(files)[:5]) or 'no arrays'})")
     try:
-        header = json.loads(str(files.pop("header")))
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                raise CapsNetError(f"{unreadable}: it is not an .npz archive (training writes one to RUN/checkpoint.npz)")
+            f.seek(0)
+            try:
+                with np.load(f, allow_pickle=False) as z:
+                    files_ = {k: z[k] for k in z.files}
+            except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+                raise CapsNetError(f"{unreadable}: a damaged or truncated .npz archive ({type(e).__name__}: {e})") from None
+    except OSError as e:  # a directory named checkpoint.npz, no permission to read
+        raise CapsNetError(f"cannot read the checkpoint {path}: {e.strerror or e}") from None
+    if "header" not in files_:
+        raise CapsNetError(f"{unreadable}: an .npz archive, but without the header pycapsnet writes "
+                           f"(it holds {', '.join(sorted(files_)[:5]) or 'no arrays'})")
+    try:
+        header = json.loads(str(files_.pop("header")))
     except ValueError as e:
         raise CapsNetError(f"{unreadable}: its header is not JSON ({e})") from None
-    if header.get("format") != FORMAT:
+    if isinstance(header, dict) and header.get("format") != FORMAT:
         raise CapsNetError(f"{path}: unknown checkpoint format {header.get('format')!r} (expected {FORMAT})")
-    params = {k[6:]: v for k, v in files.items() if k.startswith("param/")}
-    optim = {k[6:]: v for k, v in files.items() if k.startswith("optim/")}
+    problem = _header_problem(header)
+    if problem:
+        raise CapsNetError(f"{path} is damaged: {problem}; use another checkpoint, or train afresh")
+    params = {k[6:]: v for k, v in files_.items() if k.startswith("param/")}
+    optim = {k[6:]: v for k, v in files_.items() if k.startswith("optim/")}
+    for kind, arrays in (("parameter", params), ("optimizer state", optim)):
+        for k, v in arrays.items():
+            if v.dtype.kind not in "fiu":
+                raise CapsNetError(f"{path} is damaged: {kind} {k} holds {v.dtype} values, not numbers")
+            if not np.isfinite(v).all():
+                raise CapsNetError(f"{path}: {kind} {k} holds NaN or inf values (saved after its run "
+                                   "diverged); use an earlier checkpoint, or train afresh")
     return {"header": header, "params": params, "optim": optim, "path": path}
+
+
+def _header_problem(header) -> str | None:
+    """What makes ``header`` other than what ``save`` writes, in words; None if nothing."""
+    if not isinstance(header, dict):
+        return f"its header is a JSON {type(header).__name__}, not the object pycapsnet writes"
+    config = header.get("config")
+    if not isinstance(config, dict):
+        return "its header has no model configuration" if config is None else \
+            f"its model configuration is a JSON {type(config).__name__}, not an object"
+    unknown = sorted(set(config) - {f.name for f in fields(CapsNetConfig)})
+    if unknown:
+        return f"its model configuration has fields this pycapsnet does not know: {', '.join(unknown)}"
+    try:
+        CapsNetConfig(**config)
+    except (TypeError, ValueError) as e:  # CapsNetError is a ValueError
+        return f"its model configuration is invalid ({e})"
+    epoch = header.get("epoch", 0)
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        return f"its epoch is {epoch!r}, not a whole number of at least 0"
+    if header.get("optimizer") not in (None, *optim_names):
+        return f"its optimizer is {header['optimizer']!r}, not one of {', '.join(optim_names)}"
+    for key, kind in (("recipe", dict), ("history", list)):
+        if header.get(key) is not None and not isinstance(header[key], kind):
+            return f"its {key} is a JSON {type(header[key]).__name__}, not {'an object' if kind is dict else 'a list'}"
+    history = header.get("history") or []
+    if not all(isinstance(r, dict) and r.get("epoch") == k + 1 for k, r in enumerate(history)) \
+            or (history and len(history) != epoch):
+        return f"its history does not hold one record for each of its {epoch} epochs"
+    return None
 
 
 def config_of(ckpt: dict) -> CapsNetConfig:
     return CapsNetConfig(**ckpt["header"]["config"])
+
+
+def restore_model(ckpt: dict, model: CapsNet) -> None:
+    """The checkpoint's weights into ``model``; CapsNetError naming the file on a mismatch."""
+    try:
+        model.load_state_dict(ckpt["params"])
+    except CapsNetError as e:
+        raise CapsNetError(f"{ckpt['path']}: {e}") from None
+
+
+def restore_optimizer(ckpt: dict, optimizer) -> None:
+    """The checkpoint's optimizer state into ``optimizer``, whose kind the header names; a
+    CapsNetError naming the file if the state is missing or does not fit the model."""
+    try:
+        optimizer.load_state_dict(ckpt["optim"])
+    except CapsNetError as e:
+        raise CapsNetError(f"{ckpt['path']} is damaged: its {ckpt['header']['optimizer']} state {e}; "
+                           "use another checkpoint, or train afresh") from None
 
 
 def load_model(path: str, backend, **overrides) -> tuple:
@@ -97,5 +155,5 @@ def load_model(path: str, backend, **overrides) -> tuple:
     if overrides:
         cfg = CapsNetConfig(**{**cfg.to_dict(), **overrides})
     model = CapsNet(backend, cfg)
-    model.load_state_dict(ckpt["params"])
+    restore_model(ckpt, model)
     return model, ckpt

@@ -6,7 +6,8 @@
     pycapsnet train      [--backend numpy] [training flags]          the trainer of the train_*.py scripts
     pycapsnet evaluate   CHECKPOINT [--backend torch --device cuda]  test accuracy of a checkpoint
 
-Exit codes: 0 success, 1 a check failed, 2 bad input (the message says what and how to fix it).
+Exit codes: 0 success, 1 a check failed, 2 bad input or a damaged checkpoint (the message says
+what and how to fix it), 3 the model's numbers are not finite (train, evaluate), 130 Ctrl-C.
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ PERTURB_STEPS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)
 
 def cmd_inspect(args):
     from . import checkpoint as ckpt_mod
-    from . import data, plots
+    from . import data, files, plots
     from .trainer import prepare_out_dir, save_reconstructions, settle
 
     prepare_out_dir(args.out)  # before the loading, so that a bad --out fails at once
@@ -156,12 +157,17 @@ def cmd_inspect(args):
     _, test = data.load(args.dataset, args.data_dir)
     if not 0 <= args.index < len(test):
         raise CapsNetError(f"--index must be in [0, {len(test) - 1}], got {args.index}")
-    written = [save_reconstructions(model, test, os.path.join(args.out, "reconstructions.png"))]
-
     x, y = test.x[args.index:args.index + 1], int(test.y[args.index])
-    out = model.forward(x)
-    pred = int(out.predictions[0])
+    with B.quiet_float_errors():
+        out = model.forward(x)
     v = B.to_numpy(out.v)                                   # (1, J, D)
+    if not np.isfinite(v).all():
+        raise CapsNetError(f"the model in {ckpt['path']} gives class capsules that are not finite for test "
+                           f"image {args.index}: there is nothing to draw; inspect an earlier checkpoint")
+    pred = int(out.predictions[0])
+    couplings = [np.array(B.to_numpy(c)[0]) for c in model.classcaps.coupling]  # per iteration (I, J), copied
+    # before the reconstructions' forward pass reuses the routing's buffers
+    written = [save_reconstructions(model, test, os.path.join(args.out, "reconstructions.png"))]
     D = v.shape[-1]
     # Figure 4: move each dimension of the predicted capsule over [-0.25, 0.25], decode each
     tweaked = np.repeat(v, D * len(PERTURB_STEPS), axis=0)  # (D*S, J, D)
@@ -174,11 +180,10 @@ def cmd_inspect(args):
         decoded, PERTURB_STEPS, os.path.join(args.out, "perturbation.png"),
         f"test digit {args.index} (label {y}, predicted {pred}): each of the {D} dimensions of capsule {pred} "
         "moved over [-0.25, 0.25], then decoded"))
-    couplings = [B.to_numpy(c)[0] for c in model.classcaps.coupling]   # per iteration (I, J)
     written.append(plots.coupling_heatmaps(
         couplings, model.primary_hw, model.config.primary_types, os.path.join(args.out, "coupling.png"), pred,
         f"coupling coefficients c_ij for test digit {args.index} (label {y}, predicted {pred})"))
-    np.savez(os.path.join(args.out, "coupling.npz"), *couplings)
+    files.atomic_write(os.path.join(args.out, "coupling.npz"), lambda f: np.savez(f, *couplings))
     for p in written:
         print(p)
     return 0

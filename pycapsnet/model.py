@@ -225,13 +225,13 @@ class CapsNet:
     def load_state_dict(self, state: dict):
         """Copy host arrays into the parameters; raises CapsNetError listing every mismatch."""
         own = self.params
-        problems = [f"  missing {k} (model has {tuple(p.shape)})" for k, p in own.items() if k not in state]
-        problems += [f"  unexpected {k} {tuple(np.shape(v))}" for k, v in state.items() if k not in own]
-        problems += [f"  {k}: checkpoint {tuple(np.shape(state[k]))} vs model {tuple(p.shape)}"
+        problems = [f"missing {k} (model has {tuple(p.shape)})" for k, p in own.items() if k not in state]
+        problems += [f"unexpected {k} {tuple(np.shape(v))}" for k, v in state.items() if k not in own]
+        problems += [f"{k}: checkpoint {tuple(np.shape(state[k]))} vs model {tuple(p.shape)}"
                      for k, p in own.items() if k in state and tuple(np.shape(state[k])) != tuple(p.shape)]
-        if problems:
-            raise CapsNetError("checkpoint does not match this architecture:\n" + "\n".join(problems)
-                               + "\nbuild the model with the checkpoint's configuration")
+        if problems:  # one line, as every error a command prints
+            raise CapsNetError("checkpoint does not match this architecture: " + "; ".join(problems)
+                               + "; build the model with the checkpoint's configuration")
         for k, p in own.items():
             p[...] = self.B.asarray(state[k])
 

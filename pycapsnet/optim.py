@@ -18,17 +18,21 @@ import numpy as np
 from .errors import CapsNetError
 
 
-def _check_hyperparameter(name: str, value, low: float, high: float, high_included: bool = False):
-    """Refuse ``value`` unless it is a finite number in [low, high) (or [low, high])."""
-    ok = isinstance(value, (int, float, np.number)) and math.isfinite(value) and low <= value
+def _check_hyperparameter(name: str, value, low: float, high: float, high_included: bool = False,
+                          low_included: bool = True):
+    """Refuse ``value`` unless it is a finite number in [low, high) (or (low, ...), ..., high])."""
+    ok = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (low <= value if low_included else low < value)
     if not (ok and (value <= high if high_included else value < high)):
-        where = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}{']' if high_included else ')'}"
+        opening = "[" if low_included else "("
+        where = (f"{'>=' if low_included else '>'} {low:g}" if high == math.inf
+                 else f"in {opening}{low:g}, {high:g}{']' if high_included else ')'}")
         raise CapsNetError(f"{name} must be a finite number {where}, got {value!r}")
 
 
 class Optimizer:
     def __init__(self, model, lr: float):
-        _check_hyperparameter("lr", lr, 0, math.inf)
+        _check_hyperparameter("lr", lr, 0, math.inf, low_included=False)  # lr 0: steps that move nothing
         self.model, self.lr, self.step_count = model, lr, 0
         self.state: dict = {}
 
@@ -41,7 +45,13 @@ class Optimizer:
         return [self._scalar_values[k:k + 1] for k in range(n)]
 
     def _write_scalars(self, *values):
-        self._scalar_values[...] = self.model.B.asarray(np.array(values))
+        B = self.model.B
+        with np.errstate(over="ignore"):
+            host = np.array(values).astype(B.dtype)
+        if not np.isfinite(host).all():  # an lr like 1e300 has no float32 value: say so, once
+            raise CapsNetError(f"the learning rate {self.lr:g} makes a step size beyond the range of "
+                               f"{B.dtype} (largest {np.finfo(B.dtype).max:.3g}); use a lower lr")
+        self._scalar_values[...] = B.asarray(host)
 
     def step(self):
         self.prepare()
@@ -62,9 +72,22 @@ class Optimizer:
         return out
 
     def load_state_dict(self, state: dict):
+        """Restore ``state_dict``'s arrays; CapsNetError saying what is missing or misshapen."""
         B = self.model.B
-        self.step_count = int(state["step_count"])
-        self.lr = float(state["lr"])
+        shapes = {"step_count": (), "lr": ()}
+        shapes.update({f"{slot}/{k}": tuple(v.shape) for slot in self._slots() for k, v in self.state[slot].items()})
+        missing = [k for k in shapes if k not in state]
+        wrong = [f"{k} is {np.shape(state[k])}, not {shape}" for k, shape in shapes.items()
+                 if k in state and tuple(np.shape(state[k])) != shape]
+        if missing or wrong:
+            raise CapsNetError("; ".join(([f"lacks {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more"
+                                                                               if len(missing) > 3 else "")]
+                                          if missing else []) + wrong[:3]))
+        step_count, lr = state["step_count"], state["lr"]
+        if step_count.dtype.kind not in "iu" or step_count < 0 or not (np.isfinite(lr) and lr > 0):
+            raise CapsNetError(f"has step_count {step_count} and lr {lr}: not a count and a positive rate")
+        self.step_count = int(step_count)
+        self.lr = float(lr)
         for slot in self._slots():
             for k in self.state[slot]:
                 self.state[slot][k][...] = B.asarray(state[f"{slot}/{k}"])

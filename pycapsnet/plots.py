@@ -1,7 +1,11 @@
 """Pictures (matplotlib, Agg backend: no display needed)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
+
+from . import files
 
 
 def pyplot():
@@ -15,31 +19,45 @@ def pyplot():
     return plt
 
 
+def save(fig, path: str, dpi: int = 110) -> str:
+    """Write ``fig`` to ``path`` atomically (never a half-drawn file) and close it."""
+    try:
+        fmt = os.path.splitext(path)[1][1:] or "png"
+        files.atomic_write(path, lambda f: fig.savefig(f, format=fmt, dpi=dpi))
+    finally:
+        pyplot().close(fig)
+    return path
+
+
 def _img(a):
     a = np.asarray(a)
     return a[0] if a.shape[0] == 1 else np.transpose(a, (1, 2, 0))
 
 
 def reconstruction_grid(images, recons, labels, preds, path, title=""):
-    """Rows of (input, reconstruction) pairs, titled with label and prediction."""
+    """Rows of (input, reconstruction) pairs, each input captioned with label and prediction (red
+    where they differ).  One image of all the tiles, drawn in one axes: a figure of one axes per
+    tile costs most of a second to build, at every epoch."""
     plt = pyplot()
-    n = len(images)
+    tiles = [(_img(a), _img(b)) for a, b in zip(images, recons)]
+    n, (h, w) = len(tiles), tiles[0][0].shape[:2]
     cols = min(n, 8)
-    rows = 2 * int(np.ceil(n / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(1.3 * cols, 1.45 * rows), squeeze=False)
-    for ax in axes.ravel():
-        ax.axis("off")
-    for i in range(n):
-        r, c = 2 * (i // cols), i % cols
-        ok = labels[i] == preds[i]
-        axes[r, c].imshow(_img(images[i]), cmap="gray", vmin=0, vmax=1)
-        axes[r, c].set_title(f"y={labels[i]} p={preds[i]}", fontsize=7, color="black" if ok else "red")
-        axes[r + 1, c].imshow(_img(recons[i]), cmap="gray", vmin=0, vmax=1)
+    pair_rows = int(np.ceil(n / cols))
+    gap, cap = max(1, w // 14), max(6, (2 * h) // 5)  # white between tiles; room for a caption above a pair
+    cell_h, cell_w = cap + 2 * h + gap, w + gap
+    canvas = np.ones((pair_rows * cell_h, cols * cell_w - gap) + tiles[0][0].shape[2:])
+    fig, ax = plt.subplots(figsize=(1.3 * cols, 1.45 * 2 * pair_rows))
+    for i, (x, r) in enumerate(tiles):
+        top, left = (i // cols) * cell_h + cap, (i % cols) * cell_w
+        canvas[top:top + h, left:left + w] = x
+        canvas[top + h:top + 2 * h, left:left + w] = r
+        ax.text(left + w / 2, top - 1, f"y={labels[i]} p={preds[i]}", ha="center", va="bottom", fontsize=7,
+                color="black" if labels[i] == preds[i] else "red")
+    ax.imshow(np.clip(canvas, 0, 1), cmap="gray", vmin=0, vmax=1, interpolation="nearest")
+    ax.axis("off")
     fig.suptitle(title or "inputs (odd rows) and reconstructions from the predicted capsule", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.3 / (1.45 * 2 * pair_rows))
+    return save(fig, path)
 
 
 def perturbation_grid(decoded, steps, path, title=""):
@@ -58,9 +76,7 @@ def perturbation_grid(decoded, steps, path, title=""):
                 ax.set_ylabel(f"dim {d}", fontsize=6)
     fig.suptitle(title or "each capsule dimension moved over [-0.25, 0.25], then decoded", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title=""):
@@ -95,9 +111,7 @@ def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title=""):
             ax.set_xlabel(f"c_i,{chosen} by position (mean over types)", fontsize=7)
         fig.colorbar(im2, ax=axes[1].tolist(), label=f"mean c_i,{chosen}")
     fig.suptitle(title or "coupling coefficients c_ij per routing iteration", fontsize=9)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def training_curves(metrics, path):
@@ -110,6 +124,4 @@ def training_curves(metrics, path):
     b.plot(ep, [m["train_loss"] for m in metrics], "o-", color="C1")
     b.set_xlabel("epoch"), b.set_ylabel("train loss"), b.set_yscale("log"), b.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

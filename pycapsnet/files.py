@@ -1,0 +1,64 @@
+"""Files that are never left half-written.
+
+Every file a run writes (checkpoint, metrics, pictures) is written beside its target under a
+temporary name, flushed to disk and renamed over the target (``os.replace``, atomic on POSIX and
+Windows).  A reader, or a run resumed after a crash, sees the old file or the new one, never a
+mixture.  A writer killed before the rename leaves its temporary behind; the next write of the
+same file removes it.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+
+PREFIX = ".tmp-"
+
+
+def temporaries(path: str) -> list:
+    """Temporaries that writes of ``path`` left behind: ``.tmp-<stem>-*<suffix>`` beside it, and
+    for checkpoints also ``.tmp-XXXXXXXX.npz``, the name older versions gave them."""
+    directory, name = os.path.split(os.path.abspath(path))
+    stem, suffix = os.path.splitext(name)
+    patterns = [f"{PREFIX}{glob.escape(stem)}-*{glob.escape(suffix)}"]
+    if suffix == ".npz":
+        patterns.append(f"{PREFIX}" + "?" * 8 + ".npz")
+    return sorted({p for pat in patterns for p in glob.glob(os.path.join(glob.escape(directory), pat))})
+
+
+def atomic_write(path: str, write, text: bool = False) -> str:
+    """Call ``write(f)`` on a fresh temporary file beside ``path``, then make it ``path`` in one
+    rename.  OSError (the caller names the file and the fix) leaves ``path`` as it was."""
+    directory, name = os.path.split(os.path.abspath(path))
+    stem, suffix = os.path.splitext(name)
+    for stale in temporaries(path):  # from a writer that was killed before its rename
+        try:
+            os.unlink(stale)
+        except OSError:
+            pass
+    fd, tmp = tempfile.mkstemp(prefix=f"{PREFIX}{stem}-", suffix=suffix, dir=directory)
+    try:
+        with os.fdopen(fd, "w" if text else "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        _sync_directory(directory)  # the rename itself survives a power cut
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _sync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # Windows opens no directories; its rename is durable as it is
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
