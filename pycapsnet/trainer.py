@@ -1,17 +1,26 @@
 """The one trainer behind ``train_numpy.py``, ``train_cupy.py``, ``train_torch.py`` and
 ``pycapsnet train`` / ``pycapsnet evaluate``.
 
-Per epoch: a progress bar with running loss and accuracy, the test accuracy, a line in
-``OUT/metrics.jsonl``, ``OUT/reconstructions.png`` (test digits above their reconstructions) and
-``OUT/checkpoint.npz`` (written atomically; ``--resume OUT`` continues from it on any backend).
-Exit codes: 0 done, 2 bad input, 3 the loss became NaN/inf, 130 interrupted (Ctrl-C).
+Per epoch: a progress bar with running loss and accuracy, the test accuracy, then the epoch is
+committed to ``OUT`` as one unit, in this order: ``checkpoint.npz`` (``--resume OUT`` continues from
+it on any backend; it also holds the run's metrics records), then ``metrics.jsonl`` (one strict-JSON
+line per epoch), ``curves.png`` and ``reconstructions.png``.  Every file is written whole
+(``files.atomic_write``).  A stop between two of these writes leaves a checkpoint that the other
+files lag behind; ``--resume`` rewrites them from it, so what the directory records is what the
+checkpoint holds.  Nothing non-finite is saved: the parameters, the optimizer state and the test
+loss are checked after every epoch.
+Exit codes: 0 done, 2 bad input, 3 the loss or the model became NaN/inf, 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -19,7 +28,7 @@ import numpy as np
 import backends
 from backends.base import FLOAT_DTYPES
 
-from . import checkpoint, data, optim, plots
+from . import checkpoint, data, files, optim, plots
 from .argtypes import make_writable_dir, nonnegative_int, positive_float, positive_int
 from .capsules import PrimaryCaps
 from .errors import BackendError, CapsNetError
@@ -29,9 +38,14 @@ from .routing import MODES as ROUTING_MODES
 
 CHECKPOINT = "checkpoint.npz"
 METRICS = "metrics.jsonl"
+PICTURES = ("curves.png", "reconstructions.png")
 
 
-class TrainingDiverged(RuntimeError):
+class NotFinite(RuntimeError):
+    """The model's numbers are no longer finite: exit 3."""
+
+
+class TrainingDiverged(NotFinite):
     pass
 
 
@@ -50,6 +64,11 @@ EVALUATED_ON = ("dtype", "dataset", "data_dir")
 ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
                 for k in ("routing_iters", "routing_grad", "conv_channels", "primary_types", "share_spatial",
                           "primary_conv")}
+# What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
+RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": data.DATASETS, "data_dir": str,
+                 "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
+                 "shift": nonnegative_int, "batch_size": positive_int, "limit": positive_int,
+                 "limit_test": positive_int}
 
 
 def add_arguments(p: argparse.ArgumentParser, backend: str | None):
@@ -142,6 +161,10 @@ def settle(args, ckpt) -> None:
         header = ckpt["header"]
         # Checkpoints from before the recipe was saved hold only the optimizer and the seed.
         saved = header.get("recipe") or {k: header[k] for k in ("optimizer", "seed") if header.get(k) is not None}
+        bad = _recipe_problem(saved)
+        if bad:
+            raise CapsNetError(f"{ckpt['path']} is damaged: its recipe has {bad}; use another checkpoint, "
+                               "or train afresh")
         for k in EVALUATED_ON if evaluating else RECIPE:
             if k not in saved:
                 continue
@@ -163,6 +186,27 @@ def settle(args, ckpt) -> None:
             setattr(args, k, v)
 
 
+def _recipe_problem(saved: dict) -> str | None:
+    """'key = value' for the first value of a saved recipe that its flag would refuse; else None."""
+    for k, v in saved.items():
+        rule = RECIPE_VALUES.get(k)
+        if rule is None or (v is None and RECIPE.get(k) is None):  # unknown keys: a newer version's
+            continue
+        if isinstance(rule, tuple):
+            ok = v in rule
+        elif rule is str:
+            ok = isinstance(v, str)
+        else:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (rule is positive_float or isinstance(v, int))
+            try:
+                ok = ok and rule(str(v)) is not None
+            except argparse.ArgumentTypeError:
+                ok = False
+        if not ok:
+            return f"{k} = {v!r}"
+    return None
+
+
 def _progress(iterable, total, desc, disable):
     try:
         from tqdm.auto import tqdm
@@ -181,11 +225,13 @@ def _say(msg):
 
 
 def evaluate(model: CapsNet, split: data.Split, batch_size: int = 100, progress: bool = False):
-    """(accuracy, mean loss) over a split; the loss uses the label mask, as in training."""
+    """(accuracy, mean loss) over a split; the loss uses the label mask, as in training.  A model
+    whose outputs overflow gives a non-finite loss, without warnings: the caller checks it."""
     correct, loss_sum = 0, 0.0
     n_batches = (len(split) + batch_size - 1) // batch_size
     for x, y in _progress(data.batches(split, batch_size), n_batches, "eval", not progress):
-        out = model.loss(x, y)
+        with model.B.quiet_float_errors():
+            out = model.loss(x, y)
         correct += int((out.predictions == y).sum())
         loss_sum += out.loss * len(y)
     model.release()  # no backward follows: do not carry forward's caches into the next train step
@@ -219,9 +265,13 @@ def train(args, backend_name: str) -> dict:
     if args.eval_only:
         t0 = time.perf_counter()
         acc, loss = evaluate(model, test_set, progress=not args.no_progress)
+        if not math.isfinite(loss):
+            raise NotFinite(f"the model in {ckpt['path']} gives a test loss of {loss}: its outputs are not finite "
+                            f"(its largest weight is {_largest_weight(model):.3g}), so it has no accuracy to "
+                            "report; evaluate an earlier checkpoint")
         _say(f"test accuracy {100 * acc:.2f}%  loss {loss:.4f}  ({time.perf_counter() - t0:.1f} s)")
         return {"test_acc": acc, "test_loss": loss}
-    out_dir, opt, start = _prepare_run(args, model, train_set, ckpt)
+    out_dir, opt, start, history = _prepare_run(args, model, train_set, test_set, ckpt)
     if start is None:
         return {}
     B = model.B
@@ -234,11 +284,16 @@ def train(args, backend_name: str) -> dict:
     for epoch in range(start, args.epochs):
         opt.lr = optim.exponential_lr(args.lr, args.lr_decay, epoch)
         seen, correct, loss_sum, train_time = _train_epoch(args, model, opt, captured, train_set, epoch)
+        _check_finite(args, model, opt, epoch)  # the epoch's last update has not been checked yet
         test_acc, test_loss = evaluate(model, test_set)
+        if not math.isfinite(test_loss):
+            raise TrainingDiverged(_stopped(args, f"the test loss became {test_loss} after epoch {epoch + 1} "
+                                                  "(the weights are finite, but the outputs overflow)"))
         last = {"epoch": epoch + 1, "lr": opt.lr, "train_loss": loss_sum / seen, "train_acc": correct / seen,
                 "test_loss": test_loss, "test_acc": test_acc, "train_seconds": round(train_time, 2),
                 "train_samples_per_s": round(seen / train_time, 1), "backend": B.label}
-        _commit_epoch(args, model, opt, test_set, out_dir, last)
+        history.append(last)
+        _commit_epoch(args, model, opt, test_set, out_dir, history)
         _say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
              f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s ({last['train_samples_per_s']:.0f} samples/s)")
     _say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {out_dir}")
@@ -251,33 +306,43 @@ def _setup(args, backend_name):
     ckpt = checkpoint.load(args.resume) if args.resume else None
     # The checkpoint to go back to if the run stops early (a NaN loss, Ctrl-C): the one it resumed
     # from, then each one it writes.  (An old checkpoint that --overwrite is replacing is not one.)
-    args.last_good = (args.resume, int(ckpt["header"].get("epoch", 0))) if ckpt else None
+    args.last_good = (args.resume, ckpt["header"].get("epoch", 0)) if ckpt else None
+    args.replacing = None
     settle(args, ckpt)
     B = backends.get(backend_name, device=getattr(args, "device", None), dtype=args.dtype)
     train_set, test_set = data.load(args.dataset, args.data_dir)
     if args.limit is not None:
-        train_set = data.Split(train_set.x[:args.limit], train_set.y[:args.limit])
+        train_set = data.Split(train_set.x[:args.limit], train_set.y[:args.limit], train_set.source)
     if args.limit_test is not None:
-        test_set = data.Split(test_set.x[:args.limit_test], test_set.y[:args.limit_test])
+        test_set = data.Split(test_set.x[:args.limit_test], test_set.y[:args.limit_test], test_set.source)
     if ckpt:
         model = CapsNet(B, checkpoint.config_of(ckpt))
-        model.load_state_dict(ckpt["params"])
+        checkpoint.restore_model(ckpt, model)
     else:
         if args.eval_only:
             raise CapsNetError("--eval-only needs a trained model: pass --resume CHECKPOINT")
         cfg = CapsNetConfig(input_shape=train_set.x.shape[1:], **{k: getattr(args, k) for k in ARCHITECTURE})
         model = CapsNet(B, cfg, seed=args.seed)
-    if tuple(test_set.x.shape[1:]) != model.config.input_shape:
-        raise CapsNetError(f"the data are {test_set.x.shape[1:]} images but the model expects "
-                           f"{model.config.input_shape}")
+    expected = model.config.input_shape
+    for name, split in (("test", test_set),) if args.eval_only else (("train", train_set), ("test", test_set)):
+        if tuple(split.x.shape[1:]) != expected:
+            model_from = f"the model in {ckpt['path']}" if ckpt else "the model, built for the train images,"
+            raise CapsNetError(f"the {name} images{f' ({split.source})' if split.source else ''} are "
+                               f"{_shape(split.x.shape[1:])} but {model_from} takes {_shape(expected)}; "
+                               "give data of the model's size")
     _say(f"pycapsnet on {B.label}: {model.n_params():,} parameters, {len(train_set)} train / "
          f"{len(test_set)} test images ({args.dataset if not args.data_dir else args.data_dir})")
     return model, train_set, test_set, ckpt
 
 
-def _prepare_run(args, model, train_set, ckpt):
-    """(output directory, optimizer, first epoch) for training, the directory checked and the
-    optimizer's state restored on --resume; first epoch None when there is nothing to train."""
+def _shape(chw) -> str:
+    return f"{chw[1]}x{chw[2]} with {chw[0]} channel{'s' if chw[0] != 1 else ''}"
+
+
+def _prepare_run(args, model, train_set, test_set, ckpt):
+    """(output directory, optimizer, first epoch, metrics records so far) for training: the
+    directory checked, and on --resume the optimizer's state restored and the directory's records
+    made to agree with the checkpoint; first epoch None when there is nothing to train."""
     side = min(train_set.x.shape[2:])  # the shift augments training only: evaluation never reads it
     if args.shift >= side:
         raise CapsNetError(f"--shift {args.shift} is not less than the {side}-pixel image side: shifted "
@@ -286,24 +351,97 @@ def _prepare_run(args, model, train_set, ckpt):
     prepare_out_dir(out_dir)
     ckpt_path = os.path.join(out_dir, CHECKPOINT)
     resumed_here = ckpt is not None and os.path.exists(ckpt_path) and os.path.samefile(ckpt["path"], ckpt_path)
-    if os.path.exists(ckpt_path) and not resumed_here and not getattr(args, "overwrite", False):
-        raise CapsNetError(f"{out_dir} already holds a checkpoint from an earlier run; continue it with "
-                           f"--resume {out_dir}, train into another directory with --out DIR, or replace "
-                           "it with --overwrite")
-    if not ckpt:
-        open(os.path.join(out_dir, METRICS), "w").close()  # a fresh run starts a fresh record
+    if os.path.exists(ckpt_path) and not resumed_here:
+        if not getattr(args, "overwrite", False):
+            raise CapsNetError(f"{out_dir} already holds a checkpoint from an earlier run; continue it with "
+                               f"--resume {out_dir}, train into another directory with --out DIR, or replace "
+                               "it with --overwrite")
+        # Nothing is moved aside or truncated: the earlier run's files are replaced one by one when
+        # this run commits its first epoch, so a run that fails before then leaves them as they were.
+        args.replacing = out_dir
+        _say(f"--overwrite: the earlier run's checkpoint, metrics and pictures in {out_dir} stay until this "
+             "run's first epoch is saved")
     opt = optim.make(args.optimizer, model, args.lr)
     if not ckpt:
-        return out_dir, opt, 0
-    if ckpt["optim"] and ckpt["header"].get("optimizer") == args.optimizer:
-        opt.load_state_dict(ckpt["optim"])
-    start = int(ckpt["header"].get("epoch", 0))
+        return out_dir, opt, 0, []
+    if ckpt["header"].get("optimizer") == args.optimizer:
+        checkpoint.restore_optimizer(ckpt, opt)
+    history = _reconcile(ckpt, model, test_set, out_dir)
+    start = ckpt["header"].get("epoch", 0)
     if start >= args.epochs:
         _say(f"nothing to train: {ckpt['path']} has finished epoch {start} and --epochs is {args.epochs} "
              f"(the total, not the number of more epochs); pass --epochs {start + 1} or more to continue")
-        return out_dir, opt, None
+        return out_dir, opt, None, history
     _say(f"resuming after epoch {start} from {ckpt['path']}")
-    return out_dir, opt, start
+    return out_dir, opt, start, history
+
+
+def _reconcile(ckpt, model, test_set, out_dir) -> list:
+    """The run's metrics records up to the checkpoint's epoch, with ``out_dir``'s metrics.jsonl and
+    pictures made to agree with them.  A run stopped inside an epoch's commit leaves a checkpoint
+    that metrics.jsonl lags behind, or (from older versions, which wrote it first) runs ahead of:
+    the file is rewritten from the checkpoint's records, saying what changed.  Checkpoints from
+    before the records were saved in them keep the file's lines up to their epoch."""
+    epoch = ckpt["header"].get("epoch", 0)
+    path = os.path.join(out_dir, METRICS)
+    on_disk = read_metrics(path)
+    history = ckpt["header"].get("history")
+    if history is None:
+        by_epoch = {r.get("epoch"): r for r in on_disk if isinstance(r.get("epoch"), int) and 0 < r["epoch"] <= epoch}
+        history = [by_epoch[e] for e in sorted(by_epoch)]
+    stale = _older(os.path.join(out_dir, p) for p in PICTURES) < _mtime(ckpt["path"])
+    if on_disk != history:
+        dropped = [r.get("epoch") for r in on_disk if r not in history]
+        restored = [r["epoch"] for r in history if r not in on_disk]
+        if on_disk:
+            changes = ([f"dropped its line{'s' if len(dropped) > 1 else ''} for epoch "
+                        f"{', '.join(map(str, dropped))} (written after the checkpoint, or by the run it replaced)"]
+                       if dropped else [])
+            changes += [f"restored epoch {', '.join(map(str, restored))} from the checkpoint"] if restored else []
+            _say(f"{path} did not agree with the checkpoint, which has finished epoch {epoch}: "
+                 + " and ".join(changes))
+        write_metrics(out_dir, history)
+        stale = True
+    if stale and history:
+        _draw(model, test_set, out_dir, history)
+    return history
+
+
+def _mtime(path) -> float:
+    return os.stat(path).st_mtime_ns if os.path.exists(path) else -1
+
+
+def _older(paths) -> float:
+    return min(_mtime(p) for p in paths)
+
+
+def read_metrics(path) -> list:
+    """The records of a metrics.jsonl ([] if there is none), up to a line that is not a record."""
+    records = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut short by a kill (versions that appended)
+                    break
+                if not isinstance(record, dict):
+                    break
+                records.append(record)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise CapsNetError(f"cannot read {path}: {e.strerror or e}; move it out of the way") from None
+    return records
+
+
+def write_metrics(out_dir, history) -> None:
+    """metrics.jsonl: one line of strict JSON per epoch, written whole.  (A NaN can only come from a
+    file older versions wrote, which saved diverged epochs: it becomes null, as JSON has no NaN.)"""
+    finite = [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in history]
+    lines = "".join(json.dumps(r, allow_nan=False) + "\n" for r in finite)
+    _write(os.path.join(out_dir, METRICS), lambda path: files.atomic_write(path, lambda f: f.write(lines), text=True),
+           history)
 
 
 def _train_epoch(args, model, opt, captured, train_set, epoch):
@@ -324,13 +462,11 @@ def _train_epoch(args, model, opt, captured, train_set, epoch):
                 out = captured(x, y)  # the update is part of the recording: checked after it
             else:
                 out = model.train_step_grads(x, y)
-        if not np.isfinite(out.loss):
-            raise TrainingDiverged(
-                f"the loss became {out.loss} at epoch {epoch + 1}, step {step + 1}; stopped. "
-                + ("The last good checkpoint is {} (epoch {})".format(*args.last_good) if args.last_good
-                   else "This run wrote no checkpoint yet") + "; try a lower --lr.")
-        if not replayed:
-            opt.step()
+            if not np.isfinite(out.loss):
+                raise TrainingDiverged(_stopped(args, f"the loss became {out.loss} at epoch {epoch + 1}, "
+                                                      f"step {step + 1}"))
+            if not replayed:
+                opt.step()  # checked by the next step's loss, and the epoch's last by _check_finite
         seen += len(y)
         correct += int((out.predictions == y).sum())
         loss_sum += out.loss * len(y)
@@ -340,26 +476,79 @@ def _train_epoch(args, model, opt, captured, train_set, epoch):
     return seen, correct, loss_sum, time.perf_counter() - t0
 
 
-def _commit_epoch(args, model, opt, test_set, out_dir, record):
-    """What an epoch leaves in ``out_dir``: its metrics line, the curves and reconstructions, and
-    the checkpoint (written atomically), after which it is the run's last good one."""
-    metrics_path = os.path.join(out_dir, METRICS)
-    with open(metrics_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    _plot_curves(metrics_path, os.path.join(out_dir, "curves.png"))
-    epoch, test_acc = record["epoch"], record["test_acc"]
-    save_reconstructions(model, test_set, os.path.join(out_dir, "reconstructions.png"),
-                         title=f"epoch {epoch}: test accuracy {100 * test_acc:.2f}%")
-    checkpoint.save(os.path.join(out_dir, CHECKPOINT), model, opt, epoch=epoch, test_acc=test_acc,
-                    recipe={k: getattr(args, k) for k in RECIPE})
-    args.last_good = (out_dir, epoch)
+def _stopped(args, what) -> str:
+    """The message of a run stopped by a non-finite number: what happened, and where to go back to."""
+    if args.last_good:
+        back = "The last good checkpoint is {} (epoch {})".format(*args.last_good)
+    else:
+        back = "This run wrote no checkpoint yet" + (
+            f" (the earlier run's files in {args.replacing} are as they were)" if args.replacing else "")
+    return f"{what}; stopped. {back}; try a lower --lr."
 
 
-def _plot_curves(metrics_path, png_path):
-    with open(metrics_path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    if records:
-        plots.training_curves(records, png_path)
+def _largest_weight(model) -> float:
+    return max(float(np.nanmax(np.abs(model.B.to_numpy(p)), initial=0)) for p in model.params.values())
+
+
+def _check_finite(args, model, opt, epoch):
+    """After an epoch's last update: every parameter and optimizer state finite, or stop (exit 3)."""
+    arrays = {**{f"parameter {k}": p for k, p in model.params.items()},
+              **{f"optimizer state {slot}/{k}": a for slot, state in opt.state.items() for k, a in state.items()}}
+    for name, a in arrays.items():
+        if not model.B.all_finite(a):
+            raise TrainingDiverged(_stopped(args, f"{name} holds NaN or inf after epoch {epoch + 1}'s last update"))
+
+
+def _commit_epoch(args, model, opt, test_set, out_dir, history):
+    """The epoch, committed to ``out_dir``: first the checkpoint, which holds the records too; from
+    then on the epoch is done, and a run stopped before the rest is written resumes after it
+    (``_reconcile`` rewrites what lags).  Then metrics.jsonl, then the pictures."""
+    record = history[-1]
+    epoch = record["epoch"]
+    with _ctrl_c_held():
+        checkpoint.save(os.path.join(out_dir, CHECKPOINT), model, opt, epoch=epoch, test_acc=record["test_acc"],
+                        recipe={k: getattr(args, k) for k in RECIPE}, history=history)
+        args.last_good, args.replacing = (out_dir, epoch), None
+        write_metrics(out_dir, history)
+        _draw(model, test_set, out_dir, history)
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """A Ctrl-C inside the block is held until the block is done, then raised: the commit of an
+    epoch is not cut short by one (a kill still can; ``_reconcile`` repairs that on --resume).
+    Only where Ctrl-C raises KeyboardInterrupt (the main thread, Python's own handler)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    pressed = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
+
+
+def _draw(model, test_set, out_dir, history):
+    """curves.png from the records, reconstructions.png from the model as it is now."""
+    curves, recons = (os.path.join(out_dir, p) for p in PICTURES)
+    _write(curves, lambda path: plots.training_curves(history, path), history)
+    last = history[-1]
+    _write(recons, lambda path: save_reconstructions(
+        model, test_set, path, title=f"epoch {last['epoch']}: test accuracy {100 * last['test_acc']:.2f}%"), history)
+
+
+def _write(path, write, history):
+    """``write(path)``, an OSError turned into one line that says the epoch itself is safe."""
+    try:
+        write(path)
+    except OSError as e:
+        raise CapsNetError(f"cannot write {path}: {e.strerror or e}. The checkpoint of epoch "
+                           f"{history[-1]['epoch'] if history else 0} is saved: fix this, then --resume "
+                           f"{os.path.dirname(path)} writes it again") from None
 
 
 def run(args, backend_name: str) -> int:
@@ -370,7 +559,7 @@ def run(args, backend_name: str) -> int:
     except (CapsNetError, BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except TrainingDiverged as e:
+    except NotFinite as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
