@@ -31,6 +31,18 @@ import numpy as np
 FLOAT_DTYPES = ("float32", "float64")
 
 
+def float_dtype_name(dtype) -> str | None:
+    """The NumPy name of ``dtype`` in any of its spellings ('float32', 'f4', np.float32,
+    np.dtype('float32'), torch.float32 -> 'float32'), or None if it names no dtype."""
+    text = str(dtype)
+    if text.startswith("torch."):  # torch dtypes print as torch.float32 (torch is not imported here)
+        return text[len("torch."):]
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return None
+
+
 class BackendError(RuntimeError):
     """A backend cannot be created: unknown name, missing library, missing device, bad dtype."""
 
@@ -48,11 +60,11 @@ class Backend(abc.ABC):
     can_capture: bool = False
 
     def __init__(self, dtype: str = "float32", device: str = "cpu"):
-        if str(dtype) not in FLOAT_DTYPES:
-            raise BackendError(
-                f"unsupported dtype {dtype!r}: pycapsnet computes in one of {', '.join(FLOAT_DTYPES)}"
-            )
-        self.dtype = str(dtype)
+        name = float_dtype_name(dtype)
+        if name not in FLOAT_DTYPES:
+            shown = f"{dtype!r}" + (f" ({name})" if name and name != str(dtype) else "")
+            raise BackendError(f"unsupported dtype {shown}: pycapsnet computes in float32 or float64 only")
+        self.dtype = name
         self.device = device
         self.threads = 1  # >1: memory-bound conv copies are split over the batch on a thread pool
         self._pool = None

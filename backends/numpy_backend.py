@@ -27,8 +27,8 @@ class NumpyBackend(Backend):
         if device not in (None, "cpu"):
             from .base import BackendError
 
-            raise BackendError(f"the numpy backend runs on the CPU only (got device={device!r}); "
-                               "use backends.get('cupy') or backends.get('torch', device='cuda') for a GPU")
+            raise BackendError(f"the numpy backend runs on the CPU only (asked for device {device!r}); for a "
+                               "GPU, use the cupy backend, or the torch backend on device cuda")
         super().__init__(dtype, "cpu")
         import array_api_compat.numpy as xp
 

