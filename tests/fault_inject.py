@@ -1,0 +1,70 @@
+"""Run the numpy trainer and stop it at one point of an epoch's commit, as a kill or a Ctrl-C would.
+
+    python -m tests.fault_inject POINT N SIGNAL -- TRAINER FLAGS      (from the repository root)
+
+POINT: inside the epoch's training, or in the order an epoch is committed (``trainer._commit_epoch``):
+  training    after the epoch's first training step
+  trained     the epoch is trained and evaluated; nothing of it is written yet
+  saving      the checkpoint is written to its temporary file, not yet renamed into place
+  checkpoint  checkpoint.npz is in place
+  metrics     metrics.jsonl is in place
+  curves      curves.png is in place (reconstructions.png is not yet)
+N: stop at the N-th such point of this process.  SIGNAL: SIGKILL (nothing runs after it) or SIGINT
+(Ctrl-C: the trainer's own handler runs).  Used by tests/test_faults.py.
+"""
+import os
+import signal
+import sys
+
+from pycapsnet import checkpoint, trainer
+from pycapsnet.model import CapsNet
+
+FILES = {"saving": "checkpoint.npz", "checkpoint": "checkpoint.npz", "metrics": "metrics.jsonl",
+         "curves": "curves.png"}
+
+
+def main():
+    point, n, sig = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3])
+    flags = sys.argv[sys.argv.index("--") + 1:]
+    seen = {"count": 0}
+
+    def hit():
+        seen["count"] += 1
+        if seen["count"] == n:
+            os.kill(os.getpid(), sig)
+
+    if point == "training":
+        step = CapsNet.train_step_grads
+
+        def step_then_stop(self, x, y):
+            out = step(self, x, y)
+            hit()
+            return out
+
+        CapsNet.train_step_grads = step_then_stop
+    elif point == "trained":
+        save = checkpoint.save
+
+        def stop_then_save(*args, **kwargs):
+            hit()
+            return save(*args, **kwargs)
+
+        checkpoint.save = stop_then_save
+    else:
+        replace, name = os.replace, FILES[point]
+
+        def replace_and_stop(src, dst):
+            if os.path.basename(dst) != name:
+                return replace(src, dst)
+            if point == "saving":
+                hit()
+            replace(src, dst)
+            if point != "saving":
+                hit()
+
+        os.replace = replace_and_stop
+    return trainer.main("numpy", flags)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
