@@ -53,6 +53,14 @@ def get(name: str, device: str | None = None, dtype: str = "float32") -> Backend
     return backend_cls(**kwargs)
 
 
+def device_for_rank(device: str | None, local_rank: int, name: str) -> str | None:
+    """The device of one process of a data-parallel run on one machine: a GPU backend's 'cuda'
+    (or nothing, for CuPy) becomes 'cuda:LOCAL_RANK', one GPU per process; an explicit index or
+    the CPU stays as given."""
+    spec = str(device) if device is not None else ("cuda" if name == "cupy" else None)
+    return f"cuda:{local_rank}" if spec == "cuda" else device
+
+
 def gpu_unavailable_reason(name: str) -> str | None:
     """None when backend ``name`` ("cupy" or "torch") can run on a GPU here, else why not."""
     try:
@@ -62,4 +70,5 @@ def gpu_unavailable_reason(name: str) -> str | None:
     return None
 
 
-__all__ = ["Backend", "BackendError", "PerformanceWarning", "get", "gpu_unavailable_reason", "NAMES"]
+__all__ = ["Backend", "BackendError", "PerformanceWarning", "get", "gpu_unavailable_reason", "device_for_rank",
+           "NAMES"]

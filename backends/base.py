@@ -43,6 +43,21 @@ def float_dtype_name(dtype) -> str | None:
         return None
 
 
+def cpu_threads(most: int = 4) -> int:
+    """Host threads a CPU backend splits its memory-bound work over: the cores this process may use,
+    or OMP_NUM_THREADS where it is set (torchrun sets it to 1 for each of its processes), at most
+    ``most``."""
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        available = os.cpu_count() or 1
+    try:
+        asked = int(os.environ.get("OMP_NUM_THREADS", "") or 0)
+    except ValueError:
+        asked = 0
+    return max(1, min(most, asked or available))
+
+
 class BackendError(RuntimeError):
     """A backend cannot be created: unknown name, missing library, missing device, bad dtype."""
 
@@ -163,6 +178,17 @@ class Backend(abc.ABC):
             return bool(np.isfinite(x).all())
         self._check_host_transfer("a check that reads the device")
         return bool(self.xp.all(self.xp.isfinite(x)))
+
+    # ---- data parallelism (pycapsnet.distributed) ---------------------------------------------------
+    # torch.distributed's process-group backend for this backend's arrays: gloo for host memory,
+    # NCCL for CUDA devices (set by the GPU backends).
+    collective_backend = "gloo"
+
+    def as_torch(self, x):
+        """A torch tensor sharing ``x``'s memory (no copy), for torch.distributed's collectives."""
+        import torch
+
+        return torch.from_numpy(x)
 
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU); call before reading a clock."""

@@ -65,6 +65,14 @@ class CupyBackend(NumpyBackend):
         self._graph_blas = []   # and the cuBLAS handle and workspace each graph's products use
         self._direct_cublas = None  # set while a step is recorded: matmul then calls cuBLAS itself
 
+    collective_backend = "nccl"
+
+    def as_torch(self, x):
+        """The same device memory as a torch CUDA tensor, through DLPack (no copy)."""
+        import torch
+
+        return torch.from_dlpack(x)
+
     def matmul(self, a, b):
         if self._direct_cublas is not None:
             return self._direct_cublas.matmul(a, b)

@@ -13,7 +13,7 @@ import warnings
 
 import numpy as np
 
-from .base import Backend, PerformanceWarning, keep_freed_memory
+from .base import Backend, PerformanceWarning, cpu_threads, keep_freed_memory
 
 
 class NumpyBackend(Backend):
@@ -35,7 +35,7 @@ class NumpyBackend(Backend):
         self.xp = xp
         self.lib = np  # the array module itself (numpy or cupy)
         # im2col/col2im copies are memory-bound and single-threaded in NumPy: split them over cores.
-        self.threads = max(1, min(4, os.cpu_count() or 1))
+        self.threads = cpu_threads()
         keep_freed_memory()  # reuse freed temporaries rather than fault in fresh pages (CuPy: host side)
 
     def _float(self, dtype=None):

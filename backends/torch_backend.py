@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from .base import Backend, BackendError, keep_freed_memory
+from .base import Backend, BackendError, cpu_threads, keep_freed_memory
 
 
 def is_torch_device(name: str) -> bool:
@@ -45,13 +45,20 @@ class TorchBackend(Backend):
         self.device = str(self._device)
         if self._device.type == "cpu":
             # col2im's strided adds are memory-bound and run best split over the batch
-            self.threads = max(1, min(4, os.cpu_count() or 1))
+            self.threads = cpu_threads()
             self.elementwise_block = 1 << 20  # as NumPy's: a block's temporaries stay in cache
             keep_freed_memory()  # PyTorch's CPU allocator is glibc's malloc: same reasoning as NumPy
         else:
             # A step is hundreds of small kernels: on a GPU, launching them costs more than running
             # them.  A CUDA graph launches them all at once (docs/performance.md, GPU).
             self.can_capture = True
+
+    @property
+    def collective_backend(self):
+        return "nccl" if self._device.type == "cuda" else "gloo"
+
+    def as_torch(self, x):
+        return x
 
     def _float(self, dtype=None):
         return getattr(self.torch, dtype or self.dtype)

@@ -191,6 +191,15 @@ class CapsNet:
         self.recon_loss = ReconstructionLoss(B, cfg.recon_weight)
         self._eye = B.asarray(np.eye(cfg.n_classes))  # row j: the one-hot mask of class j
         self._cache = None
+        # Every gradient is a view into one flat array: one buffer to zero, and one to sum across
+        # the processes of a data-parallel run (pycapsnet.distributed) without copying.
+        self.flat_grads = B.zeros((self.n_params(),))
+        offset = 0
+        for _, layer in self.layers():
+            for k, g in layer.grads.items():
+                size = int(np.prod(g.shape))
+                layer.grads[k] = B.xp.reshape(self.flat_grads[offset:offset + size], tuple(g.shape))
+                offset += size
 
     # ---- structure ------------------------------------------------------------------------------
     @property
@@ -215,8 +224,7 @@ class CapsNet:
         return int(sum(np.prod(p.shape) for p in self.params.values()))
 
     def zero_grad(self):
-        for _, l in self.layers():
-            l.zero_grad()
+        self.flat_grads[...] = 0
 
     def state_dict(self) -> dict:
         """Parameters as host NumPy arrays (backend-neutral)."""
