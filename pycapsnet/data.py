@@ -209,29 +209,35 @@ def load(dataset: str = "embedded", data_dir: str | None = None, seed: int = 0):
     return load_embedded(seed=seed)
 
 
-def random_shift(x: np.ndarray, max_shift: int, rng: np.random.Generator) -> np.ndarray:
+def random_shift(x: np.ndarray, max_shift: int, rng: np.random.Generator, part: slice = slice(None),
+                 of: int | None = None) -> np.ndarray:
     """Shift each image by up to ``max_shift`` pixels in each direction, zero-filling (the paper's
-    augmentation: 'shifted by up to 2 pixels in each direction with zero padding')."""
+    augmentation: 'shifted by up to 2 pixels in each direction with zero padding').  ``x`` may be
+    the part ``part`` of a batch of ``of`` images: the shifts are drawn for the whole batch and the
+    part's are used, so that a process's shard is shifted as one process shifts that batch."""
     if max_shift <= 0:
         return x
     n, c, h, w = x.shape
     p = max_shift
     padded = np.zeros((n, c, h + 2 * p, w + 2 * p), x.dtype)
     padded[:, :, p:p + h, p:p + w] = x
-    dy, dx = rng.integers(0, 2 * p + 1, (2, n))
+    dy, dx = rng.integers(0, 2 * p + 1, (2, n if of is None else of))[:, part]
     out = np.empty_like(x)
     for i in range(n):
         out[i] = padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w]
     return out
 
 
-def batches(split: Split, batch_size: int, rng: np.random.Generator | None = None, shift: int = 0):
-    """Yield (x, y) host batches; shuffled and shifted when ``rng`` is given (training)."""
+def batches(split: Split, batch_size: int, rng: np.random.Generator | None = None, shift: int = 0, part=None):
+    """Yield (x, y) host batches; shuffled and shifted when ``rng`` is given (training).
+    ``part(n)`` -> slice: only that part of each batch of n (one process's shard of a global batch
+    in data-parallel training; the shuffle and the shifts are drawn for the whole batch)."""
     n = len(split)
     order = rng.permutation(n) if rng is not None else np.arange(n)
     for start in range(0, n, batch_size):
         idx = order[start:start + batch_size]
-        x = split.x[idx]
+        keep = part(len(idx)) if part else slice(None)
+        x = split.x[idx[keep]]
         if rng is not None and shift:
-            x = random_shift(x, shift, rng)
-        yield x, split.y[idx]
+            x = random_shift(x, shift, rng, keep, len(idx))
+        yield x, split.y[idx[keep]]

@@ -9,7 +9,8 @@ line per epoch), ``curves.png`` and ``reconstructions.png``.  Every file is writ
 files lag behind; ``--resume`` rewrites them from it, so what the directory records is what the
 checkpoint holds.  Nothing non-finite is saved: the parameters, the optimizer state and the test
 loss are checked after every epoch.
-Exit codes: 0 done, 2 bad input, 3 the loss or the model became NaN/inf, 130 interrupted (Ctrl-C).
+Exit codes: 0 done, 2 bad input, 3 the loss or the model became NaN/inf, 4 another process of a
+data-parallel run stopped (``distributed.py``), 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import numpy as np
 import backends
 from backends.base import FLOAT_DTYPES
 
-from . import checkpoint, data, files, optim, plots
+from . import checkpoint, data, distributed, files, optim, plots
 from .argtypes import make_writable_dir, nonnegative_int, positive_float, positive_int
 from .capsules import PrimaryCaps
 from .errors import BackendError, CapsNetError
@@ -215,7 +216,12 @@ def _progress(iterable, total, desc, disable):
     return tqdm(iterable, total=total, desc=desc, leave=False, disable=disable or None, dynamic_ncols=True)
 
 
+_SPEAKS = [True]  # False on the processes of a data-parallel run other than rank 0
+
+
 def _say(msg):
+    if not _SPEAKS[0]:
+        return
     try:
         from tqdm import tqdm
 
@@ -224,9 +230,14 @@ def _say(msg):
         print(msg, flush=True)
 
 
-def evaluate(model: CapsNet, split: data.Split, batch_size: int = 100, progress: bool = False):
+def evaluate(model: CapsNet, split: data.Split, batch_size: int = 100, progress: bool = False, group=None):
     """(accuracy, mean loss) over a split; the loss uses the label mask, as in training.  A model
-    whose outputs overflow gives a non-finite loss, without warnings: the caller checks it."""
+    whose outputs overflow gives a non-finite loss, without warnings: the caller checks it.  With a
+    ``group`` (data-parallel training) each process scores its shard and the sums are shared."""
+    n_all = len(split)
+    if group is not None:
+        part = group.part(n_all)
+        split = data.Split(split.x[part], split.y[part], split.source)
     correct, loss_sum = 0, 0.0
     n_batches = (len(split) + batch_size - 1) // batch_size
     for x, y in _progress(data.batches(split, batch_size), n_batches, "eval", not progress):
@@ -235,7 +246,9 @@ def evaluate(model: CapsNet, split: data.Split, batch_size: int = 100, progress:
         correct += int((out.predictions == y).sum())
         loss_sum += out.loss * len(y)
     model.release()  # no backward follows: do not carry forward's caches into the next train step
-    return correct / len(split), loss_sum / len(split)
+    if group is not None:
+        correct, loss_sum = group.sum_values([correct, loss_sum])
+    return correct / n_all, loss_sum / n_all
 
 
 def save_reconstructions(model, split, path, n=16, title=""):
@@ -264,36 +277,48 @@ def train(args, backend_name: str) -> dict:
     model, train_set, test_set, ckpt = _setup(args, backend_name)
     if args.eval_only:
         t0 = time.perf_counter()
-        acc, loss = evaluate(model, test_set, progress=not args.no_progress)
+        acc, loss = evaluate(model, test_set, progress=not args.no_progress and _SPEAKS[0], group=args.group)
         if not math.isfinite(loss):
             raise NotFinite(f"the model in {ckpt['path']} gives a test loss of {loss}: its outputs are not finite "
                             f"(its largest weight is {_largest_weight(model):.3g}), so it has no accuracy to "
                             "report; evaluate an earlier checkpoint")
         _say(f"test accuracy {100 * acc:.2f}%  loss {loss:.4f}  ({time.perf_counter() - t0:.1f} s)")
         return {"test_acc": acc, "test_loss": loss}
-    out_dir, opt, start, history = _prepare_run(args, model, train_set, test_set, ckpt)
+    group = args.group
+    try:
+        out_dir, opt, start, history = _prepare_run(args, model, train_set, test_set, ckpt)
+    except CapsNetError as e:
+        if group is None:
+            raise
+        group.agree(e)  # rank 0 checks the output directory: the others learn that it failed
+    if group is not None:
+        group.agree(None)
+        _share_rank0_state(group, model, opt)
     if start is None:
         return {}
     B = model.B
     # Where the backend can record a step and replay it (a CUDA graph), full batches go through
     # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
+    # (Not in a data-parallel run: the gradients' sum across processes sits inside the step.)
     captured = None
-    if B.can_capture and not getattr(args, "no_graph", False) and len(train_set) >= args.batch_size:
+    if B.can_capture and not getattr(args, "no_graph", False) and len(train_set) >= args.batch_size and not group:
         captured = CapturedStep(model, opt, args.batch_size)
     last = {}
     for epoch in range(start, args.epochs):
         opt.lr = optim.exponential_lr(args.lr, args.lr_decay, epoch)
         seen, correct, loss_sum, train_time = _train_epoch(args, model, opt, captured, train_set, epoch)
         _check_finite(args, model, opt, epoch)  # the epoch's last update has not been checked yet
-        test_acc, test_loss = evaluate(model, test_set)
+        test_acc, test_loss = evaluate(model, test_set, group=group)
         if not math.isfinite(test_loss):
             raise TrainingDiverged(_stopped(args, f"the test loss became {test_loss} after epoch {epoch + 1} "
                                                   "(the weights are finite, but the outputs overflow)"))
         last = {"epoch": epoch + 1, "lr": opt.lr, "train_loss": loss_sum / seen, "train_acc": correct / seen,
                 "test_loss": test_loss, "test_acc": test_acc, "train_seconds": round(train_time, 2),
-                "train_samples_per_s": round(seen / train_time, 1), "backend": B.label}
+                "train_samples_per_s": round(seen / train_time, 1), "backend": B.label,
+                "processes": group.world if group else 1}
         history.append(last)
-        _commit_epoch(args, model, opt, test_set, out_dir, history)
+        if group is None or group.writes:
+            _commit_epoch(args, model, opt, test_set, out_dir, history)
         _say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
              f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s ({last['train_samples_per_s']:.0f} samples/s)")
     _say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {out_dir}")
@@ -309,7 +334,16 @@ def _setup(args, backend_name):
     args.last_good = (args.resume, ckpt["header"].get("epoch", 0)) if ckpt else None
     args.replacing = None
     settle(args, ckpt)
-    B = backends.get(backend_name, device=getattr(args, "device", None), dtype=args.dtype)
+    device = getattr(args, "device", None)
+    args.group = None
+    if distributed.launched():
+        device = backends.device_for_rank(device, distributed.local_rank(), backend_name)
+    B = backends.get(backend_name, device=device, dtype=args.dtype)
+    if distributed.launched():
+        args.group = distributed.Group(B)
+        _SPEAKS[0] = args.group.writes
+        _say(f"data parallel: {args.group.world} processes ({args.group.kind}), batch {args.batch_size} per process, "
+             f"global batch {args.batch_size * args.group.world}")
     train_set, test_set = data.load(args.dataset, args.data_dir)
     if args.limit is not None:
         train_set = data.Split(train_set.x[:args.limit], train_set.y[:args.limit], train_set.source)
@@ -348,6 +382,12 @@ def _prepare_run(args, model, train_set, test_set, ckpt):
         raise CapsNetError(f"--shift {args.shift} is not less than the {side}-pixel image side: shifted "
                            f"images could be blank; use a smaller --shift (the paper's is 2)")
     out_dir = args.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", model.B.name))
+    opt = optim.make(args.optimizer, model, args.lr)
+    if ckpt and ckpt["header"].get("optimizer") == args.optimizer:
+        checkpoint.restore_optimizer(ckpt, opt)
+    if args.group is not None and not args.group.writes:  # rank 0 alone reads and writes the directory
+        start = ckpt["header"].get("epoch", 0) if ckpt else 0
+        return out_dir, opt, (start if start < args.epochs else None), []
     prepare_out_dir(out_dir)
     ckpt_path = os.path.join(out_dir, CHECKPOINT)
     resumed_here = ckpt is not None and os.path.exists(ckpt_path) and os.path.samefile(ckpt["path"], ckpt_path)
@@ -361,12 +401,13 @@ def _prepare_run(args, model, train_set, test_set, ckpt):
         args.replacing = out_dir
         _say(f"--overwrite: the earlier run's checkpoint, metrics and pictures in {out_dir} stay until this "
              "run's first epoch is saved")
-    opt = optim.make(args.optimizer, model, args.lr)
     if not ckpt:
         return out_dir, opt, 0, []
-    if ckpt["header"].get("optimizer") == args.optimizer:
-        checkpoint.restore_optimizer(ckpt, opt)
     history = _reconcile(ckpt, model, test_set, out_dir)
+    world, before = args.group.world if args.group else 1, history[-1].get("processes", 1) if history else 1
+    if world != before:
+        _say(f"resuming on {world} process{'es' if world > 1 else ''} (the run so far used {before}): the global "
+             f"batch is now {args.batch_size * world}, {args.batch_size} per process")
     start = ckpt["header"].get("epoch", 0)
     if start >= args.epochs:
         _say(f"nothing to train: {ckpt['path']} has finished epoch {start} and --epochs is {args.epochs} "
@@ -447,33 +488,64 @@ def write_metrics(out_dir, history) -> None:
 def _train_epoch(args, model, opt, captured, train_set, epoch):
     """One pass over the shuffled, shifted training split, a progress bar showing the running loss
     and accuracy; every step's loss is checked.  Returns (samples, correct, loss sum, seconds)."""
-    B = model.B
+    B, group = model.B, args.group
     rng = np.random.default_rng([args.seed, epoch])  # resuming replays the same shuffles
-    n_batches = (len(train_set) + args.batch_size - 1) // args.batch_size
-    bar = _progress(data.batches(train_set, args.batch_size, rng, args.shift), n_batches,
-                    f"epoch {epoch + 1}/{args.epochs}", args.no_progress)
+    # In a data-parallel run each batch is a global one, of which this process takes its shard.
+    size = args.batch_size * (group.world if group else 1)
+    n_batches = (len(train_set) + size - 1) // size
+    bar = _progress(data.batches(train_set, size, rng, args.shift, group.part if group else None), n_batches,
+                    f"epoch {epoch + 1}/{args.epochs}", args.no_progress or not _SPEAKS[0])
     seen = correct = 0
     loss_sum = 0.0
     t0 = time.perf_counter()
     for step, (x, y) in enumerate(bar):
+        n = min(size, len(train_set) - step * size)  # the global batch (the last may be smaller)
         replayed = captured is not None and len(y) == captured.batch_size
         with B.quiet_float_errors():  # an overflow ends in a non-finite loss, reported just below
             if replayed:
                 out = captured(x, y)  # the update is part of the recording: checked after it
+                step_loss, step_correct = out.loss * n, int((out.predictions == y).sum())
+            elif group is not None:
+                step_loss, step_correct = _data_parallel_grads(model, group, x, y, n)
             else:
                 out = model.train_step_grads(x, y)
-            if not np.isfinite(out.loss):
-                raise TrainingDiverged(_stopped(args, f"the loss became {out.loss} at epoch {epoch + 1}, "
+                step_loss, step_correct = out.loss * n, int((out.predictions == y).sum())
+            if not np.isfinite(step_loss):
+                raise TrainingDiverged(_stopped(args, f"the loss became {step_loss / n} at epoch {epoch + 1}, "
                                                       f"step {step + 1}"))
             if not replayed:
                 opt.step()  # checked by the next step's loss, and the epoch's last by _check_finite
-        seen += len(y)
-        correct += int((out.predictions == y).sum())
-        loss_sum += out.loss * len(y)
+        seen += n
+        correct += step_correct
+        loss_sum += step_loss
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{100 * correct / seen:.1f}%")
     B.synchronize()
     return seen, correct, loss_sum, time.perf_counter() - t0
+
+
+def _data_parallel_grads(model, group, x, y, n):
+    """This process's shard (x, y) of a global batch of n images: every process ends with the
+    global batch's mean gradient in ``model.grads`` (each shard's mean gradient weighted by its
+    share of the batch, summed over the processes: distributed.py says why that is exact).
+    Returns the global batch's (loss sum, correct predictions)."""
+    if len(y):
+        out = model.train_step_grads(x, y)
+        model.flat_grads *= len(y) / n
+        mine = [out.loss * len(y), int((out.predictions == y).sum())]
+    else:  # a last batch smaller than the number of processes leaves some without images
+        model.zero_grad()
+        mine = [0.0, 0]
+    group.sum_(model.flat_grads)
+    loss_sum, correct = group.sum_values(mine)
+    return float(loss_sum), int(correct)
+
+
+def _share_rank0_state(group, model, opt):
+    """Rank 0's weights and optimizer state on every process.  They are equal already (the same
+    seed, or the same checkpoint); this makes it so whatever each process read."""
+    for a in [*model.params.values(), *(a for state in opt.state.values() for a in state.values())]:
+        group.broadcast_(a)
 
 
 def _stopped(args, what) -> str:
@@ -551,11 +623,25 @@ def _write(path, write, history):
                            f"{os.path.dirname(path)} writes it again") from None
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt  # as Ctrl-C: the message names the checkpoint to resume from
+
+
 def run(args, backend_name: str) -> int:
-    """Run and turn expected failures into one clear line and an exit code (no traceback)."""
+    """Run and turn expected failures into one clear line and an exit code (no traceback).  A
+    SIGTERM (what torchrun sends the other processes when one fails, and schedulers before a
+    kill) is handled as a Ctrl-C."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         train(args, backend_name)
         return 0
+    except distributed.GroupFailed as e:
+        good = getattr(args, "last_good", None)
+        where = ("" if not _SPEAKS[0] else  # rank 0 alone writes checkpoints, and knows which is the last
+                 " The last good checkpoint is {} (epoch {}).".format(*good) if good else " This run wrote no checkpoint yet.")
+        print(f"error: {e}.{where}", file=sys.stderr)
+        return 4
     except (CapsNetError, BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -563,11 +649,17 @@ def run(args, backend_name: str) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
+        if not _SPEAKS[0]:  # torchrun passes a Ctrl-C to every process: rank 0 speaks for them
+            return 130
         good = getattr(args, "last_good", None)
         where = (f"the last good checkpoint ({good[0]}, epoch {good[1]}) is intact; continue with --resume {good[0]}"
                  if good else "this run wrote no checkpoint yet; nothing to resume")
         print(f"\ninterrupted: {where}", file=sys.stderr)
         return 130
+    finally:
+        if getattr(args, "group", None) is not None:
+            args.group.close()
+        _SPEAKS[0] = True
 
 
 def main(backend: str | None = None, argv=None) -> int:
