@@ -26,6 +26,10 @@ LONG = {
     'pip install -e ".[cupy]"': (None, "CuPy installs on a CUDA machine only"),
     'pip install -e ".[torch]"': (None, "the test command installs torch (the [test] extra)"),
     "bash benchmarks/gpu_check.sh": (None, "needs a CUDA GPU; benchmarks/gpu_check.sh is run on one"),
+    "torchrun --standalone --nproc_per_node 2 train_numpy.py --out runs/parallel":
+        f"torchrun --standalone --nproc_per_node 2 train_numpy.py --out runs/parallel {QUICK_MODEL}",
+    "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 train_torch.py --device cuda":
+        (None, "needs two machines with 8 GPUs each; tests/test_distributed.py runs two processes here"),
 }
 
 

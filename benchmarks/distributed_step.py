@@ -1,0 +1,101 @@
+"""Where a data-parallel step's time goes: computing the shard's gradients, summing them across the
+processes, and the optimizer's update, against one process doing the whole global batch.
+
+    python benchmarks/distributed_step.py --global-batch 64                         # one process
+    torchrun --standalone --nproc_per_node 2 benchmarks/distributed_step.py --global-batch 64
+
+The paper's CapsNet in float32 on the numpy backend (--backend torch for torch); times per step,
+medians over --steps steps after 2 warm-up steps.  Rank 0 prints one line of JSON, and appends it
+to --json FILE if given.  torchrun gives each process one thread unless OMP_NUM_THREADS says
+otherwise; the single process uses the machine's threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
+import numpy as np
+
+from pycapsnet.argtypes import positive_int, writable_file
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def measure(backend: str, global_batch: int, steps: int) -> dict:
+    from pycapsnet import data, distributed
+    from pycapsnet.model import CapsNet
+    from pycapsnet.optim import Adam
+
+    B = backends.get(backend, dtype="float32")
+    group = distributed.Group(B) if distributed.launched() else None
+    train, _ = data.load_embedded()
+    model = CapsNet(B)
+    opt = Adam(model)
+    rng = np.random.default_rng(0)
+    part = group.part(global_batch) if group else slice(None)
+    times = {"compute": [], "sum": [], "update": [], "step": []}
+    for step in range(steps + 2):
+        idx = rng.integers(0, len(train), global_batch)[part]
+        x, y = train.x[idx], train.y[idx]
+        B.synchronize()
+        t0 = time.perf_counter()
+        if group is None:
+            model.train_step_grads(x, y)
+            B.synchronize()
+            t1 = t2 = time.perf_counter()
+        else:  # trainer._data_parallel_grads, timed in its two parts
+            out = model.train_step_grads(x, y)
+            model.flat_grads *= len(y) / global_batch
+            out.loss  # the loss is read in the trainer's step too
+            B.synchronize()
+            t1 = time.perf_counter()
+            group.sum_(model.flat_grads)
+            group.sum_values([0.0, 0])
+            t2 = time.perf_counter()
+        opt.step()
+        B.synchronize()
+        t3 = time.perf_counter()
+        if step >= 2:
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                times[k].append(v)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    world = group.world if group else 1
+    result = {"backend": B.label, "processes": world, "global_batch": global_batch,
+              "threads_per_process": B.threads,
+              "cpu": cpu_model(), "steps": steps, **{f"{k}_ms": round(1e3 * v, 1) for k, v in med.items()},
+              "sum_share": round(med["sum"] / med["step"], 3),
+              "samples_per_s": round(global_batch / med["step"], 1),
+              "gradient_mb": round(model.flat_grads.nbytes / 2**20, 1) if hasattr(model.flat_grads, "nbytes") else None}
+    if group:
+        group.close()
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="numpy", choices=("numpy", "torch"))
+    p.add_argument("--global-batch", type=positive_int, default=64)
+    p.add_argument("--steps", type=positive_int, default=8)
+    p.add_argument("--json", type=writable_file, default=None, help="append the result line to this file")
+    args = p.parse_args(argv)
+    result = measure(args.backend, args.global_batch, args.steps)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps(result))
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

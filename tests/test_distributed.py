@@ -1,0 +1,119 @@
+"""Data-parallel training on torch.distributed (gloo, CPU): two processes with batch B end where
+one process with batch 2B ends, and a process that dies stops the others with a message.
+
+The two-process runs go through torchrun (``python -m torch.distributed.run``), as a user
+launches them; the single-process runs are the plain trainer.  A tiny model keeps each to seconds."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pycapsnet import checkpoint, cli
+from tests.conftest import assert_close
+
+pytest.importorskip("torch.distributed")
+ROOT = Path(__file__).resolve().parent.parent
+# 40 images in global batches of 16: steps of 16, 16 and 8 images per epoch; shifts on (2 pixels)
+TINY = ["--conv-channels", "8", "--primary-types", "2", "--limit", "40", "--limit-test", "16", "--no-progress"]
+
+
+def _run(argv, env=None, timeout=300):
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
+                          env={**os.environ, **(env or {})})
+
+
+def _torchrun(n, flags):
+    return _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+                 str(ROOT / "train_numpy.py"), *flags])
+
+
+@pytest.mark.parametrize("optimizer,dtype,epochs,limit,rtol", [
+    ("adam", "float64", 2, 40, 1e-12),
+    ("sgd", "float64", 1, 33, 1e-12),   # the last global batch is 1 image: the second process has none
+    ("adam", "float32", 1, 40, 1e-4),   # float32 sums in another order: rounding, not a different step
+])
+def test_two_processes_end_with_the_weights_of_one_with_their_global_batch(tmp_path, optimizer, dtype, epochs, limit,
+                                                                           rtol):
+    flags = [*TINY, "--optimizer", optimizer, "--dtype", dtype, "--epochs", str(epochs), "--limit", str(limit)]
+    two = _torchrun(2, [*flags, "--batch-size", "8", "--out", str(tmp_path / "two")])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "data parallel: 2 processes (gloo), batch 8 per process, global batch 16" in two.stdout
+    assert two.stdout.count("epoch   1") == 1  # rank 0 alone prints
+    one = _run([str(ROOT / "train_numpy.py"), *flags, "--batch-size", "16", "--out", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr
+    a, b = checkpoint.load(str(tmp_path / "two")), checkpoint.load(str(tmp_path / "one"))
+    for k in b["params"]:
+        assert_close(a["params"][k], b["params"][k], rtol, k)
+    for k in b["optim"]:
+        assert_close(a["optim"][k], b["optim"][k], rtol, "optimizer " + k)
+    for ra, rb in zip(a["header"]["history"], b["header"]["history"]):  # the global loss and accuracy
+        assert ra["processes"] == 2 and rb["processes"] == 1
+        for key in ("train_loss", "test_loss", "train_acc", "test_acc"):
+            assert ra[key] == pytest.approx(rb[key], rel=rtol), key
+    # the checkpoint of two processes continues on one, and is evaluated by one
+    assert cli.main(["evaluate", str(tmp_path / "two"), "--limit-test", "8"]) == 0
+    more = _run([str(ROOT / "train_numpy.py"), "--resume", str(tmp_path / "two"), "--epochs", str(epochs + 1),
+                 "--no-progress"])
+    assert more.returncode == 0, more.stderr
+    assert "resuming on 1 process (the run so far used 2): the global batch is now 8, 8 per process" in more.stdout
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_process_that_dies_stops_the_others_with_a_message_and_the_checkpoint_intact(tmp_path):
+    """Launched without torchrun (whose agent would stop the survivors itself): rank 1 is killed
+    at its third step (epoch 2, step 1); rank 0, waiting in the gradients' sum, says so and exits 4."""
+    out = tmp_path / "run"
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "PYCAPSNET_COLLECTIVE_TIMEOUT": "60"}
+    flags = [*TINY, "--limit", "32", "--batch-size", "8", "--epochs", "3", "--out", str(out)]
+    ranks = []
+    for rank in (0, 1):
+        program = [str(ROOT / "train_numpy.py")] if rank == 0 else ["-m", "tests.fault_inject", "training", "3",
+                                                                   "SIGKILL", "--"]
+        ranks.append(subprocess.Popen([sys.executable, *program, *flags], cwd=str(ROOT), text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      env={**os.environ, **env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+    results = [p.communicate(timeout=120) for p in ranks]
+    assert ranks[1].returncode == -signal.SIGKILL
+    assert ranks[0].returncode == 4, results[0][1]
+    err = results[0][1]
+    assert "error: another process of this run stopped or cannot be reached" in err, err
+    assert f"The last good checkpoint is {out} (epoch 1)." in err and "Traceback" not in err, err
+    assert checkpoint.load(str(out))["header"]["epoch"] == 1
+
+
+def test_the_shards_of_a_batch_are_one_processs_batch():
+    from pycapsnet import data, distributed
+
+    x = np.arange(10 * 4 * 4, dtype=np.float32).reshape(10, 1, 4, 4)
+    split = data.Split(x, np.arange(10))
+    whole = list(data.batches(split, 7, np.random.default_rng(3), shift=1))
+    parts = [list(data.batches(split, 7, np.random.default_rng(3), 1, lambda n, k=k: distributed.shard(n, k, 3)))
+             for k in range(3)]
+    for step, (xw, yw) in enumerate(whole):
+        np.testing.assert_array_equal(np.concatenate([p[step][0] for p in parts]), xw)
+        np.testing.assert_array_equal(np.concatenate([p[step][1] for p in parts]), yw)
+    assert [distributed.shard(7, k, 3) for k in range(3)] == [slice(0, 3), slice(3, 5), slice(5, 7)]
+    assert [distributed.shard(2, k, 3) for k in range(3)] == [slice(0, 1), slice(1, 2), slice(2, 2)]
+
+
+def test_without_torch_the_message_says_what_to_install(monkeypatch, capsys, tmp_path):
+    from pycapsnet import trainer
+
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now fails, as where it is not installed
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    assert trainer.main("numpy", [*TINY, "--out", str(tmp_path / "o")]) == 2
+    assert "training on several processes runs on torch.distributed, and PyTorch is not installed: pip install " \
+           "torch (a single process needs no torch)" in capsys.readouterr().err
