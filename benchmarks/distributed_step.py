@@ -3,6 +3,8 @@ processes, and the optimizer's update, against one process doing the whole globa
 
     python benchmarks/distributed_step.py --global-batch 64                         # one process
     torchrun --standalone --nproc_per_node 2 benchmarks/distributed_step.py --global-batch 64
+    torchrun --standalone --nproc_per_node 1 benchmarks/distributed_step.py --backend torch --device cuda
+        # one GPU through the distributed path (NCCL), against the same without torchrun
 
 The paper's CapsNet in float32 on the numpy backend (--backend torch for torch); times per step,
 medians over --steps steps after 2 warm-up steps.  Rank 0 prints one line of JSON, and appends it
@@ -32,13 +34,25 @@ def cpu_model() -> str:
         return platform.processor() or "unknown CPU"
 
 
-def measure(backend: str, global_batch: int, steps: int) -> dict:
+def _gpu_name(B):
+    if "cuda" not in str(B.device):
+        return None
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def measure(backend: str, global_batch: int, steps: int, device: str | None = None) -> dict:
     from pycapsnet import data, distributed
     from pycapsnet.model import CapsNet
     from pycapsnet.optim import Adam
 
-    B = backends.get(backend, dtype="float32")
-    group = distributed.Group(B) if distributed.launched() else None
+    # Under torchrun the group is made even for one process (the trainer then takes the plain path):
+    # that is how the distributed path's own cost on one GPU is measured.
+    launched = "WORLD_SIZE" in os.environ
+    B = backends.get(backend, device=backends.device_for_rank(device, distributed.local_rank(), backend)
+                     if launched else device, dtype="float32")
+    group = distributed.Group(B) if launched else None
     train, _ = data.load_embedded()
     model = CapsNet(B)
     opt = Adam(model)
@@ -73,7 +87,7 @@ def measure(backend: str, global_batch: int, steps: int) -> dict:
     world = group.world if group else 1
     result = {"backend": B.label, "processes": world, "global_batch": global_batch,
               "threads_per_process": B.threads,
-              "cpu": cpu_model(), "steps": steps, **{f"{k}_ms": round(1e3 * v, 1) for k, v in med.items()},
+              "cpu": cpu_model(), "gpu": _gpu_name(B), "steps": steps, **{f"{k}_ms": round(1e3 * v, 1) for k, v in med.items()},
               "sum_share": round(med["sum"] / med["step"], 3),
               "samples_per_s": round(global_batch / med["step"], 1),
               "gradient_mb": round(model.flat_grads.nbytes / 2**20, 1) if hasattr(model.flat_grads, "nbytes") else None}
@@ -84,12 +98,13 @@ def measure(backend: str, global_batch: int, steps: int) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="numpy", choices=("numpy", "torch"))
+    p.add_argument("--backend", default="numpy", choices=backends.NAMES)
+    p.add_argument("--device", default=None, help="torch: cpu (default) or cuda")
     p.add_argument("--global-batch", type=positive_int, default=64)
     p.add_argument("--steps", type=positive_int, default=8)
     p.add_argument("--json", type=writable_file, default=None, help="append the result line to this file")
     args = p.parse_args(argv)
-    result = measure(args.backend, args.global_batch, args.steps)
+    result = measure(args.backend, args.global_batch, args.steps, args.device)
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(result))
         if args.json:
