@@ -56,7 +56,11 @@ class ClassCaps(Layer):
 
     Backward: from dû (routing_backward_factors, then B.outer_sum),
     dW_ij = sum_n dû_j|i u_i^T  (summed over positions too when shared)  and  du_i = sum_j W_ij^T dû_j|i.
+    A shared W's gradient sums over positions inside the product, ``chunk_bytes`` of dû at a time:
+    dW_tj = sum_(p, n) dû_j|(p,t) u_(p,t)^T, never one D x K matrix per position.
     """
+
+    chunk_bytes = 64 * 2**20
 
     def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, iters=3,
                  routing_grad="full", share_spatial=False, rng=None):
@@ -102,15 +106,29 @@ class ClassCaps(Layer):
         del u_hat  # its last use: free û (as large as its gradient) before its gradient is made
         d_u_hat = self.B.outer_sum(*factors)                                      # dû (I, N, J, D)
         dh = xp.reshape(d_u_hat, (self.P, self.T, -1, self.J * self.D))          # (P, T, N, J*D)
-        dW = self.B.matmul(xp.matrix_transpose(dh), ut)                           # (P, T, J*D, K)
         if self.share_spatial:
-            dW = xp.sum(dW, axis=0, keepdims=True)
-        self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
+            self._shared_dW(dh, ut)
+        else:
+            dW = self.B.matmul(xp.matrix_transpose(dh), ut)                       # (P, T, J*D, K)
+            self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
         if not input_grad:
             return None
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))
         du = self.B.matmul(dh, Wm)                                                # (P, T, N, K)
         return xp.permute_dims(du, (2, 0, 1, 3))
+
+    def _shared_dW(self, dh, ut):
+        """dW_t += sum over positions p and images n of dh[p, t, n]^T ut[p, t, n]: per chunk of
+        positions, (p, n) become one axis of a product per type t."""
+        xp = self.B.xp
+        P, T, n, JD = dh.shape
+        dW = xp.reshape(self.grads["W"], (T, JD, self.K))                        # a view: accumulate in place
+        per_position = T * n * JD * np.dtype(self.B.dtype).itemsize
+        step = max(1, self.chunk_bytes // per_position)
+        for a in range(0, P, step):
+            d = xp.reshape(xp.permute_dims(dh[a:a + step], (1, 0, 2, 3)), (T, -1, JD))      # (T, c*N, J*D)
+            u = xp.reshape(xp.permute_dims(ut[a:a + step], (1, 0, 2, 3)), (T, -1, self.K))  # (T, c*N, K)
+            dW += self.B.matmul(xp.matrix_transpose(d), u)                                   # (T, J*D, K)
 
 
 class CapsuleLength(Layer):

@@ -222,3 +222,29 @@ def test_a_train_step_reads_the_device_once(backend, monkeypatch):
     assert reads == [(3 + 3,)]  # total, margin, reconstruction, then one class per sample
     assert loss == pytest.approx(parts["margin"] + parts["reconstruction"], rel=1e-12)
     np.testing.assert_array_equal(predictions, np.argmax(real_to_numpy(out.lengths), axis=1))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_shared_transform_sums_its_gradient_over_positions_in_chunks(backend, monkeypatch):
+    """share_spatial's dW, summed over positions chunk by chunk inside the product, equals the sum
+    of the per-position gradients (what the layer formed before, at P times the memory)."""
+    from pycapsnet.capsules import ClassCaps
+
+    B = backends.get(backend, dtype="float64")
+    rng = np.random.default_rng(0)
+    u = B.asarray(rng.standard_normal((3, 10, 2, 4)))                    # (N, P, T, K)
+    layers = {}
+    for name, chunk in (("one chunk", 1 << 30), ("a position at a time", 1)):
+        layer = ClassCaps(B, 10, 2, 4, 3, 5, iters=2, share_spatial=True, rng=np.random.default_rng(1))
+        monkeypatch.setattr(layer, "chunk_bytes", chunk)
+        v = layer.forward(u)
+        layer.backward(B.asarray(np.ones(v.shape)))
+        layers[name] = B.to_numpy(layer.grads["W"])
+    # the sum of per-position products, formed as the materialised path does for unshared W
+    per_position = ClassCaps(B, 10, 2, 4, 3, 5, iters=2, rng=np.random.default_rng(1))
+    per_position.params["W"][...] = B.asarray(np.tile(B.to_numpy(layer.params["W"]), (10, 1, 1, 1, 1)))
+    v = per_position.forward(u)
+    per_position.backward(B.asarray(np.ones(v.shape)))
+    summed = B.to_numpy(per_position.grads["W"]).sum(axis=0, keepdims=True)
+    for name, dW in layers.items():
+        np.testing.assert_allclose(dW, summed, rtol=1e-12, atol=1e-14, err_msg=name)
