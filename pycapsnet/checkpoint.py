@@ -119,6 +119,10 @@ def _header_problem(header) -> str | None:
     for key, kind in (("recipe", dict), ("history", list)):
         if header.get(key) is not None and not isinstance(header[key], kind):
             return f"its {key} is a JSON {type(header[key]).__name__}, not {'an object' if kind is dict else 'a list'}"
+    classes = header.get("classes")
+    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)
+                                    and len(classes) == header["config"].get("n_classes", 10)):
+        return "its class names are not a list of one name per class"
     history = header.get("history") or []
     if not all(isinstance(r, dict) and r.get("epoch") == k + 1 for k, r in enumerate(history)) \
             or (history and len(history) != epoch):

