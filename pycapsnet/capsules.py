@@ -6,6 +6,7 @@ import numpy as np
 from . import init as initializers
 from .fourier import FourierConv2d
 from .layers import Conv2d, Layer
+from . import shared_routing
 from .routing import MODES, routing_backward_factors, routing_forward
 from .squash import squash, squash_backward
 
@@ -56,8 +57,9 @@ class ClassCaps(Layer):
 
     Backward: from dû (routing_backward_factors, then B.outer_sum),
     dW_ij = sum_n dû_j|i u_i^T  (summed over positions too when shared)  and  du_i = sum_j W_ij^T dû_j|i.
-    A shared W's gradient sums over positions inside the product, ``chunk_bytes`` of dû at a time:
-    dW_tj = sum_(p, n) dû_j|(p,t) u_(p,t)^T, never one D x K matrix per position.
+    With ``share_spatial`` û is never formed: routing runs on u and the small per-type matrices
+    (shared_routing.py), a chunk of positions at a time whose coupling coefficients (N, T, p, J)
+    fill at most ``chunk_bytes``, so memory no longer grows with P x J x D.
     """
 
     chunk_bytes = 64 * 2**20
@@ -80,6 +82,11 @@ class ClassCaps(Layer):
         # u: (N, P, T, K) -> v: (N, J, D)
         xp = self.B.xp
         n = u.shape[0]
+        if self.share_spatial:
+            ut = self.B.contiguous(xp.permute_dims(u, (0, 2, 1, 3)))             # (N, T, P, K)
+            v, self.trace = self.route_shared(ut, self._shared_W())
+            self.cache = ut
+            return v
         ut = xp.permute_dims(u, (1, 2, 0, 3))                                   # (P, T, N, K)
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))  # (P|1, T, J*D, K)
         # B.matmul: P*T small products (N x K) @ (K x J*D), which a backend may split over threads
@@ -93,42 +100,55 @@ class ClassCaps(Layer):
         """Dynamic routing of û: (v_j, the trace of every iteration) (routing.py)."""
         return routing_forward(self.B, u_hat, self.iters)
 
+    def route_shared(self, ut, W):
+        """Dynamic routing of u (N, T, P, K) by W (T, J, D, K) shared over positions (shared_routing.py)."""
+        return shared_routing.forward(self.B, ut, W, self.iters, self._chunk(ut.shape[0]))
+
+    def _shared_W(self):
+        return self.B.xp.reshape(self.params["W"], (self.T, self.J, self.D, self.K))
+
+    def _chunk(self, n):
+        """Positions per chunk: the coupling coefficients of a chunk, (N, T, chunk, J), fill chunk_bytes."""
+        return max(1, self.chunk_bytes // (n * self.T * self.J * np.dtype(self.B.dtype).itemsize))
+
+    def shared_coupling(self, r):
+        """c of iteration r of the last shared forward, (N, T, P, J), made again from u and A^r."""
+        ut, A = self.cache, self.trace[r][0]
+        n, _, P, _ = ut.shape
+        if A is None:
+            return self.B.zeros((n, self.T, P, self.J)) + 1.0 / self.J
+        return shared_routing.coupling(self.B, ut, A, 0, P)
+
     @property
     def coupling(self):
         """c_ij of each routing iteration of the last forward: list of (N, I, J) arrays."""
-        return [self.B.xp.permute_dims(t[0], (0, 2, 1)) for t in self.trace]
+        xp = self.B.xp
+        if self.share_spatial:
+            return [xp.reshape(xp.permute_dims(self.shared_coupling(r), (0, 2, 1, 3)), (-1, self.P * self.T, self.J))
+                    for r in range(len(self.trace))]
+        return [xp.permute_dims(t[0], (0, 2, 1)) for t in self.trace]
 
     def backward(self, dv, input_grad=True):
         xp = self.B.xp
+        if self.share_spatial:
+            ut, self.cache = self.cache, None
+            du, dW = shared_routing.backward(self.B, ut, self._shared_W(), self.trace, dv, self.routing_grad,
+                                             self._chunk(ut.shape[0]))
+            self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
+            return xp.permute_dims(du, (0, 2, 1, 3)) if input_grad else None
         ut, u_hat = self.cache
         self.cache = None
         factors = routing_backward_factors(self.B, u_hat, self.trace, dv, self.routing_grad)
         del u_hat  # its last use: free û (as large as its gradient) before its gradient is made
         d_u_hat = self.B.outer_sum(*factors)                                      # dû (I, N, J, D)
         dh = xp.reshape(d_u_hat, (self.P, self.T, -1, self.J * self.D))          # (P, T, N, J*D)
-        if self.share_spatial:
-            self._shared_dW(dh, ut)
-        else:
-            dW = self.B.matmul(xp.matrix_transpose(dh), ut)                       # (P, T, J*D, K)
-            self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
+        dW = self.B.matmul(xp.matrix_transpose(dh), ut)                           # (P, T, J*D, K)
+        self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
         if not input_grad:
             return None
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))
         du = self.B.matmul(dh, Wm)                                                # (P, T, N, K)
         return xp.permute_dims(du, (2, 0, 1, 3))
-
-    def _shared_dW(self, dh, ut):
-        """dW_t += sum over positions p and images n of dh[p, t, n]^T ut[p, t, n]: per chunk of
-        positions, (p, n) become one axis of a product per type t."""
-        xp = self.B.xp
-        P, T, n, JD = dh.shape
-        dW = xp.reshape(self.grads["W"], (T, JD, self.K))                        # a view: accumulate in place
-        per_position = T * n * JD * np.dtype(self.B.dtype).itemsize
-        step = max(1, self.chunk_bytes // per_position)
-        for a in range(0, P, step):
-            d = xp.reshape(xp.permute_dims(dh[a:a + step], (1, 0, 2, 3)), (T, -1, JD))      # (T, c*N, J*D)
-            u = xp.reshape(xp.permute_dims(ut[a:a + step], (1, 0, 2, 3)), (T, -1, self.K))  # (T, c*N, K)
-            dW += self.B.matmul(xp.matrix_transpose(d), u)                                   # (T, J*D, K)
 
 
 class CapsuleLength(Layer):

@@ -33,6 +33,7 @@ import numpy as np
 
 import backends as _backends
 
+from . import shared_routing
 from .capsules import CapsuleLength, ClassCaps, PrimaryCaps
 from .errors import CapsNetError
 from .fourier import FourierConv2d
@@ -106,8 +107,13 @@ def _freeze_final_coupling(layer):
     layer's routing is replaced, on this instance, by the same routing with c^{R-1} given
     (routing_forward's ``fixed_coupling``), the function whose exact gradient that mode computes."""
     if isinstance(layer, ClassCaps) and layer.routing_grad == "final":
-        c = layer.trace[-1][0]
-        layer.route = lambda u_hat: routing_forward(layer.B, u_hat, layer.iters, fixed_coupling=c)
+        if layer.share_spatial:
+            c = layer.shared_coupling(-1)
+            layer.route_shared = lambda ut, W: shared_routing.forward(layer.B, ut, W, layer.iters, ut.shape[2],
+                                                                      fixed_coupling=c)
+        else:
+            c = layer.trace[-1][0]
+            layer.route = lambda u_hat: routing_forward(layer.B, u_hat, layer.iters, fixed_coupling=c)
 
 
 # ---- single layers ------------------------------------------------------------------------------

@@ -40,6 +40,13 @@ def test_numpy_vs_torch(dtype, mode):
     _compare(_run("torch", dtype, mode), _run("numpy", dtype, mode), dtype)
 
 
+@pytest.mark.parametrize("mode", ["full", "final"])
+def test_numpy_vs_torch_shared_transforms(mode):
+    """share_spatial routes without û (shared_routing.py), a chunk of positions at a time."""
+    config = {**SMALL, "share_spatial": True}
+    _compare(_run("torch", "float64", mode, config), _run("numpy", "float64", mode, config), "float64")
+
+
 def test_numpy_vs_torch_paper_architecture_float32():
     a, b = _run("torch", "float32", "full", config={}, n=3), _run("numpy", "float32", "full", config={}, n=3)
     _compare(a, b, "float32")
@@ -49,4 +56,6 @@ def test_numpy_vs_torch_paper_architecture_float32():
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_gpu_vs_numpy(spec, dtype):
     _compare(_run(spec, dtype, "full"), _run("numpy", dtype, "full"), dtype)
+    shared = {**SMALL, "share_spatial": True}
+    _compare(_run(spec, dtype, "full", shared), _run("numpy", dtype, "full", shared), dtype)
     _compare(_run(spec, dtype, "full", config={}, n=3), _run("numpy", dtype, "full", config={}, n=3), dtype)

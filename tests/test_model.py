@@ -225,26 +225,32 @@ def test_a_train_step_reads_the_device_once(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_a_shared_transform_sums_its_gradient_over_positions_in_chunks(backend, monkeypatch):
-    """share_spatial's dW, summed over positions chunk by chunk inside the product, equals the sum
-    of the per-position gradients (what the layer formed before, at P times the memory)."""
+@pytest.mark.parametrize("mode,iters", [("full", 3), ("final", 3), ("full", 1)])
+def test_shared_routing_without_u_hat_is_the_materialised_routing(backend, mode, iters, monkeypatch):
+    """share_spatial routes on u and W_tj (shared_routing.py), a chunk of positions at a time; the
+    same layer with W tiled over positions forms û and routes it (routing.py).  Same v, du and dW
+    (summed over positions), to 1e-12 in float64, in one chunk or one position per chunk."""
     from pycapsnet.capsules import ClassCaps
 
     B = backends.get(backend, dtype="float64")
     rng = np.random.default_rng(0)
-    u = B.asarray(rng.standard_normal((3, 10, 2, 4)))                    # (N, P, T, K)
-    layers = {}
-    for name, chunk in (("one chunk", 1 << 30), ("a position at a time", 1)):
-        layer = ClassCaps(B, 10, 2, 4, 3, 5, iters=2, share_spatial=True, rng=np.random.default_rng(1))
-        monkeypatch.setattr(layer, "chunk_bytes", chunk)
-        v = layer.forward(u)
-        layer.backward(B.asarray(np.ones(v.shape)))
-        layers[name] = B.to_numpy(layer.grads["W"])
-    # the sum of per-position products, formed as the materialised path does for unshared W
-    per_position = ClassCaps(B, 10, 2, 4, 3, 5, iters=2, rng=np.random.default_rng(1))
-    per_position.params["W"][...] = B.asarray(np.tile(B.to_numpy(layer.params["W"]), (10, 1, 1, 1, 1)))
-    v = per_position.forward(u)
-    per_position.backward(B.asarray(np.ones(v.shape)))
-    summed = B.to_numpy(per_position.grads["W"]).sum(axis=0, keepdims=True)
-    for name, dW in layers.items():
-        np.testing.assert_allclose(dW, summed, rtol=1e-12, atol=1e-14, err_msg=name)
+    u = B.asarray(rng.standard_normal((3, 10, 2, 4)) * 0.7)              # (N, P, T, K)
+    dv = B.asarray(rng.standard_normal((3, 3, 5)))                        # (N, J, D)
+    materialised = ClassCaps(B, 10, 2, 4, 3, 5, iters=iters, routing_grad=mode, rng=np.random.default_rng(1))
+    shared = ClassCaps(B, 10, 2, 4, 3, 5, iters=iters, routing_grad=mode, share_spatial=True,
+                       rng=np.random.default_rng(1))
+    materialised.params["W"][...] = B.asarray(np.tile(B.to_numpy(shared.params["W"]), (10, 1, 1, 1, 1)))
+    v_ref = B.to_numpy(materialised.forward(u))
+    c_ref = [B.to_numpy(c) for c in materialised.coupling]
+    du_ref = B.to_numpy(materialised.backward(dv))
+    dW_ref = B.to_numpy(materialised.grads["W"]).sum(axis=0, keepdims=True)
+    for chunk in (1 << 30, 1):  # one chunk; one position at a time
+        monkeypatch.setattr(shared, "chunk_bytes", chunk)
+        shared.zero_grad()
+        v = shared.forward(u)
+        np.testing.assert_allclose(B.to_numpy(v), v_ref, rtol=1e-12, atol=1e-15)
+        for c, ref in zip(shared.coupling, c_ref):
+            np.testing.assert_allclose(B.to_numpy(c), ref, rtol=1e-12, atol=1e-15)
+        du = B.to_numpy(shared.backward(dv))
+        np.testing.assert_allclose(du, du_ref, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(B.to_numpy(shared.grads["W"]), dW_ref, rtol=1e-12, atol=1e-14)
