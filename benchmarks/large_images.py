@@ -26,13 +26,15 @@ def main(argv=None):
     p.add_argument("--classes", type=positive_int, default=276)
     p.add_argument("--steps", type=positive_int, default=2)
     p.add_argument("--backend", default="numpy", choices=backends.NAMES)
+    p.add_argument("--primary-conv", default="fourier", choices=("fourier", "im2col"))
     args = p.parse_args(argv)
     from benchmarks.distributed_step import cpu_model
     from pycapsnet import CapsNet
     from pycapsnet.optim import Adam
 
     B = backends.get(args.backend, dtype="float32")
-    model = CapsNet(B, share_spatial=True, input_shape=(3, args.side, args.side), n_classes=args.classes)
+    model = CapsNet(B, share_spatial=True, input_shape=(3, args.side, args.side), n_classes=args.classes,
+                    primary_conv=args.primary_conv)
     opt = Adam(model)
     rng = np.random.default_rng(0)
     x = rng.random((args.batch_size, 3, args.side, args.side), dtype=np.float32)
@@ -47,7 +49,7 @@ def main(argv=None):
         if step:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    print(json.dumps({"side": args.side, "batch_size": args.batch_size, "classes": args.classes, "backend": B.label,
+    print(json.dumps({"side": args.side, "primary_conv": args.primary_conv, "batch_size": args.batch_size, "classes": args.classes, "backend": B.label,
                       "cpu": cpu_model(), "parameters": model.n_params(), "step_s": round(step_s, 2),
                       "samples_per_s": round(args.batch_size / step_s, 3),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
