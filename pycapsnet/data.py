@@ -43,8 +43,12 @@ class Split:
         """Images ``idx`` as float32 in [0, 1]; uint8 storage is converted here, a batch at a time."""
         return as_float(self.x[idx])
 
+    def take(self, part) -> "Split":
+        """The images ``part`` (a slice or indices), with this split's source and class names."""
+        return Split(self.x[part], self.y[part], self.source, self.classes)
+
     def head(self, n: int) -> "Split":
-        return Split(self.x[:n], self.y[:n], self.source, self.classes)
+        return self.take(slice(0, n))
 
 
 def as_float(x: np.ndarray) -> np.ndarray:

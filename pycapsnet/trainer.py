@@ -71,7 +71,7 @@ ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": data.DATASETS, "data_dir": str,
                  "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
                  "shift": nonnegative_int, "batch_size": positive_int, "limit": positive_int,
-                 "limit_test": positive_int, "channels": (1, 3), "image_size": list, "test_fraction": float}
+                 "limit_test": positive_int, "channels": (1, 3), "image_size": list, "test_fraction": fraction}
 
 
 def add_arguments(p: argparse.ArgumentParser, backend: str | None):
@@ -211,10 +211,9 @@ def _recipe_problem(saved: dict) -> str | None:
             ok = isinstance(v, str)
         elif rule is list:  # an image size: two sizes
             ok = isinstance(v, list) and len(v) == 2 and all(isinstance(d, int) and d >= 1 for d in v)
-        elif rule is float:  # a fraction
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1
-        else:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (rule is positive_float or isinstance(v, int))
+        else:  # a number: what the flag's own argparse type takes
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (rule in (positive_float, fraction)
+                                                                              or isinstance(v, int))
             try:
                 ok = ok and rule(str(v)) is not None
             except argparse.ArgumentTypeError:
@@ -252,8 +251,7 @@ def evaluate(model: CapsNet, split: data.Split, batch_size: int = 100, progress:
     ``group`` (data-parallel training) each process scores its shard and the sums are shared."""
     n_all = len(split)
     if group is not None:
-        part = group.part(n_all)
-        split = data.Split(split.x[part], split.y[part], split.source)
+        split = split.take(group.part(n_all))
     correct, loss_sum = 0, 0.0
     n_batches = (len(split) + batch_size - 1) // batch_size
     for x, y in _progress(data.batches(split, batch_size), n_batches, "eval", not progress):
@@ -352,10 +350,11 @@ def _setup(args, backend_name):
     settle(args, ckpt)
     device = getattr(args, "device", None)
     args.group = None
-    if distributed.launched():
+    launched = distributed.launched()
+    if launched:
         device = backends.device_for_rank(device, distributed.local_rank(), backend_name)
     B = backends.get(backend_name, device=device, dtype=args.dtype)
-    if distributed.launched():
+    if launched:
         args.group = distributed.Group(B)
         _SPEAKS[0] = args.group.writes
         _say(f"data parallel: {args.group.world} processes ({args.group.kind}), batch {args.batch_size} per process, "
@@ -402,10 +401,9 @@ def data_options(args) -> dict:
             raise CapsNetError(f"{', '.join(given)} {'says' if one else 'say'} how to read a folder of images: "
                                f"{'it goes' if one else 'they go'} with --dataset folder, not --dataset {args.dataset}")
         return {}
-    size = getattr(args, "image_size", None)
-    return {"image_size": tuple(size) if size else None, "channels": getattr(args, "channels", None),
-            "test_fraction": getattr(args, "test_fraction", RECIPE["test_fraction"]),
-            "progress": not getattr(args, "no_progress", False)}
+    # (settle has filled in every RECIPE flag; inspect has no --no-progress)
+    return {"image_size": tuple(args.image_size) if args.image_size else None, "channels": args.channels,
+            "test_fraction": args.test_fraction, "progress": not getattr(args, "no_progress", False)}
 
 
 def _shape(chw) -> str:
@@ -487,11 +485,11 @@ def _reconcile(ckpt, model, test_set, out_dir) -> list:
     return history
 
 
-def _mtime(path) -> float:
+def _mtime(path) -> int:
     return os.stat(path).st_mtime_ns if os.path.exists(path) else -1
 
 
-def _older(paths) -> float:
+def _older(paths) -> int:
     return min(_mtime(p) for p in paths)
 
 
@@ -541,13 +539,10 @@ def _train_epoch(args, model, opt, captured, train_set, epoch):
         n = min(size, len(train_set) - step * size)  # the global batch (the last may be smaller)
         replayed = captured is not None and len(y) == captured.batch_size
         with B.quiet_float_errors():  # an overflow ends in a non-finite loss, reported just below
-            if replayed:
-                out = captured(x, y)  # the update is part of the recording: checked after it
-                step_loss, step_correct = out.loss * n, int((out.predictions == y).sum())
-            elif group is not None:
+            if group is not None:
                 step_loss, step_correct = _data_parallel_grads(model, group, x, y, n)
-            else:
-                out = model.train_step_grads(x, y)
+            else:  # a recorded step includes the update, which is checked by the next step's loss
+                out = captured(x, y) if replayed else model.train_step_grads(x, y)
                 step_loss, step_correct = out.loss * n, int((out.predictions == y).sum())
             if not np.isfinite(step_loss):
                 raise TrainingDiverged(_stopped(args, f"the loss became {step_loss / n} at epoch {epoch + 1}, "
