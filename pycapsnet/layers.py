@@ -53,9 +53,12 @@ class Conv2d(Layer):
       dW = X^T dY,   db = sum_rows dY,   dX = dY W^T,   dx = col2im(dX)   (col2im is im2col's adjoint).
 
     The batch is processed in chunks of at most ``chunk_bytes`` of im2col matrix: for PrimaryCaps
-    the whole X is k*k/(s*s) times the input it is made from (20 times for the paper's 9x9/2).  Forward keeps
-    only x; backward rebuilds each chunk's X for dW -- one cheap gather -- and scatters each
-    chunk's dX straight into dx, so neither X nor dX of the whole batch ever exists.
+    the whole X is k*k/(s*s) times the input it is made from (20 times for the paper's 9x9/2).  A chunk
+    is a run of whole images while one image's X fits, else a band of output rows of one image (its
+    X made from the input rows that band's windows cover), so that the working memory is bounded by
+    the setting, not by the image size.  Forward keeps only x; backward rebuilds each chunk's X for
+    dW -- one cheap gather -- and adds each chunk's dX straight into dx (bands of input rows
+    overlap where their windows do), so neither X nor dX of the whole batch ever exists.
     """
 
     chunk_bytes = 48 * 2**20
@@ -75,16 +78,22 @@ class Conv2d(Layer):
         k, s, p = self.k, self.stride, self.padding
         return (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
 
-    def _chunks(self, x):
-        """Slices of the batch whose im2col matrices hold at most chunk_bytes."""
-        n, h, w, _ = x.shape
+    def chunks(self, n, h, w, itemsize):
+        """(images, output rows) blocks whose im2col matrices hold at most chunk_bytes each."""
         oh, ow = self.output_hw(h, w)
-        per_sample = oh * ow * self.k * self.k * self.c_in * x.dtype.itemsize
-        step = max(1, self.chunk_bytes // max(1, per_sample))
-        return [slice(a, min(a + step, n)) for a in range(0, n, step)]
+        per_row = ow * self.k * self.k * self.c_in * itemsize  # X of one output row of one image
+        rows = max(1, self.chunk_bytes // per_row)
+        if rows >= oh:  # whole images
+            step = rows // oh
+            return [(slice(a, min(a + step, n)), slice(0, oh)) for a in range(0, n, step)]
+        return [(slice(i, i + 1), slice(r, min(r + rows, oh))) for i in range(n) for r in range(0, oh, rows)]
+
+    def _band(self, rows):
+        """The padded input rows that output rows ``rows`` read: s*r0 .. s*(r1 - 1) + k."""
+        return slice(self.stride * rows.start, self.stride * (rows.stop - 1) + self.k)
 
     def _im2col(self, x):
-        return self.B.im2col(x, self.k, self.k, self.stride, self.padding)  # (n*OH*OW, k*k*C_in)
+        return self.B.im2col(x, self.k, self.k, self.stride)  # x padded: (n*OH*OW, k*k*C_in)
 
     def forward(self, x):
         # x: (N, H, W, C_in) -> y: (N, OH, OW, C_out)
@@ -92,27 +101,44 @@ class Conv2d(Layer):
         n, h, w, _ = x.shape
         oh, ow = self.output_hw(h, w)
         W = xp.reshape(self.params["W"], (-1, self.c_out))
-        parts = [self.B.matmul(self._im2col(x[sl]), W) for sl in self._chunks(x)]
-        y = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
+        x_pad = self.B.pad_hw(x, self.padding)
+        chunks = self.chunks(n, h, w, x.dtype.itemsize)
+        if len(chunks) == 1:
+            y = self.B.matmul(self._im2col(x_pad), W)
+        else:
+            y = self.B.empty((n, oh, ow, self.c_out), dtype=self.B.dtype_name(x))
+            for sl, rows in chunks:
+                part = self.B.matmul(self._im2col(x_pad[sl, self._band(rows)]), W)
+                y[sl, rows] = xp.reshape(part, (-1, rows.stop - rows.start, ow, self.c_out))
         self.cache = x
-        return xp.reshape(y + self.params["b"], (n, oh, ow, self.c_out))
+        return xp.reshape(y, (n, oh, ow, self.c_out)) + self.params["b"]
 
     def backward(self, dy, input_grad=True):
+        # dy: (N, OH, OW, C_out) -> dx: (N, H, W, C_in)
         xp = self.B.xp
         x, self.cache = self.cache, None
-        rows = dy.shape[1] * dy.shape[2]  # OH*OW rows of X per image
-        dy = xp.reshape(dy, (-1, self.c_out))  # (N*OH*OW, C_out)
+        n, h, w, _ = x.shape
+        p, ow = self.padding, dy.shape[2]
         W = xp.reshape(self.params["W"], (-1, self.c_out))
         dW = xp.reshape(self.grads["W"], W.shape)  # a view: accumulate in place
-        self.grads["b"] += xp.sum(dy, axis=0)
-        dx = self.B.zeros(tuple(x.shape), dtype=self.B.dtype_name(x)) if input_grad else None
-        for sl in self._chunks(x):
-            dy_c = dy[sl.start * rows:sl.stop * rows]
-            dW += self.B.matmul(xp.matrix_transpose(self._im2col(x[sl])), dy_c)
+        self.grads["b"] += xp.sum(dy, axis=(0, 1, 2))
+        x_pad = self.B.pad_hw(x, p)
+        dx = self.B.zeros(tuple(x_pad.shape), dtype=self.B.dtype_name(x)) if input_grad else None
+        for sl, rows in self.chunks(n, h, w, x.dtype.itemsize):
+            band = self._band(rows)
+            dy_c = xp.reshape(dy[sl, rows], (-1, self.c_out))                    # (n_c*rows*OW, C_out)
+            dW += self.B.matmul(xp.matrix_transpose(self._im2col(x_pad[sl, band])), dy_c)
             if dx is not None:
-                dcols = self.B.matmul(dy_c, xp.matrix_transpose(W))  # (n_c*OH*OW, k*k*C_in)
-                dx[sl] = self.B.col2im(dcols, tuple(x[sl].shape), self.k, self.k, self.stride, self.padding)
-        return dx
+                dcols = self.B.matmul(dy_c, xp.matrix_transpose(W))               # (n_c*rows*OW, k*k*C_in)
+                x_band = x_pad[sl, band]
+                dx_band = self.B.col2im(dcols, tuple(x_band.shape), self.k, self.k, self.stride)
+                if rows.stop - rows.start == dy.shape[1]:
+                    dx[sl, band] = dx_band  # whole images: no other chunk touches them
+                else:
+                    dx[sl, band] += dx_band
+        if dx is None or not p:
+            return dx
+        return dx[:, p:p + h, p:p + w, :]
 
 
 class ReLU(Layer):

@@ -63,6 +63,33 @@ def test_fourier_conv_in_several_frequency_chunks_and_channel_blocks(backend, ge
              keep_spectrum=keep_spectrum)
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS)
+def test_im2col_conv_in_bands_of_rows_equals_one_chunk(backend, geometry):
+    """Conv2d's chunks: whole images while one image's im2col matrix fits chunk_bytes, else bands of
+    output rows (whose input rows overlap where their windows do).  One row per chunk, a few rows,
+    and whole images give the same output, dx, dW and db as a single chunk, to 1e-12 in float64."""
+    B = backends.get(backend, dtype="float64")
+    c_in, c_out, k, s, p, h, w = geometry
+    rng = np.random.default_rng(1)
+    x = B.asarray(rng.standard_normal((3, h, w, c_in)))
+    one = Conv2d(B, c_in, c_out, k, s, p, rng=np.random.default_rng(0))
+    one.chunk_bytes = 1 << 40
+    y_ref = one.forward(x)
+    dy = B.asarray(rng.standard_normal(tuple(y_ref.shape)))
+    dx_ref = one.backward(dy)
+    oh, ow = one.output_hw(h, w)
+    per_row = ow * k * k * c_in * 8
+    for chunk_bytes, expected in ((1, 3 * oh), (2 * per_row, 3 * -(-oh // 2)), (oh * per_row, 3)):
+        conv = Conv2d(B, c_in, c_out, k, s, p, rng=np.random.default_rng(0))
+        conv.chunk_bytes = chunk_bytes
+        assert len(conv.chunks(3, h, w, 8)) == expected
+        assert_close(B.to_numpy(conv.forward(x)), B.to_numpy(y_ref), 1e-12, "output")
+        assert_close(B.to_numpy(conv.backward(dy)), B.to_numpy(dx_ref), 1e-12, "input gradient")
+        for name in ("W", "b"):
+            assert_close(B.to_numpy(conv.grads[name]), B.to_numpy(one.grads[name]), 1e-12, f"d{name}")
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS)
 def test_fourier_conv_equals_im2col_conv_float32(backend):
     _compare(backends.get(backend, dtype="float32"), GEOMETRIES[2], 1e-5)
