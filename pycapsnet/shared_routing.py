@@ -97,6 +97,7 @@ def forward(B, u, W, iters: int, chunk: int, fixed_coupling=None):
                 c = fixed_coupling[:, :, a:b] if fixed else coupling(B, u, A, a, b)
                 part = B.matmul(xp.matrix_transpose(c), u[:, :, a:b])              # (N, T, J, K)
                 z = part if z is None else z + part
+                del c  # before the next chunk's is made: one chunk's coupling exists at a time
         s = _capsules(B, Wm, z)
         v, s_norm = squash(xp, s)
         trace.append((A, z, s, s_norm, v))
@@ -139,6 +140,8 @@ def backward(B, u, W, trace, dv, mode: str, chunk: int):
                 du_part = du_part + B.matmul(db, A)
                 g = B.matmul(xp.matrix_transpose(db), u[:, :, a:b])                 # (N, T, J, K)
                 G = g if G is None else G + g
+                del dc, db
             du[:, :, a:b] += du_part
+            del c, du_part  # before the next chunk's are made
     dW = xp.permute_dims(xp.reshape(dWm, (parents, dims, types, k)), (2, 0, 1, 3))
     return du, dW
