@@ -45,10 +45,11 @@ frees X before making dX, and ClassCaps frees û before making dû, so the step'
 the autograd reference's.  Larger inputs have many more frequencies (a 64 x 64 input: 392, 822 MB
 of V); then forward keeps the kernel grid ws (as large as W) instead, and backward makes V again,
 chunk by chunk.  ``keep_spectrum_mb = 0`` always does that.
-The weight-gradient spectrum dV is made ``channel_block`` phase channels at a time for all
-frequencies, transposed (dV_r^T and dV_i^T from one product per frequency, ``_weight_grad``), and
-turned back into dW at once (dws = Fw^T dV sums over all 52 frequencies and both parts in one
-product), so neither it nor a running sum over frequency chunks ever exists in full.
+The weight-gradient spectrum dV is made ``channel_block`` phase channels at a time (fewer on large
+inputs, to stay within ``weight_grad_mb``) for all frequencies, transposed (dV_r^T and dV_i^T from
+one product per frequency, ``_weight_grad``), and turned back into dW at once (dws = Fw^T dV sums
+over all 52 frequencies and both parts in one product), so neither it nor a running sum over
+frequency chunks ever exists in full.
 
 When it does not pay.  The kernel is transformed once per step whatever the batch (three passes
 over 5x W), so at small batches the transforms outweigh the saved products: for PrimaryCaps on
@@ -98,27 +99,37 @@ def phase_grid(h: int, w: int, kernel: int, stride: int, padding: int = 0):
     return oh, ow, kq, oh - 1 + kq, ow - 1 + kq
 
 
-def dft_matrices(n_h: int, n_w: int, kq: int, oh: int, ow: int):
-    """The three constant real transforms (float64), rows/columns ordered (frequency, re|im):
+def dft_matrices(n_h: int, n_w: int, kq: int, oh: int, ow: int, dtype=np.float64, block: int = 1024):
+    """The three constant real transforms, rows/columns ordered (frequency, re|im):
 
     Fx (2F, n_h*n_w):   X  = Fx @ xs     rows cos, -sin   (forward DFT of the input grid)
     Fw (2F, kq*kq):     V  = Fw @ ws     rows cos, +sin   (conjugate DFT of the kernel)
     Fy (oh*ow, 2F):     y  = Fy @ Y      alpha (cos, -sin) / (n_h n_w)   (real part of the inverse)
-    """
+
+    Angles and their cos and sin are computed in float64, ``block`` frequencies at a time, and
+    stored in ``dtype``: on a 224 x 224 input Fx and Fy alone are 2.3 GB in float64, so whole-matrix
+    float64 intermediates would take several times what the float32 matrices keep."""
     freqs, alpha = half_spectrum(n_h, n_w)
+    F = len(freqs)
     scale = 2 * np.pi * np.array([1.0 / n_h, 1.0 / n_w])
 
-    def angles(m_h, m_w):  # theta(f, s) for every grid point s of an m_h x m_w block: (F, m_h*m_w)
-        grid = np.stack(np.meshgrid(np.arange(m_h), np.arange(m_w), indexing="ij"), -1).reshape(-1, 2)
-        return (freqs * scale) @ grid.T
+    def grid(m_h, m_w):  # every grid point (s1, s2) of an m_h x m_w block: (m_h*m_w, 2)
+        return np.stack(np.meshgrid(np.arange(m_h), np.arange(m_w), indexing="ij"), -1).reshape(-1, 2)
 
-    def interleave(re, im):  # (F, m), (F, m) -> (2F, m) with rows f_re, f_im, ...
-        return np.stack([re, im], axis=1).reshape(-1, re.shape[1])
-
-    tx, tw, ty = angles(n_h, n_w), angles(kq, kq), angles(oh, ow)
-    Fx = interleave(np.cos(tx), -np.sin(tx))
-    Fw = interleave(np.cos(tw), np.sin(tw))
-    Fy = interleave(alpha[:, None] * np.cos(ty), -alpha[:, None] * np.sin(ty)).T / (n_h * n_w)
+    points = {"x": grid(n_h, n_w), "w": grid(kq, kq), "y": grid(oh, ow)}
+    Fx = np.empty((2 * F, n_h * n_w), dtype)
+    Fw = np.empty((2 * F, kq * kq), dtype)
+    Fy = np.empty((oh * ow, 2 * F), dtype)
+    for a in range(0, F, block):
+        b = min(a + block, F)
+        f = freqs[a:b] * scale
+        theta = f @ points["x"].T                                  # theta(f, s), (b - a, n_h*n_w)
+        Fx[2 * a:2 * b:2], Fx[2 * a + 1:2 * b:2] = np.cos(theta), -np.sin(theta)
+        theta = f @ points["w"].T
+        Fw[2 * a:2 * b:2], Fw[2 * a + 1:2 * b:2] = np.cos(theta), np.sin(theta)
+        theta = (f @ points["y"].T).T                              # (oh*ow, b - a)
+        Fy[:, 2 * a:2 * b:2] = alpha[a:b] * np.cos(theta) / (n_h * n_w)
+        Fy[:, 2 * a + 1:2 * b:2] = -alpha[a:b] * np.sin(theta) / (n_h * n_w)
     return Fx, Fw, Fy
 
 
@@ -146,6 +157,7 @@ class FourierConv2d(Conv2d):
     freq_chunk = 13       # frequencies whose transformed weights V exist at one time
     keep_spectrum_mb = 128  # keep V from forward for dX when it takes at most this many MB
     channel_block = 256   # phase channels whose weight-gradient spectrum dV exists at one time
+    weight_grad_mb = 256  # ... fewer where dV of that many channels, over all frequencies, would exceed this
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -153,16 +165,18 @@ class FourierConv2d(Conv2d):
 
     def _plan(self, h, w):
         """Geometry and transforms for an (h, w) input, made once per input size."""
-        key = (h, w, self.freq_chunk, self.channel_block)
+        itemsize = np.dtype(self.B.dtype).itemsize
+        key = (h, w, self.freq_chunk, self.channel_block, self.weight_grad_mb, itemsize)
         if key not in self._plans:
             p, s = self.padding, self.stride
             oh, ow, kq, n_h, n_w = phase_grid(h, w, self.k, s, p)
-            Fx, Fw, Fy = dft_matrices(n_h, n_w, kq, oh, ow)
+            Fx, Fw, Fy = dft_matrices(n_h, n_w, kq, oh, ow, dtype=np.dtype(self.B.dtype))
             F = Fx.shape[0] // 2
             Fw_r, Fw_i = Fw[0::2], Fw[1::2]                                    # V_r = Fw_r ws, V_i = Fw_i ws
             chunks = [slice(a, min(a + self.freq_chunk, F)) for a in range(0, F, self.freq_chunk)]
             c_phase = s * s * self.c_in
-            blocks = [slice(a, min(a + self.channel_block, c_phase)) for a in range(0, c_phase, self.channel_block)]
+            block = self.weight_grad_block(F, itemsize)
+            blocks = [slice(a, min(a + block, c_phase)) for a in range(0, c_phase, block)]
             # per chunk of frequencies, the real rows then the imaginary rows: one product per chunk
             # reads the kq^2 x C'C_out kernel grid once for both parts
             Fw_chunks = [self.B.asarray(np.concatenate([Fw_r[fs], Fw_i[fs]])) for fs in chunks]
@@ -170,6 +184,13 @@ class FourierConv2d(Conv2d):
                                     F=F, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy), FwT=self.B.asarray(Fw.T),
                                     chunks=list(zip(chunks, Fw_chunks)), blocks=blocks)
         return self._plans[key]
+
+    def weight_grad_block(self, n_freqs: int, itemsize: int) -> int:
+        """Phase channels per block of the weight-gradient spectrum dV^T, (F, 2 C_out, block):
+        ``channel_block``, or fewer where that would exceed ``weight_grad_mb`` (large images have
+        many frequencies: 6,272 at 224 x 224, where 256 channels would take 3.3 GB)."""
+        per_channel = n_freqs * 2 * self.c_out * itemsize
+        return max(1, min(self.channel_block, int(self.weight_grad_mb * 2**20) // per_channel))
 
     # ---- step 1: stride to channels, and back -----------------------------------------------------
     def _fit(self, x, rows, cols):
@@ -266,6 +287,7 @@ class FourierConv2d(Conv2d):
             XVr, XVi = mm(X[fs], Vr), mm(X[fs], Vi)       # [X_r V_r; X_i V_r], [X_r V_i; X_i V_i]
             Y[fs, 0] = XVr[:, :n] - XVi[:, n:]             # Y_r = X_r V_r - X_i V_i
             Y[fs, 1] = XVi[:, :n] + XVr[:, n:]             # Y_i = X_r V_i + X_i V_r
+            del V, Vr, Vi, XVr, XVi  # before the next chunk's are made (V stays in ``kept`` if kept)
         y = mm(g.Fy, xp.reshape(Y, (2 * F, n * self.c_out)))               # (OH*OW, N*C_out)
         # for backward: X, and V (kept) or else the kernel grid ws to make V again
         self.cache = (X, kept or None, None if keep else ws, tuple(x.shape))
@@ -298,6 +320,7 @@ class FourierConv2d(Conv2d):
             dYVi = mm(dY_ri[fs], xp.matrix_transpose(Vi))                     # [dY_r V_i^T; dY_i V_i^T]
             dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                              # dX_r = dY_r V_r^T + dY_i V_i^T
             dX[fs, 1] = dYVr[:, n:] - dYVi[:, :n]                              # dX_i = dY_i V_r^T - dY_r V_i^T
+            del Vr, Vi, dYVr, dYVi  # before the next chunk's are made
         dX = mm(xp.matrix_transpose(g.Fx), xp.reshape(dX, (2 * F, -1)))   # (n_h*n_w, N*C'); frees the spectrum
         return self._grid_to_input(dX, n, h, w, g)
 
