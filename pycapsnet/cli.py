@@ -5,6 +5,7 @@
     pycapsnet inspect    CHECKPOINT --out DIR                        reconstructions, Figure 4, c_ij
     pycapsnet train      [--backend numpy] [training flags]          the trainer of the train_*.py scripts
     pycapsnet evaluate   CHECKPOINT [--backend torch --device cuda]  test accuracy of a checkpoint
+    pycapsnet plan       --input-shape 3 224 224 --classes 276       will a train step fit? memory per layer
 
 Exit codes: 0 success, 1 a check failed, 2 bad input or a damaged checkpoint (the message says
 what and how to fix it), 3 the model's numbers are not finite (train, evaluate), 130 Ctrl-C.
@@ -205,6 +206,48 @@ def cmd_evaluate(args):
     return run(args, args.backend)
 
 
+# ---- plan ---------------------------------------------------------------------------------------
+def _machine_memory():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cmd_plan(args):
+    from .model import CapsNetConfig
+    from .plan import format_bytes, measured_peak, parse_memory, plan
+
+    budget = parse_memory(args.memory) if args.memory else _machine_memory()
+    cfg = CapsNetConfig(input_shape=tuple(args.input_shape), n_classes=args.classes, share_spatial=args.share_spatial,
+                        primary_conv=args.primary_conv, routing_iters=args.routing_iters,
+                        conv_channels=args.conv_channels, primary_types=args.primary_types)
+    p = plan(cfg, args.batch_size, args.dtype, args.optimizer)
+    n = args.batch_size
+    c, h, w = cfg.input_shape
+    print(f"a train step of CapsNet on {c}x{h}x{w} images, {cfg.n_classes} classes"
+          f"{', share_spatial' if cfg.share_spatial else ''}, PrimaryCaps by {cfg.primary_conv}, "
+          f"{args.dtype}, {args.optimizer}, batch {n}")
+    rows = [{"layer": layer.name, "parameters": f"{layer.params:,}", "kept per image": format_bytes(layer.kept / n),
+             f"working memory at batch {n}": format_bytes(layer.work),
+             "held whatever the batch": format_bytes(layer.state) if layer.state else ""}
+            for layer in p.layers]
+    print(format_table(rows, list(rows[0])))
+    print(f"\nparameters: {p.n_params:,}")
+    print(f"parameters, gradients, optimizer state and constants: {format_bytes(p.state)}")
+    print(f"peak of the step at batch {n}: {format_bytes(p.peak)} (during {p.peak_at})")
+    print(f"each further image adds: {format_bytes(p.per_image)}")
+    if budget:
+        most = p.largest_batch(budget)
+        where = f"{args.memory}" if args.memory else f"{format_bytes(budget)} (this machine's memory; --memory to set)"
+        print(f"largest batch within {where}: " + (f"{most:,}" if most else "none: not even one image fits"))
+    if args.measure:
+        measured = measured_peak(cfg, n, args.dtype, args.optimizer)
+        print(f"measured (NumPy backend, tracemalloc): {format_bytes(measured)}, "
+              f"plan/measured {p.peak / measured:.3f}")
+    return 0
+
+
 def _data_flags(p):
     """--dataset / --data-dir of the commands that read a checkpoint: left out, the run's own data
     (saved in the checkpoint), so that a model is scored on its own test split."""
@@ -272,6 +315,27 @@ def build_parser():
     e.add_argument("--dtype", choices=FLOAT_DTYPES, help="default: the dtype the run trained in")
     add_limit_test(e)
     e.set_defaults(fn=cmd_evaluate)
+
+    from .capsules import PrimaryCaps
+    from .optim import NAMES as OPTIMIZERS
+
+    pl = sub.add_parser("plan", help="will it fit? the memory of a train step, per layer, and the largest batch")
+    pl.add_argument("--input-shape", type=positive_int, nargs=3, metavar=("C", "H", "W"), default=(1, 28, 28),
+                    help="image channels, height, width (default: 1 28 28)")
+    pl.add_argument("--classes", type=positive_int, default=10, help="number of classes (default: 10)")
+    pl.add_argument("--share-spatial", action="store_true", help="one ClassCaps transform per capsule type")
+    pl.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS), default="fourier")
+    pl.add_argument("--routing-iters", type=positive_int, default=3)
+    pl.add_argument("--conv-channels", type=positive_int, default=256)
+    pl.add_argument("--primary-types", type=positive_int, default=32)
+    pl.add_argument("--batch-size", type=positive_int, default=32, help="batch to plan (default: 32)")
+    pl.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
+    pl.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    pl.add_argument("--memory", default=None,
+                    help="budget for the largest batch, e.g. 80GB or 512MB (default: this machine's memory)")
+    pl.add_argument("--measure", action="store_true",
+                    help="also run the step on the NumPy backend and report its measured peak")
+    pl.set_defaults(fn=cmd_plan)
     return p
 
 

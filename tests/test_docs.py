@@ -23,6 +23,7 @@ LONG = {
     "pycapsnet train": f"pycapsnet train {QUICK_MODEL} --out quick-train",
     "python benchmarks/bench.py": "python benchmarks/bench.py --quick --no-reference --rounds 1 --json bench.json",
     'pip install torch==2.13.0 -e ".[test]" && python -m pytest': (None, ".ci/run runs exactly this line"),
+    "python benchmarks/plan_check.py --side S [--primary-conv im2col]": "python benchmarks/plan_check.py --side 28 --classes 10",
     'pip install -e ".[cupy]"': (None, "CuPy installs on a CUDA machine only"),
     'pip install -e ".[torch]"': (None, "the test command installs torch (the [test] extra)"),
     "bash benchmarks/gpu_check.sh": (None, "needs a CUDA GPU; benchmarks/gpu_check.sh is run on one"),

@@ -1,0 +1,317 @@
+"""Will it fit?  The memory of a training step, worked out from the configuration alone.
+
+``plan(config, batch_size)`` walks one train step (forward, losses, backward, optimizer) layer by
+layer and keeps a ledger of the arrays alive, as the layers' code allocates and frees them:
+
+* **state**, held for the whole run: the parameters, their gradients, the optimizer's slots (Adam:
+  two per parameter), and per-shape constants (the Fourier convolution's transform matrices, and the
+  kernel spectrum V or grid ws it keeps between forward and backward);
+* **kept**: what each layer's forward keeps for its backward (its cache), which grows with the batch;
+* **work**: the largest set of temporaries inside one layer's forward or backward, on top of
+  everything alive at that moment.  Where a layer works in chunks (im2col bands, routing chunks of
+  positions, Fourier frequency chunks) this is bounded by the chunk setting, not by the image.
+
+The step's peak is the largest (state + kept so far + work) over the walk.  Nothing is allocated.
+
+The ledger follows the NumPy backend's allocations (each temporary of an expression is its own
+array).  The torch backend frees temporaries the same way; GPU allocators cache and round blocks,
+so read a GPU plan as a lower bound.  ``tests/test_plan.py`` checks the peak against a measured
+step (tracemalloc, which sees every NumPy array) within 15%; docs/performance.md compares the two
+from 28x28 to 224x224.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .capsules import ClassCaps
+from .fourier import FourierConv2d, phase_grid
+from .layers import Conv2d
+from .model import CapsNetConfig, _geometry, decoder_sizes, param_shapes
+
+OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}
+
+
+@dataclass
+class LayerMemory:
+    name: str
+    params: int = 0          # parameter count
+    kept: int = 0            # bytes its forward keeps for its backward (the whole batch)
+    work: int = 0            # bytes of its largest set of temporaries, forward or backward
+    state: int = 0           # bytes held whatever the batch (constants, a kept kernel spectrum)
+
+
+@dataclass
+class Plan:
+    config: CapsNetConfig
+    batch_size: int
+    itemsize: int
+    optimizer: str
+    layers: list = field(default_factory=list)
+    state: int = 0           # parameters, gradients, optimizer slots, per-shape constants
+    peak: int = 0            # the step's estimated peak, bytes
+    peak_at: str = ""        # where in the step it falls
+
+    @property
+    def n_params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def per_image(self) -> float:
+        """What one more image adds to the peak (bytes): the peak's slope in the batch size."""
+        return _slope(self.config, self.batch_size, self.itemsize, self.optimizer)
+
+    def largest_batch(self, budget: int) -> int:
+        """The largest batch whose estimated peak fits ``budget`` bytes (0 if not even one)."""
+        fits = lambda n: _walk(self.config, n, self.itemsize, self.optimizer)[0] <= budget  # noqa: E731
+        if not fits(1):
+            return 0
+        lo, hi = 1, 2
+        while fits(hi):
+            lo, hi = hi, hi * 2
+            if hi > 1 << 24:
+                return lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+
+def plan(config: CapsNetConfig, batch_size: int, dtype: str = "float32", optimizer: str = "adam") -> Plan:
+    """The memory plan of one training step of ``config`` at ``batch_size`` (see the module docstring)."""
+    if optimizer not in OPTIMIZER_SLOTS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: use one of {tuple(OPTIMIZER_SLOTS)}")
+    itemsize = np.dtype(dtype).itemsize
+    peak, where, layers, state = _walk(config, batch_size, itemsize, optimizer)
+    return Plan(config, batch_size, itemsize, optimizer, layers, state, peak, where)
+
+
+def _slope(cfg, n, itemsize, optimizer):
+    a, b = max(1, n), max(1, n) + 8
+    return (_walk(cfg, b, itemsize, optimizer)[0] - _walk(cfg, a, itemsize, optimizer)[0]) / (b - a)
+
+
+class _Ledger:
+    """Bytes alive, and the largest total seen (with the place it was seen)."""
+
+    def __init__(self):
+        self.live, self.peak, self.at = 0, 0, ""
+
+    def add(self, nbytes):
+        self.live += nbytes
+
+    def touch(self, extra, at):
+        """Temporaries of ``extra`` bytes exist on top of what is alive, at ``at``."""
+        if self.live + extra > self.peak:
+            self.peak, self.at = self.live + extra, at
+
+
+def _conv_shape(kernel, stride, c_in, c_out=None, cls=Conv2d):
+    """A Conv2d's geometry without its parameters: enough for ``output_hw``, ``chunks`` and
+    ``FourierConv2d.weight_grad_block``."""
+    conv = cls.__new__(cls)
+    conv.k, conv.stride, conv.padding, conv.c_in, conv.c_out = kernel, stride, 0, c_in, c_out
+    return conv
+
+
+def _im2col_work(conv: Conv2d, n, h, w, c_in, c_out, b):
+    """(forward, backward) temporaries of ``Conv2d`` on (n, h, w, c_in), with its output (the
+    forward makes the output, then adds the bias into a second array)."""
+    oh, ow = conv.output_hw(h, w)
+    chunks = conv.chunks(n, h, w, b)
+    sl, rows = chunks[0]
+    images = sl.stop - sl.start
+    band_rows = rows.stop - rows.start
+    x_chunk = images * band_rows * ow * conv.k * conv.k * c_in * b  # one chunk's im2col matrix
+    y_chunk = images * band_rows * ow * c_out * b
+    out = n * oh * ow * c_out * b
+    forward = max(out + x_chunk + (y_chunk if len(chunks) > 1 else 0), 2 * out)
+    band_in = images * min(h, conv.stride * (band_rows - 1) + conv.k) * w * c_in * b
+    backward = x_chunk + max(band_in, conv.k * conv.k * c_in * c_out * b)  # X and dW's part, then dX and its col2im
+    return forward, backward, out
+
+
+def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
+    """(peak, where, layers, state) of a train step at batch n with itemsize b."""
+    shapes = param_shapes(cfg)
+    count = {k: int(np.prod(s)) for k, s in shapes.items()}
+    c, h, w = cfg.input_shape
+    k1, c1 = cfg.conv_kernel, cfg.conv_channels
+    h1, w1 = h - k1 + 1, w - k1 + 1
+    P, _ = _geometry(cfg)
+    T, K, J, D = cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim
+    caps = T * K
+    n_params = sum(count.values())
+    L = _Ledger()
+    layers = []
+
+    # ---- state: parameters, gradients, optimizer slots ---------------------------------------------
+    state = (2 + OPTIMIZER_SLOTS[optimizer]) * n_params * b
+    L.add(state)
+    image = c * h * w * b
+    L.add(n * image)                                       # the batch x
+
+    # ---- conv1 (im2col) + ReLU -----------------------------------------------------------------------
+    f1, b1, out1 = _im2col_work(_conv_shape(k1, 1, c), n, h, w, c, c1, b)
+    L.touch(f1, "conv1 forward")
+    L.add(out1)                                            # ReLU's output, kept for its backward
+    L.touch(out1, "relu1 forward")                         # with conv1's output, freed after
+    layers.append(LayerMemory("conv1", count["conv1.W"] + count["conv1.b"], kept=out1, work=max(f1, b1)))
+
+    # ---- PrimaryCaps -----------------------------------------------------------------------------------
+    s_bytes = n * P * caps * b                              # s_i (also u_i's size)
+    squash_kept = s_bytes + n * P * T * b                   # s and |s|
+    k2, st = cfg.primary_kernel, cfg.primary_stride
+    prim = LayerMemory("primary", count["primary.W"] + count["primary.b"])
+    if cfg.primary_conv == "im2col":
+        fwd, bwd, out = _im2col_work(_conv_shape(k2, st, c1), n, h1, w1, c1, caps, b)
+        kept_conv, bwd_input = 0, out1                      # keeps its input, ReLU's output
+        bwd += out1                                         # dx, the size of its input
+    else:
+        g = phase_grid(h1, w1, k2, st)
+        oh, ow, kq, n_h, n_w = g
+        grid = n_h * n_w
+        F = (grid + (2 - n_h % 2) * (2 - n_w % 2)) // 2     # one of each pair {f, -f}: fourier.half_spectrum
+        c_phase = st * st * c1
+        fit = (st * n_h, st * n_w) != (h1, w1)
+        x_grid = n * grid * c_phase * b                     # the phase grid xs, and X = Fx xs as large
+        fw = FourierConv2d
+        consts = (2 * F * grid + oh * ow * 2 * F + kq * kq * 2 * F) * b        # Fx, Fy, Fw^T
+        spectrum = 2 * F * c_phase * caps * b
+        keep_V = spectrum <= fw.keep_spectrum_mb * 2**20
+        kept_kernel = spectrum if keep_V else kq * kq * c_phase * caps * b    # V, or the kernel grid ws
+        chunk_V = 2 * min(fw.freq_chunk, F) * c_phase * caps * b
+        Y = 2 * F * n * caps * b
+        out = n * oh * ow * caps * b
+        prim.state = consts + kept_kernel
+        L.add(consts)
+        state += consts
+        L.touch(2 * min(1024, F) * grid * 8, "primary transforms (first step)")   # float64 angles, by blocks
+        fwd = max((x_grid if fit else 0) + 2 * x_grid,      # the fitted input, xs and X
+                  x_grid + kept_kernel + Y + chunk_V + 2 * min(fw.freq_chunk, F) * 2 * n * caps * b,
+                  x_grid + kept_kernel + Y + 2 * out)       # y = Fy Y, then with the bias
+        kept_conv = x_grid + kept_kernel                    # X, and V or ws
+        dY = 2 * F * n * caps * b
+        block = min(_conv_shape(k2, st, c1, caps, fw).weight_grad_block(F, b), c_phase)
+        bwd = max(out + 3 * dY + (F + kq * kq) * 2 * caps * block * b,   # dyg, dY, dY^T stacked, a block of dV^T, dws
+                  # then X is freed, and dX made (a chunk of V at a time), transformed back and cropped
+                  out + dY + (0 if keep_V else chunk_V) + 2 * min(fw.freq_chunk, F) * 2 * n * c_phase * b,
+                  x_grid + (n * st * n_h * st * n_w * c1 * b if fit else 0))
+    L.touch(fwd, "primary forward")
+    L.add(kept_conv + squash_kept)
+    L.touch(2 * s_bytes, "primary squash")                  # s*s, then u
+    L.add(s_bytes)                                          # u_i, alive until the step's forward ends
+    prim.kept, prim.work = kept_conv + squash_kept, max(fwd, bwd)
+    layers.append(prim)
+
+    # ---- ClassCaps -------------------------------------------------------------------------------------
+    cc = LayerMemory("classcaps", count["classcaps.W"])
+    iters = cfg.routing_iters
+    if cfg.share_spatial:
+        chunk = min(P, max(1, ClassCaps.chunk_bytes // (n * T * J * b)))
+        c_chunk = n * T * chunk * J * b                     # coupling coefficients of a chunk of positions
+        trace = iters * (2 * n * T * J * K + 3 * n * J * D) * b   # A and z, s, |s|, v per iteration
+        kept_cc = s_bytes + trace                           # u transposed, contiguous
+        u_chunk = n * T * chunk * K * b
+        fwd_cc = 3 * c_chunk + u_chunk                      # a chunk's logits, their exponentials, c
+        bwd_cc = s_bytes + 3 * c_chunk + 2 * u_chunk        # du, and a chunk's c, dc, db (softmax backward)
+    else:
+        u_hat = n * P * T * J * D * b
+        c_all = n * J * P * T * b
+        trace = iters * (2 * c_all + 3 * n * J * D * b)    # c (and b) per iteration
+        kept_cc = u_hat + trace
+        fwd_cc = 2 * c_all
+        bwd_cc = u_hat + 3 * c_all + s_bytes
+    L.add(kept_cc)
+    L.touch(fwd_cc, "classcaps forward")
+    cc.kept, cc.work = kept_cc, max(fwd_cc, bwd_cc)
+    layers.append(cc)
+
+    # ---- decoder, losses ---------------------------------------------------------------------------------
+    sizes = decoder_sizes(cfg)
+    dec_kept = 0
+    for k, (a, o) in enumerate(sizes, start=1):
+        kept = n * (a + o) * b                              # its input, and its activation's output
+        dec_kept += kept
+        W = count[f"decoder{k}.W"] * b
+        layers.append(LayerMemory(f"decoder{k}", count[f"decoder{k}.W"] + count[f"decoder{k}.b"], kept=kept,
+                                  work=max(W, 3 * n * o * b)))    # dW = x^T dy, made then added
+    L.add(dec_kept + n * image)                            # and the reconstruction error x_hat - x
+    L.add(-s_bytes)                                         # u_i: the forward has returned
+    top = sizes[-1]
+    L.touch(3 * n * top[1] * b, "decoder backward")        # dL/dx_hat and the sigmoid's backward
+    L.touch(n * top[1] * b + count[f"decoder{len(sizes)}.W"] * b, "decoder backward")
+    L.add(-dec_kept - n * image)
+
+    # ---- backward: ClassCaps, PrimaryCaps, ReLU, conv1 ------------------------------------------------------
+    L.touch(bwd_cc, "classcaps backward")
+    L.add(-kept_cc + s_bytes)                               # du_i
+    L.touch(3 * s_bytes, "primary squash backward")
+    L.add(-squash_kept)
+    L.touch(bwd, "primary backward")
+    L.add(-kept_conv - s_bytes + out1)                      # dx of PrimaryCaps, the size of ReLU's output
+    L.touch(out1 + out1 // b, "relu1 backward")            # its mask (bytes) and the product
+    L.add(-out1)
+    L.touch(b1, "conv1 backward")
+
+    # ---- optimizer -------------------------------------------------------------------------------------------
+    L.touch(3 * 2**20 * 4, "optimizer")                     # a block's temporaries (Optimizer.block)
+    return L.peak, L.at, layers, state
+
+
+def measured_peak(config: CapsNetConfig, batch_size: int, dtype: str = "float32", optimizer: str = "adam",
+                  steps: int = 2) -> int:
+    """The measured counterpart of ``plan(...).peak``: the most bytes of arrays alive at once during
+    a train step (optimizer step included) of the NumPy backend, seen by tracemalloc, from before the
+    model is built (so its parameters and optimizer state count).  The largest of ``steps`` steps
+    (the first makes the per-shape constants).  Random images and labels; NumPy backend only."""
+    import tracemalloc
+
+    import backends
+
+    from . import optim
+    from .model import CapsNet
+
+    B = backends.get("numpy", dtype=dtype)
+    c, h, w = config.input_shape
+    rng = np.random.default_rng(0)
+    x = rng.random((batch_size, c, h, w)).astype(dtype)
+    y = np.arange(batch_size) % config.n_classes
+    tiny = CapsNet(B, CapsNetConfig(n_classes=2, conv_channels=4, primary_types=2, decoder_hidden=(4, 4)))
+    tiny.train_step_grads(np.zeros((1, 1, 28, 28), dtype), np.zeros(1, np.int64))
+    del tiny  # a first step imports what a step imports: those modules are not the step's memory
+    tracemalloc.start()
+    try:
+        model = CapsNet(B, config)
+        opt = optim.make(optimizer, model, 1e-3)
+        for _ in range(steps):
+            model.train_step_grads(x, y)
+            opt.step()
+        return tracemalloc.get_traced_memory()[1] + x.nbytes  # the batch was made before tracing began
+    finally:
+        tracemalloc.stop()
+
+
+def format_bytes(nbytes: float) -> str:
+    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:,.1f} {unit}"
+    return f"{nbytes:,.0f} B"
+
+
+def parse_memory(text: str) -> int:
+    """'80GB', '512MB', '1.5 GiB', '4e9' -> bytes (powers of 1024 for the units)."""
+    units = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+             "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+    t = str(text).strip().upper().replace(" ", "")
+    number = t.rstrip("KMGTIB")
+    unit = t[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"cannot read memory size {text!r}: write it as e.g. 80GB, 512MB or 1.5GiB")
+    return int(value * units[unit])
