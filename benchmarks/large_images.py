@@ -1,15 +1,19 @@
 """A train step (Adam included) of a share_spatial CapsNet on large RGB images: time and peak memory.
 
     python -m benchmarks.large_images --side 224 --batch-size 2 --classes 276    (from the repository root)
+    python -m benchmarks.large_images --side 224 --batch-size 32 --backend torch --device cuda
+    python -m benchmarks.large_images --side 224 --batch-size 8 --reference --device cuda
 
-One line of JSON: the median of --steps steps after one warm-up step, and the process's peak RSS
-(the whole process: weights, optimizer state, the step's arrays).  numpy backend, float32.
+One line of JSON: the median of --steps steps after one warm-up step, and the peak memory of the
+steps: on the CPU the process's peak RSS from the step's start (weights, optimizer state, the step's
+arrays, and the interpreter's own), on a GPU the backend's peak of device memory.  Float32.
+``--reference`` times the PyTorch-autograd model of the same network instead (pycapsnet.reference,
+written the usual way: W_tj tiled over positions, so û is formed) with torch.optim.Adam.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
 
@@ -27,32 +31,68 @@ def main(argv=None):
     p.add_argument("--steps", type=positive_int, default=2)
     p.add_argument("--backend", default="numpy", choices=backends.NAMES)
     p.add_argument("--primary-conv", default="fourier", choices=("fourier", "im2col"))
+    p.add_argument("--device", default=None, help="cpu (default) or cuda[:N], for torch and the reference")
+    p.add_argument("--reference", action="store_true", help="time the autograd reference instead")
     args = p.parse_args(argv)
     from benchmarks.distributed_step import cpu_model
     from pycapsnet import CapsNet
     from pycapsnet.optim import Adam
 
-    B = backends.get(args.backend, dtype="float32")
+    B = backends.get(args.backend, dtype="float32", device=args.device)
     model = CapsNet(B, share_spatial=True, input_shape=(3, args.side, args.side), n_classes=args.classes,
                     primary_conv=args.primary_conv)
-    opt = Adam(model)
+    n_params = model.n_params()
     rng = np.random.default_rng(0)
     x = rng.random((args.batch_size, 3, args.side, args.side), dtype=np.float32)
     y = np.arange(args.batch_size) % args.classes
+    if args.reference:
+        step, sync, peak, reset, label = _reference(model, x, y, args.device or "cpu")
+        del model
+    else:
+        opt = Adam(model)
+
+        def step():
+            model.train_step_grads(x, y)
+            opt.step()
+        sync, label = B.synchronize, B.label
+        peak, reset = (lambda: B.memory()["peak"]), B.reset_peak_memory
+    reset()
     times = []
-    for step in range(args.steps + 1):
-        B.synchronize()
+    for k in range(args.steps + 1):
+        sync()
         t0 = time.perf_counter()
-        model.train_step_grads(x, y)
-        opt.step()
-        B.synchronize()
-        if step:
+        step()
+        sync()
+        if k:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    print(json.dumps({"side": args.side, "primary_conv": args.primary_conv, "batch_size": args.batch_size, "classes": args.classes, "backend": B.label,
-                      "cpu": cpu_model(), "parameters": model.n_params(), "step_s": round(step_s, 2),
+    on_gpu = (args.device or "cpu").startswith("cuda") or args.backend == "cupy"
+    print(json.dumps({"side": args.side, "primary_conv": None if args.reference else args.primary_conv,
+                      "batch_size": args.batch_size, "classes": args.classes, "backend": label,
+                      "cpu": cpu_model(), "parameters": n_params, "step_s": round(step_s, 2),
                       "samples_per_s": round(args.batch_size / step_s, 3),
-                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
+                      ("peak_gpu_mb" if on_gpu else "peak_rss_mb"): round(peak() / 2**20)}))
+
+
+def _reference(model, x, y, device):
+    """The autograd reference of ``model``'s network: (step, sync, peak, reset, label)."""
+    import torch
+
+    from backends.base import process_memory, reset_process_peak
+    from pycapsnet.reference import AutogradCapsNet
+
+    ref = AutogradCapsNet.from_model(model, device=device)
+    opt = torch.optim.Adam(ref.parameters(), 1e-3)
+    xt, yt = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        ref.loss(xt, yt)[0].backward()
+        opt.step()
+    if device.startswith("cuda"):
+        return (step, torch.cuda.synchronize, torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats,
+                f"autograd torch:{device}")
+    return step, (lambda: None), (lambda: process_memory()["peak"]), reset_process_peak, "autograd torch:cpu"
 
 
 if __name__ == "__main__":
