@@ -34,22 +34,29 @@ def main(argv=None):
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N], for torch and the reference")
     p.add_argument("--reference", action="store_true", help="time the autograd reference instead")
     args = p.parse_args(argv)
+    from backends.base import process_memory
     from benchmarks.distributed_step import cpu_model
     from pycapsnet import CapsNet
     from pycapsnet.optim import Adam
 
     B = backends.get(args.backend, dtype="float32", device=args.device)
-    model = CapsNet(B, share_spatial=True, input_shape=(3, args.side, args.side), n_classes=args.classes,
-                    primary_conv=args.primary_conv)
-    n_params = model.n_params()
+    cfg = dict(share_spatial=True, input_shape=(3, args.side, args.side), n_classes=args.classes,
+               primary_conv=args.primary_conv)
     rng = np.random.default_rng(0)
     x = rng.random((args.batch_size, 3, args.side, args.side), dtype=np.float32)
     y = np.arange(args.batch_size) % args.classes
-    if args.reference:
-        step, sync, peak, reset, label = _reference(model, x, y, args.device or "cpu")
-        del model
+    if args.reference:  # bench.py's autograd step: the same model, the same seeded weights
+        from benchmarks.bench import _reference_step
+
+        made = _reference_step(f"autograd:{args.device or 'cpu'}", args.batch_size, "float32", cfg, x, y)
+        if "error" in made:
+            raise SystemExit(made["error"])
+        step, sync, reset, label, n_params = made["train"], made["sync"], made["reset"], made["label"], made["n_params"]
+        peak = made["mem_fn"] or (lambda: process_memory()["peak"])
     else:
+        model = CapsNet(B, **cfg)
         opt = Adam(model)
+        n_params = model.n_params()
 
         def step():
             model.train_step_grads(x, y)
@@ -72,27 +79,6 @@ def main(argv=None):
                       "cpu": cpu_model(), "parameters": n_params, "step_s": round(step_s, 2),
                       "samples_per_s": round(args.batch_size / step_s, 3),
                       ("peak_gpu_mb" if on_gpu else "peak_rss_mb"): round(peak() / 2**20)}))
-
-
-def _reference(model, x, y, device):
-    """The autograd reference of ``model``'s network: (step, sync, peak, reset, label)."""
-    import torch
-
-    from backends.base import process_memory, reset_process_peak
-    from pycapsnet.reference import AutogradCapsNet
-
-    ref = AutogradCapsNet.from_model(model, device=device)
-    opt = torch.optim.Adam(ref.parameters(), 1e-3)
-    xt, yt = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        ref.loss(xt, yt)[0].backward()
-        opt.step()
-    if device.startswith("cuda"):
-        return (step, torch.cuda.synchronize, torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats,
-                f"autograd torch:{device}")
-    return step, (lambda: None), (lambda: process_memory()["peak"]), reset_process_peak, "autograd torch:cpu"
 
 
 if __name__ == "__main__":

@@ -108,8 +108,12 @@ class ClassCaps(Layer):
         return self.B.xp.reshape(self.params["W"], (self.T, self.J, self.D, self.K))
 
     def _chunk(self, n):
+        return self.positions_per_chunk(self.chunk_bytes, n, self.T, self.J, np.dtype(self.B.dtype).itemsize)
+
+    @staticmethod
+    def positions_per_chunk(chunk_bytes, n, types, classes, itemsize):
         """Positions per chunk: the coupling coefficients of a chunk, (N, T, chunk, J), fill chunk_bytes."""
-        return max(1, self.chunk_bytes // (n * self.T * self.J * np.dtype(self.B.dtype).itemsize))
+        return max(1, chunk_bytes // (n * types * classes * itemsize))
 
     def shared_coupling(self, r):
         """c of iteration r of the last shared forward, (N, T, P, J), made again from u and A^r."""

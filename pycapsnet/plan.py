@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backends.numpy_backend import NumpyBackend
+
 from .capsules import ClassCaps
 from .fourier import FourierConv2d, phase_grid
 from .layers import Conv2d
@@ -167,7 +169,7 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     prim = LayerMemory("primary", count["primary.W"] + count["primary.b"])
     if cfg.primary_conv == "im2col":
         fwd, bwd, out = _im2col_work(_conv_shape(k2, st, c1), n, h1, w1, c1, caps, b)
-        kept_conv, bwd_input = 0, out1                      # keeps its input, ReLU's output
+        kept_conv = 0                                       # keeps its input, ReLU's output
         bwd += out1                                         # dx, the size of its input
     else:
         g = phase_grid(h1, w1, k2, st)
@@ -210,7 +212,7 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     cc = LayerMemory("classcaps", count["classcaps.W"])
     iters = cfg.routing_iters
     if cfg.share_spatial:
-        chunk = min(P, max(1, ClassCaps.chunk_bytes // (n * T * J * b)))
+        chunk = min(P, ClassCaps.positions_per_chunk(ClassCaps.chunk_bytes, n, T, J, b))
         c_chunk = n * T * chunk * J * b                     # coupling coefficients of a chunk of positions
         trace = iters * (2 * n * T * J * K + 3 * n * J * D) * b   # A and z, s, |s|, v per iteration
         kept_cc = s_bytes + trace                           # u transposed, contiguous
@@ -257,7 +259,7 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     L.touch(b1, "conv1 backward")
 
     # ---- optimizer -------------------------------------------------------------------------------------------
-    L.touch(3 * 2**20 * 4, "optimizer")                     # a block's temporaries (Optimizer.block)
+    L.touch(3 * NumpyBackend.elementwise_block * b, "optimizer")   # a block's temporaries (Optimizer.block)
     return L.peak, L.at, layers, state
 
 
