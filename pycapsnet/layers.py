@@ -118,7 +118,7 @@ class Conv2d(Layer):
         xp = self.B.xp
         x, self.cache = self.cache, None
         n, h, w, _ = x.shape
-        p, ow = self.padding, dy.shape[2]
+        p = self.padding
         W = xp.reshape(self.params["W"], (-1, self.c_out))
         dW = xp.reshape(self.grads["W"], W.shape)  # a view: accumulate in place
         self.grads["b"] += xp.sum(dy, axis=(0, 1, 2))

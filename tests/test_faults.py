@@ -6,7 +6,6 @@ The kills run in subprocesses (tests/fault_inject.py); the rest call the entry p
 where an uncaught exception (a traceback for the user) fails the test.  Every comparison of
 metrics leaves out the two timing fields, which no two runs share."""
 import json
-import os
 import shutil
 import signal
 import subprocess

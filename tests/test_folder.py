@@ -1,5 +1,4 @@
 """--dataset folder: images in one sub-directory per class, decoded once into uint8 storage."""
-import os
 from pathlib import Path
 
 import numpy as np
