@@ -1,0 +1,169 @@
+"""EM routing between matrix capsules (Hinton, Sabour & Frosst 2018, Procedure 1) and its exact backward.
+
+Shapes (N samples, P parent positions, I child slots per parent position, C parent types, H = 16
+entries of a 4x4 pose).  A convolutional layer sees each child through every window that holds it:
+slot i of position p is one (kernel offset, child type) pair, and the same child sits in several
+(p, i) slots.  A class layer has P = 1 and each child in one slot.
+    V      V_ij   (N, P, I, C, H)  votes of the children for their parents, V_ij = M_i W_ij
+    a_in   a_i    (N, P, I)        child activations, as each slot sees them
+    R      R_ij   (N, P, I, C)     assignment of child i to parent j
+    mu     μ_j    (N, P, C, H)     parent poses (the output), var σ²_j likewise
+    a      a_j    (N, P, C)        parent activations (the output)
+    beta_u, beta_a (C,)            learned, one per parent type
+
+Every child's assignments sum to 1 over *all* the parents that receive it -- the C types at every
+position whose window holds it -- so parents at different positions compete for a child as parents
+of different types do.  ``group`` says which slots are the same child: group.sum(x) adds x over the
+slots of each child and hands every slot its child's total (identity for a class layer);
+group.max(x) likewise with the maximum.  R^0 is uniform: 1 / (C x the number of slots of the child).
+
+Forward, for t = 0 .. T-1, at inverse temperature λ_t:
+  M-step   R'_ij = R_ij a_i,   r_j = sum_i R'_ij,   w_ij = R'_ij / (r_j + ε)
+           μ_jh = sum_i w_ij V_ijh,   σ²_jh = sum_i w_ij (V_ijh - μ_jh)² + ε
+           cost_j = sum_h (β_u + ½ ln σ²_jh) r_j,   z_j = λ_t (β_a - cost_j),   a_j = sigmoid(z_j)
+  E-step   (t < T-1 only: the last M-step's R is never used)
+           L_ij = ln a_j + ln p_ij,   ln p_ij = -sum_h ((V_ijh - μ_jh)² / (2σ²_jh) + ½ ln(2π σ²_jh))
+           R_ij = exp(L_ij) / sum_{j' receiving i} exp(L_ij')        (in log space, ln a_j = log-sigmoid(z_j))
+The paper divides by r_j; dividing by r_j + ε keeps μ and σ² finite when every child is off (r_j = 0).
+
+Backward, mode "full".  Walk t from T-1 down to 0 carrying dR = dL/dR^{t+1} (none at T-1, where
+dμ and da are the incoming gradients), with d_ijh = V_ijh - μ_jh and q_ijh = d_ijh / σ²_jh:
+  E-step t (t < T-1), R = R^{t+1}:
+    dL_ij   = R_ij (dR_ij - group.sum(sum_j' R_ij' dR_ij'))        (softmax backward over the group)
+    dz_j    = (1 - a_j) sum_i dL_ij                                   (d ln sigmoid(z) / dz = 1 - a)
+    dμ_jh   = sum_i dL_ij q_ijh,   dσ²_jh = ½ sum_i dL_ij (q²_ijh - 1/σ²_jh),   dV_ijh -= dL_ij q_ijh
+  (at T-1 instead: dz_j = da_j a_j (1 - a_j), dσ² = 0)
+  M-step t:
+    dβ_a += λ_t sum dz_j,   dcost_j = -λ_t dz_j,   dβ_u += H sum dcost_j r_j
+    dr_j  = dcost_j sum_h (β_u + ½ ln σ²_jh),   dσ²_jh += dcost_j r_j / (2σ²_jh)
+    dμ_jh -= 2 dσ²_jh sum_i w_ij d_ijh                                (σ² depends on μ too)
+    dw_ij = sum_h (dσ²_jh d²_ijh + dμ_jh V_ijh),   dV_ijh += w_ij (2 dσ²_jh d_ijh + dμ_jh)
+    dR'_ij = dw_ij / (r_j + ε) + dr_j - sum_i' dw_i'j w_i'j / (r_j + ε)
+    da_i += sum_j dR'_ij R_ij,   dR = dR'_ij a_i  (carried into E-step t-1; R^0 is a constant)
+
+Backward, mode "final": the last M-step alone, its R^{T-1} held constant (as if the routing ran
+under stop-gradient and only the last M-step saw the gradient): the exact gradient of that function
+(``fixed_assignments`` makes it, for the tests).
+"""
+from __future__ import annotations
+
+import math
+
+MODES = ("full", "final")
+
+
+def sigmoid(xp, z):
+    """1 / (1 + e^-z) without overflow: e^-|z| is at most 1."""
+    e = xp.exp(-xp.abs(z))
+    return xp.where(z >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def log_sigmoid(xp, z):
+    """ln sigmoid(z) = -ln(1 + e^-z) = min(z, 0) - ln(1 + e^-|z|): finite where sigmoid(z) rounds to 0."""
+    return xp.minimum(z, 0) - xp.log1p(xp.exp(-xp.abs(z)))
+
+
+class Identity:
+    """The group of a class layer: every child has one slot."""
+
+    @staticmethod
+    def sum(x):
+        return x
+
+    @staticmethod
+    def max(x):
+        return x
+
+
+def inverse_temperatures(lam: float, iters: int):
+    """λ_t = λ (t + 1) / T: the activations sharpen linearly to λ at the last M-step.  Early
+    iterations keep a_j soft so that parents that start badly placed still compete for children
+    (deterministic annealing); the paper increases the inverse temperature at each iteration
+    without giving a schedule."""
+    return [lam * (t + 1) / iters for t in range(iters)]
+
+
+def m_step(xp, V, a_in, R, beta_u, beta_a, lam, eps):
+    """Returns (mu, var, r, z, a): parent poses, variances, assigned mass, activation logits, activations."""
+    Rp = R * a_in[..., None]                           # R'_ij (N, P, I, C)
+    r = xp.sum(Rp, axis=2)                             # r_j (N, P, C)
+    w = Rp / (r[:, :, None] + eps)                     # w_ij
+    mu = xp.sum(w[..., None] * V, axis=2)              # μ_j (N, P, C, H)
+    d = V - mu[:, :, None]
+    var = xp.sum(w[..., None] * d * d, axis=2) + eps   # σ²_j (N, P, C, H)
+    cost = r * (V.shape[-1] * beta_u + 0.5 * xp.sum(xp.log(var), axis=-1))
+    z = lam * (beta_a - cost)
+    return mu, var, r, z, sigmoid(xp, z)
+
+
+def e_step(xp, V, mu, var, z, group):
+    """R_ij = a_j p_ij normalised over every parent that receives child i, in log space."""
+    d = V - mu[:, :, None]
+    ln_p = -0.5 * xp.sum(d * d / var[:, :, None] + xp.log((2 * math.pi) * var)[:, :, None], axis=-1)
+    L = log_sigmoid(xp, z)[:, :, None] + ln_p          # (N, P, I, C)
+    top = group.max(xp.max(L, axis=-1))                # the child's largest L: exp(L - top) <= 1, one term = 1
+    e = xp.exp(L - top[..., None])
+    return e / group.sum(xp.sum(e, axis=-1))[..., None]
+
+
+def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fixed_assignments=None):
+    """Returns (mu, a, trace); trace[t] = (R^t, mu^t, var^t, r^t, z^t, a^t) for the backward and for
+    inspection.  ``fixed_assignments``: use this R in the last M-step (the function "final" differentiates)."""
+    xp = B.xp
+    n, p, i, c, _ = V.shape
+    R = 1 / (c * group.sum(B.zeros((n, p, i)) + 1))[..., None] + B.zeros((n, p, i, c))
+    trace = []
+    for t, lam in enumerate(lambdas):
+        if t == len(lambdas) - 1 and fixed_assignments is not None:
+            R = fixed_assignments
+        mu, var, r, z, a = m_step(xp, V, a_in, R, beta_u, beta_a, lam, eps)
+        trace.append((R, mu, var, r, z, a))
+        if t < len(lambdas) - 1:
+            R = e_step(xp, V, mu, var, z, group)
+    return mu, a, trace
+
+
+def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Identity, mode="full"):
+    """From dL/dμ (N, P, C, H) and dL/da (N, P, C) of the last iteration to
+    (dV (N, P, I, C, H), da_in (N, P, I), dβ_u (C,), dβ_a (C,))."""
+    xp = B.xp
+    if mode not in MODES:
+        raise ValueError(f"unknown routing gradient mode {mode!r}: use one of {MODES}")
+    H = V.shape[-1]
+    dV = B.zeros(tuple(V.shape))
+    da_in = B.zeros(tuple(a_in.shape))
+    dbeta_u = B.zeros(tuple(beta_u.shape))
+    dbeta_a = B.zeros(tuple(beta_u.shape))
+    last = len(trace) - 1
+    steps = [last] if mode == "final" else range(last, -1, -1)
+    dR = None  # dL/dR^{t+1}
+    for t in steps:
+        R, mu, var, r, z, a = trace[t]
+        d = V - mu[:, :, None]                                 # (N, P, I, C, H)
+        if t == last:
+            dz, dmu_t, dvar = da * a * (1 - a), dmu, 0
+        else:  # E-step t made R^{t+1} from μ^t, σ²^t, z^t
+            R1 = trace[t + 1][0]
+            dL = R1 * (dR - group.sum(xp.sum(R1 * dR, axis=-1))[..., None])
+            dz = (1 - a) * xp.sum(dL, axis=2)
+            q = d / var[:, :, None]
+            dLq = dL[..., None] * q
+            dV -= dLq
+            dmu_t = xp.sum(dLq, axis=2)
+            dvar = 0.5 * (xp.sum(dLq * q, axis=2) - xp.sum(dL, axis=2)[..., None] / var)
+        lam = lambdas[t]
+        dbeta_a += lam * xp.sum(dz, axis=(0, 1))
+        dcost = -lam * dz                                      # (N, P, C)
+        dbeta_u += H * xp.sum(dcost * r, axis=(0, 1))
+        dr = dcost * (H * beta_u + 0.5 * xp.sum(xp.log(var), axis=-1))
+        dvar = dvar + (dcost * r)[..., None] / (2 * var)
+        Rp = R * a_in[..., None]
+        w = Rp / (r[:, :, None] + eps)
+        wd = w[..., None] * d
+        dmu_t = dmu_t - 2 * dvar * xp.sum(wd, axis=2)
+        dV += w[..., None] * dmu_t[:, :, None] + 2 * dvar[:, :, None] * wd
+        dw = xp.sum(dvar[:, :, None] * d * d + dmu_t[:, :, None] * V, axis=-1)   # (N, P, I, C)
+        dRp = (dw - xp.sum(dw * w, axis=2, keepdims=True)) / (r[:, :, None] + eps) + dr[:, :, None]
+        da_in += xp.sum(dRp * R, axis=-1)
+        dR = dRp * a_in[..., None]
+    return dV, da_in, dbeta_u, dbeta_a

@@ -1,0 +1,243 @@
+"""Matrix capsules with EM routing (Hinton, Sabour & Frosst 2018): PrimaryMatrixCaps, ConvMatrixCaps,
+ClassMatrixCaps.
+
+A capsule is a 4x4 pose matrix M (kept flat, 16 entries, row-major) and an activation a in (0, 1).
+A layer passes the pair (M, a) on a channels-last grid: M (N, H, W, T, 16), a (N, H, W, T).  A child i
+votes for a parent j through a learned 4x4 transform, V_ij = M_i W_ij, and EM routing
+(em_routing.py) turns the votes into the parents' poses μ_j and activations a_j.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .em_routing import MODES, Identity, em_backward, em_forward, inverse_temperatures, sigmoid
+from .layers import Layer, Linear
+
+
+def votes(B, M, W):
+    """V_ij = M_i W_ij for every child slot i and parent type j:
+    M (N, P, I, 16), W (I, C, 4, 4) -> V (N, P, I, C, 16), and Mi, the operand the backward reuses.
+    As I products (N*P*4, 4) @ (4, C*4): row (n, p, a) of M_i times W_i laid out [b, (c, d)]."""
+    xp = B.xp
+    n, p, i, _ = M.shape
+    c = W.shape[1]
+    Mi = xp.reshape(xp.permute_dims(xp.reshape(M, (n, p, i, 4, 4)), (2, 0, 1, 3, 4)), (i, n * p * 4, 4))
+    Wi = xp.reshape(xp.permute_dims(W, (0, 2, 1, 3)), (i, 4, c * 4))
+    Vi = B.matmul(Mi, Wi)                                                      # (I, N*P*4, C*4)
+    V = xp.permute_dims(xp.reshape(Vi, (i, n, p, 4, c, 4)), (1, 2, 0, 4, 3, 5))  # (N, P, I, C, 4, 4)
+    return xp.reshape(B.contiguous(V), (n, p, i, c, 16)), Mi
+
+
+def votes_backward(B, Mi, W, dV):
+    """From dL/dV (N, P, I, C, 16): (dW (I, C, 4, 4), dM (N, P, I, 16)).
+    dW_ij = sum_{n,p} M_i^T dV_ij  and  dM_i = sum_j dV_ij W_ij^T."""
+    xp = B.xp
+    n, p, i, c, _ = dV.shape
+    dVi = xp.reshape(xp.permute_dims(xp.reshape(dV, (n, p, i, c, 4, 4)), (2, 0, 1, 4, 3, 5)), (i, n * p * 4, c * 4))
+    Wi = xp.reshape(xp.permute_dims(W, (0, 2, 1, 3)), (i, 4, c * 4))
+    dW = xp.permute_dims(xp.reshape(B.matmul(xp.matrix_transpose(Mi), dVi), (i, 4, c, 4)), (0, 2, 1, 3))
+    dMi = B.matmul(dVi, xp.matrix_transpose(Wi))                               # (I, N*P*4, 4)
+    dM = xp.permute_dims(xp.reshape(dMi, (i, n, p, 4, 4)), (1, 2, 0, 3, 4))
+    return dW, xp.reshape(B.contiguous(dM), (n, p, i, 16))
+
+
+def transform_init(rng, shape):
+    """W_ij: N(0, 0.5^2) entries, so that a vote M_i W_ij (a sum of 4 products) keeps the scale of M_i."""
+    return 0.5 * rng.standard_normal(shape)
+
+
+class WindowGroup:
+    """Which slots of a convolutional capsule layer are the same child (em_routing's ``group``).
+
+    Slot (p, i), i = (kernel row, kernel column, child type), of an (N, P, I) array is the child that
+    window p covers at that offset.  sum: add over the slots of each child (col2im, the adjoint of the
+    im2col gather that made the slots) and gather the totals back into every slot (im2col)."""
+
+    def __init__(self, B, in_shape, kernel, stride):
+        self.B, self.shape, self.k, self.s = B, tuple(in_shape), kernel, stride  # in_shape (N, H, W, T)
+        n, h, w, _ = self.shape
+        self.oh, self.ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
+
+    def _slots(self, image):
+        n = self.shape[0]
+        return self.B.xp.reshape(self.B.im2col(image, self.k, self.k, self.s), (n, self.oh * self.ow, -1))
+
+    def sum(self, x):
+        n = self.shape[0]
+        cols = self.B.xp.reshape(x, (n * self.oh * self.ow, -1))
+        return self._slots(self.B.col2im(cols, self.shape, self.k, self.k, self.s))
+
+    def max(self, x):
+        """The same scatter as ``sum`` with the maximum instead of the sum, one strided slice per offset."""
+        xp, k, s = self.B.xp, self.k, self.s
+        n, _, _, t = self.shape
+        x6 = xp.reshape(x, (n, self.oh, self.ow, k, k, t))
+        top = self.B.zeros(self.shape, dtype=self.B.dtype_name(x)) - math.inf  # pixels no window covers stay -inf
+        for r in range(k):
+            for c in range(k):
+                rows, cols = slice(r, r + s * self.oh, s), slice(c, c + s * self.ow, s)
+                top[:, rows, cols, :] = xp.maximum(top[:, rows, cols, :], x6[:, :, :, r, c, :])
+        return self._slots(top)
+
+
+class PrimaryMatrixCaps(Layer):
+    """A 1x1 convolution from C_in channels to T capsule types: 16 pose entries and an activation
+    logit per type, a = sigmoid(logit).  h (N, H, W, C_in) -> (M (N, H, W, T, 16), a (N, H, W, T))."""
+
+    def __init__(self, backend, c_in, types=8, rng=None):
+        super().__init__(backend)
+        self.types = types
+        self.linear = Linear(backend, c_in, types * 17, rng=rng)  # columns: T*16 pose entries, then T logits
+        self.params, self.grads = self.linear.params, self.linear.grads
+
+    def forward(self, h):
+        xp = self.B.xp
+        n, hh, ww, c = h.shape
+        y = self.linear.forward(xp.reshape(h, (n * hh * ww, c)))
+        t = self.types
+        M = xp.reshape(y[:, :t * 16], (n, hh, ww, t, 16))
+        a = sigmoid(xp, xp.reshape(y[:, t * 16:], (n, hh, ww, t)))
+        self.cache = (a, tuple(h.shape))
+        return M, a
+
+    def backward(self, d, input_grad=True):
+        dM, da = d
+        xp = self.B.xp
+        a, h_shape = self.cache
+        self.cache = None
+        rows = h_shape[0] * h_shape[1] * h_shape[2]
+        dlogit = da * a * (1 - a)                                   # sigmoid'
+        dy = xp.concat([xp.reshape(dM, (rows, -1)), xp.reshape(dlogit, (rows, -1))], axis=1)
+        dh = self.linear.backward(dy, input_grad)
+        return xp.reshape(dh, h_shape) if input_grad else None
+
+
+class _EMLayer(Layer):
+    """What the two routed layers share: W, β_u, β_a, the routing settings and the EM trace."""
+
+    eps = 1e-6  # ε of σ² (and of the M-step's division by r_j)
+
+    def __init__(self, backend, n_slots, out_types, iters, routing_grad, lam, rng):
+        super().__init__(backend)
+        if routing_grad not in MODES:
+            raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
+        if iters < 1:
+            raise ValueError(f"routing needs at least one iteration, got {iters}")
+        rng = rng if rng is not None else np.random.default_rng(0)
+        self.iters, self.routing_grad, self.lambdas = iters, routing_grad, inverse_temperatures(lam, iters)
+        self._add_param("W", transform_init(rng, (n_slots, out_types, 4, 4)))
+        self._add_param("beta_u", np.zeros(out_types))
+        self._add_param("beta_a", np.zeros(out_types))
+        self.trace = None
+        self.fixed_assignments = None  # gradient checks of "final" hold R^{T-1} here
+
+    def route(self, V, a_in, group):
+        mu, a, self.trace = em_forward(self.B, V, a_in, self.params["beta_u"], self.params["beta_a"],
+                                       self.lambdas, self.eps, group, self.fixed_assignments)
+        return mu, a
+
+    def route_backward(self, V, a_in, group, dmu, da):
+        """dV and da_in; adds dβ_u and dβ_a."""
+        dV, da_in, dbu, dba = em_backward(self.B, V, a_in, self.params["beta_u"], self.lambdas, self.trace,
+                                          dmu, da, self.eps, group, self.routing_grad)
+        self.grads["beta_u"] += dbu
+        self.grads["beta_a"] += dba
+        return dV, da_in
+
+    @property
+    def assignments(self):
+        """R_ij of every routing iteration of the last forward, (N, P, I, C) each."""
+        return [t[0] for t in self.trace]
+
+
+class ConvMatrixCaps(_EMLayer):
+    """Convolutional capsules: each K x K window of child capsules (stride s) is routed to C parent
+    types at the window's position.  W (K*K*T_in, C, 4, 4): one transform per (kernel offset, child
+    type) and parent type, shared over positions.
+
+    A child lies in the windows of several parent positions, and EM routing normalises its
+    assignments over all of them: sum over every parent (position and type) that receives child i
+    of R_ij = 1, as in the paper, so parents at neighbouring positions compete for a child as
+    parents of different types at one position do (WindowGroup names the slots of each child).
+    (M (N, H, W, T_in, 16), a (N, H, W, T_in)) -> (M (N, OH, OW, C, 16), a (N, OH, OW, C))."""
+
+    def __init__(self, backend, in_types, out_types, kernel=3, stride=1, iters=3, routing_grad="full",
+                 lam=0.01, rng=None):
+        super().__init__(backend, kernel * kernel * in_types, out_types, iters, routing_grad, lam, rng)
+        self.k, self.stride, self.out_types = kernel, stride, out_types
+
+    def forward(self, x):
+        M, a = x
+        xp, B = self.B.xp, self.B
+        n, h, w, t, _ = M.shape
+        group = WindowGroup(B, (n, h, w, t), self.k, self.stride)
+        p = group.oh * group.ow
+        Mw = xp.reshape(B.im2col(xp.reshape(M, (n, h, w, t * 16)), self.k, self.k, self.stride), (n, p, -1, 16))
+        a_in = xp.reshape(B.im2col(a, self.k, self.k, self.stride), (n, p, -1))        # (N, P, I)
+        V, Mi = votes(B, Mw, self.params["W"])                                          # (N, P, I, C, 16)
+        mu, a_out = self.route(V, a_in, group)
+        self.cache = (Mi, V, a_in, group)
+        c = self.out_types
+        return xp.reshape(mu, (n, group.oh, group.ow, c, 16)), xp.reshape(a_out, (n, group.oh, group.ow, c))
+
+    def backward(self, d, input_grad=True):
+        dM, da = d
+        xp, B = self.B.xp, self.B
+        Mi, V, a_in, group = self.cache
+        self.cache = None
+        n, p = V.shape[:2]
+        dV, da_in = self.route_backward(V, a_in, group, xp.reshape(dM, (n, p, -1, 16)), xp.reshape(da, (n, p, -1)))
+        dW, dMw = votes_backward(B, Mi, self.params["W"], dV)
+        self.grads["W"] += dW
+        if not input_grad:
+            return None
+        shape, k, s = group.shape, self.k, self.stride
+        dM_in = B.col2im(xp.reshape(dMw, (n * p, -1)), (*shape[:3], shape[3] * 16), k, k, s)
+        da_in = B.col2im(xp.reshape(da_in, (n * p, -1)), shape, k, k, s)
+        return xp.reshape(dM_in, (*shape, 16)), da_in
+
+
+class ClassMatrixCaps(_EMLayer):
+    """Class capsules: every child on the (GH, GW) grid votes for each of the J classes.
+    W (T_in, J, 4, 4) is shared over positions (one transform per child type and class), and
+    coordinate addition tells the parents where a vote came from: the scaled centre of the child's
+    grid cell, x = (column + ½) / GW and y = (row + ½) / GH, is added to the first two entries of the
+    vote's last column (entries (0, 3) and (1, 3)).  The offsets are constants, so dV passes to W and
+    M unchanged.  EM routing then runs with P = 1 and I = GH*GW*T_in children, each in one slot.
+    (M (N, GH, GW, T_in, 16), a (N, GH, GW, T_in)) -> (μ (N, J, 16), a (N, J))."""
+
+    def __init__(self, backend, grid, in_types, n_classes, iters=3, routing_grad="full", lam=0.01, rng=None):
+        super().__init__(backend, in_types, n_classes, iters, routing_grad, lam, rng)
+        gh, gw = grid
+        offsets = np.zeros((gh, gw, 1, 1, 16))
+        offsets[..., 3] = ((np.arange(gw) + 0.5) / gw)[None, :, None, None]
+        offsets[..., 7] = ((np.arange(gh) + 0.5) / gh)[:, None, None, None]
+        self.offsets = backend.asarray(offsets.reshape(1, gh * gw, 1, 1, 16))  # (1, Q, 1, 1, 16)
+        self.J = n_classes
+
+    def forward(self, x):
+        M, a = x
+        xp, B = self.B.xp, self.B
+        n, gh, gw, t, _ = M.shape
+        V, Mi = votes(B, xp.reshape(M, (n, gh * gw, t, 16)), self.params["W"])  # (N, Q, T, J, 16)
+        V = xp.reshape(V + self.offsets, (n, 1, gh * gw * t, self.J, 16))
+        a_in = xp.reshape(a, (n, 1, gh * gw * t))
+        mu, a_out = self.route(V, a_in, Identity)
+        self.cache = (Mi, V, a_in, tuple(M.shape))
+        return xp.reshape(mu, (n, self.J, 16)), xp.reshape(a_out, (n, self.J))
+
+    def backward(self, d, input_grad=True):
+        dmu, da = d
+        xp, B = self.B.xp, self.B
+        Mi, V, a_in, shape = self.cache
+        self.cache = None
+        n, gh, gw, t, _ = shape
+        dV, da_in = self.route_backward(V, a_in, Identity, xp.reshape(dmu, (n, 1, self.J, 16)),
+                                        xp.reshape(da, (n, 1, self.J)))
+        dW, dM = votes_backward(B, Mi, self.params["W"], xp.reshape(dV, (n, gh * gw, t, self.J, 16)))
+        self.grads["W"] += dW
+        if not input_grad:
+            return None
+        return xp.reshape(dM, shape), xp.reshape(da_in, shape[:4])
