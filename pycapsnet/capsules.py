@@ -1,4 +1,5 @@
-"""Capsule layers: PrimaryCaps, ClassCaps (with dynamic routing) and capsule lengths."""
+"""Capsule layers: PrimaryCaps, ClassCaps (dynamic routing), AttentionCaps (self-attention routing) and
+capsule lengths."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +8,7 @@ from . import init as initializers
 from .fourier import FourierConv2d
 from .layers import Conv2d, Layer
 from . import shared_routing
+from .attention_routing import attention_backward_factors, attention_forward
 from .routing import MODES, routing_backward_factors, routing_forward
 from .squash import squash, squash_backward
 
@@ -63,6 +65,7 @@ class ClassCaps(Layer):
     """
 
     chunk_bytes = 64 * 2**20
+    routes_shared = True  # with share_spatial, route u and W without forming û (shared_routing.py)
 
     def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, iters=3,
                  routing_grad="full", share_spatial=False, rng=None):
@@ -82,7 +85,7 @@ class ClassCaps(Layer):
         # u: (N, P, T, K) -> v: (N, J, D)
         xp = self.B.xp
         n = u.shape[0]
-        if self.share_spatial:
+        if self.share_spatial and self.routes_shared:
             ut = self.B.contiguous(xp.permute_dims(u, (0, 2, 1, 3)))             # (N, T, P, K)
             v, self.trace = self.route_shared(ut, self._shared_W())
             self.cache = ut
@@ -99,6 +102,10 @@ class ClassCaps(Layer):
     def route(self, u_hat):
         """Dynamic routing of û: (v_j, the trace of every iteration) (routing.py)."""
         return routing_forward(self.B, u_hat, self.iters)
+
+    def route_backward(self, u_hat, dv):
+        """dL/dv -> the factors of dL/dû (routing.py's routing_backward_factors)."""
+        return routing_backward_factors(self.B, u_hat, self.trace, dv, self.routing_grad)
 
     def route_shared(self, ut, W):
         """Dynamic routing of u (N, T, P, K) by W (T, J, D, K) shared over positions (shared_routing.py)."""
@@ -134,7 +141,7 @@ class ClassCaps(Layer):
 
     def backward(self, dv, input_grad=True):
         xp = self.B.xp
-        if self.share_spatial:
+        if self.share_spatial and self.routes_shared:
             ut, self.cache = self.cache, None
             du, dW = shared_routing.backward(self.B, ut, self._shared_W(), self.trace, dv, self.routing_grad,
                                              self._chunk(ut.shape[0]))
@@ -142,17 +149,57 @@ class ClassCaps(Layer):
             return xp.permute_dims(du, (0, 2, 1, 3)) if input_grad else None
         ut, u_hat = self.cache
         self.cache = None
-        factors = routing_backward_factors(self.B, u_hat, self.trace, dv, self.routing_grad)
+        factors = self.route_backward(u_hat, dv)
         del u_hat  # its last use: free û (as large as its gradient) before its gradient is made
         d_u_hat = self.B.outer_sum(*factors)                                      # dû (I, N, J, D)
         dh = xp.reshape(d_u_hat, (self.P, self.T, -1, self.J * self.D))          # (P, T, N, J*D)
         dW = self.B.matmul(xp.matrix_transpose(dh), ut)                           # (P, T, J*D, K)
+        if self.params["W"].shape[0] == 1 < self.P:  # one W shared over the positions, û formed all the same
+            dW = xp.sum(dW, axis=0, keepdims=True)
         self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
         if not input_grad:
             return None
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))
         du = self.B.matmul(dh, Wm)                                                # (P, T, N, K)
         return xp.permute_dims(du, (2, 0, 1, 3))
+
+
+class AttentionCaps(ClassCaps):
+    """Class capsules v_j from primary capsules u_i by self-attention routing (Efficient-CapsNet,
+    attention_routing.py): û_j|i = W_ij u_i as in ClassCaps, then one pass, and a learned bias B_ij
+    added to the coupling coefficients, shaped like W's leading axes: (P|1, T, J), one per (position,
+    type) and class, or per type with ``share_spatial`` (which here only shares W and the bias: the
+    attention scores need every û_j|i at once, so û is always formed).  Its output squash is
+    Efficient-CapsNet's, v = (1 - e^-|s|) s / |s|."""
+
+    routes_shared = False
+
+    def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, share_spatial=False, rng=None):
+        super().__init__(backend, positions, types, in_dim, n_classes, out_dim, iters=1, routing_grad="full",
+                         share_spatial=share_spatial, rng=rng)
+        self._add_param("bias", np.zeros((1 if share_spatial else positions, types, n_classes)))
+
+    def _bias_ji(self):
+        """The bias as (J, I), i = (p, t), the layout of the coupling coefficients."""
+        xp = self.B.xp
+        b = xp.broadcast_to(self.params["bias"], (self.P, self.T, self.J))
+        return xp.matrix_transpose(xp.reshape(b, (self.P * self.T, self.J)))
+
+    def route(self, u_hat):
+        v, trace = attention_forward(self.B, u_hat, self._bias_ji())
+        return v, [trace]
+
+    def route_backward(self, u_hat, dv):
+        factors, dbias = attention_backward_factors(self.B, u_hat, self.trace[0], dv)   # dbias (J, I)
+        xp = self.B.xp
+        db = xp.reshape(xp.matrix_transpose(dbias), (self.P, self.T, self.J))
+        self.grads["bias"] += xp.sum(db, axis=0, keepdims=True) if self.share_spatial else db
+        return factors
+
+    @property
+    def coupling(self):
+        """The coupling coefficients with the bias, c_ij + B_ij, of the last forward: [(N, I, J)]."""
+        return [self.B.xp.permute_dims(self.trace[0][2], (0, 2, 1))]
 
 
 class CapsuleLength(Layer):

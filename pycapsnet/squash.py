@@ -27,3 +27,28 @@ def squash_backward(xp, s, n, dv, axis=-1):
     safe_n = xp.where(n > 0, n, 1)
     g = xp.where(n > 0, (1 - n2) / (safe_n * (1 + n2) ** 2), 0)
     return f * dv + g * xp.sum(s * dv, axis=axis, keepdims=True) * s
+
+
+# ---- Efficient-CapsNet's squash (Mazzia et al. 2021), for self-attention routing -------------------
+#     v = (1 - e^-n) s / n  =  h(n) s,   h(n) = -expm1(-n) / n  (h(0) = 1: v ~ s near the origin)
+# Its length 1 - e^-|s| rises faster than n^2 / (1 + n^2) near 0 and never quite reaches 1.
+# Jacobian as above: ds = h(n) dv + k(n) (s . dv) s with k(n) = h'(n) / n = (n e^-n + expm1(-n)) / n^3.
+# k(n) ~ -1/(2n) + 1/3 as n -> 0, and (s . dv) s shrinks like n^2, so the term vanishes at s = 0;
+# below n = 1e-2 the two-term series is used (its error, n^2/30 relative, is far below rounding).
+
+def squash_exp(xp, s, axis=-1):
+    """v = (1 - e^-|s|) s / |s| over ``axis``.  Returns (v, n) with n = |s| (kept dims)."""
+    n = xp.sqrt(xp.sum(s * s, axis=axis, keepdims=True))
+    safe_n = xp.where(n > 0, n, 1)
+    return s * xp.where(n > 0, -xp.expm1(-n) / safe_n, 1), n
+
+
+def squash_exp_backward(xp, s, n, dv, axis=-1):
+    """dL/ds from dL/dv for ``squash_exp``, given s and n = |s|."""
+    small = n < 1e-2
+    safe_n = xp.where(n > 0, n, 1)
+    h = xp.where(n > 0, -xp.expm1(-n) / safe_n, 1)
+    big_n = xp.where(small, 1, n)
+    k = xp.where(small, xp.where(n > 0, -0.5 / safe_n + 1 / 3, 0),
+                 (big_n * xp.exp(-big_n) + xp.expm1(-big_n)) / big_n ** 3)
+    return h * dv + k * xp.sum(s * dv, axis=axis, keepdims=True) * s

@@ -1,0 +1,50 @@
+"""Self-attention routing (Mazzia et al. 2021, Efficient-CapsNet) and its exact backward.
+
+One pass, no iterations.  Shapes as in routing.py: û_j|i (I, N, J, D); scores, c, their gradients
+(N, J, I); S, s, v (N, J, D); the learned bias B_ij (J, I), shared over the batch.
+
+Forward:
+    S_j   = sum_k û_j|k                        (every child's prediction for parent j)
+    a_ij  = û_j|i . S_j / √D                   (agreement of child i with all children, self-attention)
+    c_ij  = softmax_j(a_ij)                    (over the parents j, as dynamic routing's c_ij)
+    s_j   = sum_i (c_ij + B_ij) û_j|i
+    v_j   = squash_exp(s_j) = (1 - e^-|s_j|) s_j / |s_j|
+
+Backward from dv:
+    ds    = squash_exp_backward(s, dv)
+    dĉ_ij = û_j|i . ds_j   (ĉ = c + B:  dB_ij = sum_n dĉ_ij, dc = dĉ)
+    da    = softmax_backward(c, dc) / √D        (the 1/√D folded in)
+    dS_j  = sum_i da_ij û_j|i
+and û collects three outer products: from s, from its own score and from S (which every score reads):
+    dû_j|i = (c_ij + B_ij) ds_j + da_ij S_j + dS_j
+(B.outer_sum with coefficients (ĉ, da, 1) and vectors (ds, S, dS)).
+"""
+from __future__ import annotations
+
+import math
+
+from .routing import softmax, softmax_backward
+from .squash import squash_exp, squash_exp_backward
+
+
+def attention_forward(B, u_hat, bias):
+    """u_hat (I, N, J, D), bias (J, I) -> (v (N, J, D), trace (S, c, ĉ, s, |s|))."""
+    xp = B.xp
+    S = xp.sum(u_hat, axis=0)                                      # S_j (N, J, D)
+    c = softmax(xp, B.agreement(u_hat, S) / math.sqrt(u_hat.shape[-1]), axis=1)
+    c_hat = c + bias
+    s = B.weighted_sum(c_hat, u_hat)
+    v, s_norm = squash_exp(xp, s)
+    return v, (S, c, c_hat, s, s_norm)
+
+
+def attention_backward_factors(B, u_hat, trace, dv):
+    """From dL/dv: (the factors of dû for B.outer_sum, dL/dbias (J, I))."""
+    xp = B.xp
+    S, c, c_hat, s, s_norm = trace
+    ds = squash_exp_backward(xp, s, s_norm, dv)
+    dc = B.agreement(u_hat, ds)                                    # dĉ_ij = û_j|i . ds_j
+    da = softmax_backward(xp, c, dc) / math.sqrt(u_hat.shape[-1])
+    dS = B.weighted_sum(da, u_hat)
+    ones = B.zeros(tuple(c.shape)) + 1
+    return ([c_hat, da, ones], [ds, S, dS]), xp.sum(dc, axis=0)
