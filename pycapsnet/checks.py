@@ -23,7 +23,7 @@ def config_with(cfg, overrides: dict, backend_name: str):
         raise CapsNetError(f"CapsNet got unknown option(s) {', '.join(unknown)}"
                            + (f" ({'; '.join(hints)})" if hints else "")
                            + f"; the options are the fields of CapsNetConfig: {', '.join(fields)}")
-    return type(cfg)(**{**cfg.to_dict(), **overrides})
+    return cfg.replace(**overrides)
 
 
 def require_batch_size(batch_size) -> None:

@@ -1,6 +1,9 @@
-"""Margin loss (Sabour et al. 2017, eq. 4) and reconstruction loss.  Both are means over the batch;
+"""Margin loss (Sabour et al. 2017, eq. 4), spread loss (Hinton et al. 2018) and reconstruction loss.
+Each is a mean over the batch;
 ``backward()`` returns the gradient of that mean."""
 from __future__ import annotations
+
+import numpy as np
 
 
 class MarginLoss:
@@ -10,9 +13,14 @@ class MarginLoss:
     dL/d|v_k| = (-2 T_k max(0, m+ - |v_k|) + 2 lam (1 - T_k) max(0, |v_k| - m-)) / N.
     """
 
+    name = "margin"
+
     def __init__(self, backend, m_plus=0.9, m_minus=0.1, lam=0.5):
         self.B, self.m_plus, self.m_minus, self.lam = backend, m_plus, m_minus, lam
         self.cache = None
+
+    def set_epoch(self, epoch: int):
+        """The margin loss has no schedule."""
 
     def forward(self, lengths, onehot):
         xp = self.B.xp
@@ -47,3 +55,42 @@ class ReconstructionLoss:
     def backward(self):
         diff, self.cache = self.cache, None
         return (2 * self.weight / diff.shape[0]) * diff
+
+
+class SpreadLoss:
+    """Spread loss (Hinton et al. 2018), the EM network's class loss, on the class activations a (N, J):
+
+        L = mean_n sum_{j != t} max(0, m - (a_t - a_j))^2,        t the label
+
+    which pushes the target's activation a margin m above every other.  Gradient per sample, with
+    e_j = max(0, m - (a_t - a_j)) for j != t:  dL/da_j = 2 e_j / N,  dL/da_t = -2 sum_{j != t} e_j / N.
+
+    The margin grows during training (``margin_at``); it lives in a device array so that a captured
+    step (graph.py) reads the current value rather than the one it was recorded with."""
+
+    name = "spread"
+
+    def __init__(self, backend, m_start=0.2, m_end=0.9, m_step=0.1):
+        self.B, self.m_start, self.m_end, self.m_step = backend, m_start, m_end, m_step
+        self.margin = backend.asarray(np.full((), m_start))
+        self.cache = None
+
+    def margin_at(self, epoch: int) -> float:
+        """m = 0.2 + 0.1 x (epochs done), up to 0.9: a small margin first, while the activations
+        separate, then the paper's final 0.9.  (The paper says only that m grows from 0.2 to 0.9.)"""
+        return min(self.m_end, self.m_start + self.m_step * epoch)
+
+    def set_epoch(self, epoch: int):
+        self.margin[...] = self.margin_at(epoch)
+
+    def forward(self, a, onehot):
+        xp = self.B.xp
+        a_t = xp.sum(a * onehot, axis=1, keepdims=True)                 # (N, 1)
+        e = xp.clip(self.margin - (a_t - a), min=0.0) * (1 - onehot)   # e_j, 0 at j = t
+        self.cache = (e, onehot, a.shape[0])
+        return xp.mean(xp.sum(e * e, axis=1))
+
+    def backward(self):
+        e, onehot, n = self.cache
+        self.cache = None
+        return (2 * e - 2 * onehot * self.B.xp.sum(e, axis=1, keepdims=True)) / n

@@ -1,5 +1,14 @@
 """The CapsNet of Sabour, Frosst & Hinton (2017): conv1 -> PrimaryCaps -> ClassCaps (dynamic routing)
--> capsule lengths, with a masked decoder that reconstructs the input.
+-> capsule lengths, with a masked decoder that reconstructs the input.  ``routing`` picks the
+capsule part of the network (the rest is shared):
+
+    "dynamic"    the network below, margin loss
+    "attention"  the same with self-attention routing (Efficient-CapsNet) in place of dynamic routing
+    "em"         matrix capsules with EM routing (Hinton et al. 2018), spread loss on the class activations:
+                 conv1 5x5/2, A=32, ReLU --PrimaryMatrixCaps 1x1, B=8--ConvMatrixCaps 3x3/2, C=16
+                 --ConvMatrixCaps 3x3/1, D=16--ClassMatrixCaps (coordinate addition)--> poses (N, J, 16), a (N, J)
+    Each feeds its class capsules (poses for EM) to the same masked decoder, and its class scores
+    (|v_j|, or a_j for EM) to the loss and the predictions.
 
     x (N, C, H, W) --conv1 9x9, 256, ReLU--> (N, H1, W1, 256)
                    --PrimaryCaps 9x9/2, 32 types x 8D--> u_i (N, P, 32, 8), P = H2*W2
@@ -16,30 +25,46 @@ import numpy as np
 
 import backends as _backends
 
-from .capsules import CapsuleLength, ClassCaps, PrimaryCaps
+from .capsules import AttentionCaps, CapsuleLength, ClassCaps, PrimaryCaps
 from .checks import check_capsules, check_images, check_labels, config_with, require_batch_size
 from .errors import CapsNetError
 from .init import he_uniform
 from .layers import Conv2d, Linear, ReLU, Sigmoid
-from .losses import MarginLoss, ReconstructionLoss
+from .losses import MarginLoss, ReconstructionLoss, SpreadLoss
+from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 from .routing import MODES as ROUTING_MODES
+
+
+ROUTINGS = ("dynamic", "em", "attention")
+# Defaults that depend on the routing (a field left None takes its routing's): the EM column is the
+# paper's matrix-capsule network (A = 32 channels of 5x5/2, B = 8 primary types).
+ROUTING_DEFAULTS = {
+    "dynamic": dict(conv_channels=256, conv_kernel=9, conv_stride=1, primary_types=32),
+    "attention": dict(conv_channels=256, conv_kernel=9, conv_stride=1, primary_types=32),
+    "em": dict(conv_channels=32, conv_kernel=5, conv_stride=2, primary_types=8),
+}
+EM_KERNELS = ((3, 2), (3, 1))  # (kernel, stride) of the two ConvMatrixCaps, the paper's
 
 
 @dataclass
 class CapsNetConfig:
     input_shape: tuple = (1, 28, 28)      # (C, H, W)
     n_classes: int = 10
-    conv_channels: int = 256
-    conv_kernel: int = 9
-    primary_types: int = 32
+    routing: str = "dynamic"              # "dynamic" | "em" | "attention" (ROUTINGS)
+    conv_channels: int = None             # None: the routing's default (ROUTING_DEFAULTS)
+    conv_kernel: int = None
+    conv_stride: int = None
+    primary_types: int = None
     primary_dim: int = 8
     primary_kernel: int = 9
     primary_stride: int = 2
     primary_conv: str = "fourier"         # "fourier" | "im2col": how PrimaryCaps convolves (same result)
     class_dim: int = 16
     routing_iters: int = 3
-    routing_grad: str = "full"            # "full" | "final"
-    share_spatial: bool = False
+    routing_grad: str = "full"            # "full" | "final" (dynamic and EM routing)
+    share_spatial: bool = False           # dynamic and attention routing
+    matrix_types: tuple = (16, 16)        # EM: capsule types C, D of the two ConvMatrixCaps
+    em_lambda: float = 0.01               # EM: inverse temperature λ of the last iteration (em_routing.py)
     decoder_hidden: tuple = (512, 1024)
     recon_weight: float = 0.0005
     m_plus: float = 0.9
@@ -47,19 +72,33 @@ class CapsNetConfig:
     lam: float = 0.5
 
     def __post_init__(self):
+        if self.routing not in ROUTINGS:
+            raise CapsNetError(f"CapsNetConfig.routing must be one of {ROUTINGS}, got {self.routing!r}")
+        for name, value in ROUTING_DEFAULTS[self.routing].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         self.input_shape = tuple(int(d) for d in self.input_shape)
         self.decoder_hidden = tuple(int(d) for d in self.decoder_hidden)
+        self.matrix_types = tuple(int(d) for d in self.matrix_types)
         # Refuse what cannot build a network here, naming the field, rather than fail later inside
         # an initialiser (a zero fan-in) or a reshape (zero capsule types).
-        sizes = ("n_classes", "conv_channels", "conv_kernel", "primary_types", "primary_dim",
+        sizes = ("n_classes", "conv_channels", "conv_kernel", "conv_stride", "primary_types", "primary_dim",
                  "primary_kernel", "primary_stride", "class_dim", "routing_iters")
         for name in sizes:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise CapsNetError(f"CapsNetConfig.{name} must be an integer of at least 1, got {value!r}")
-        if any(d < 1 for d in self.input_shape + self.decoder_hidden):
-            raise CapsNetError(f"CapsNetConfig: every size in input_shape {self.input_shape} and decoder_hidden "
-                               f"{self.decoder_hidden} must be at least 1")
+        if any(d < 1 for d in self.input_shape + self.decoder_hidden + self.matrix_types):
+            raise CapsNetError(f"CapsNetConfig: every size in input_shape {self.input_shape}, decoder_hidden "
+                               f"{self.decoder_hidden} and matrix_types {self.matrix_types} must be at least 1")
+        if len(self.matrix_types) != len(EM_KERNELS):
+            raise CapsNetError(f"CapsNetConfig.matrix_types needs {len(EM_KERNELS)} sizes (one per ConvMatrixCaps), "
+                               f"got {self.matrix_types}")
+        if self.routing == "em" and self.class_dim != 16:
+            raise CapsNetError(f"CapsNetConfig.class_dim is the pose size, 16 (4x4), with routing 'em', "
+                               f"got {self.class_dim}")
+        if not self.em_lambda > 0:
+            raise CapsNetError(f"CapsNetConfig.em_lambda must be positive, got {self.em_lambda!r}")
         for name, allowed in (("routing_grad", ROUTING_MODES), ("primary_conv", tuple(PrimaryCaps.CONVS))):
             if getattr(self, name) not in allowed:
                 raise CapsNetError(f"CapsNetConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -67,11 +106,24 @@ class CapsNetConfig:
     def to_dict(self):
         return asdict(self)
 
+    def replace(self, **overrides):
+        """A copy with ``overrides``.  Where the routing changes, a field that held the old routing's
+        default (ROUTING_DEFAULTS) and is not overridden takes the new routing's."""
+        values = {**self.to_dict(), **overrides}
+        if values["routing"] != self.routing and self.routing in ROUTING_DEFAULTS:
+            for k, v in ROUTING_DEFAULTS[self.routing].items():
+                if k not in overrides and values[k] == v:
+                    values[k] = None
+        return type(self)(**values)
+
 
 def _geometry(cfg):
     """(positions P of the primary capsule grid, (H2, W2)) for a config; CapsNetError if too small."""
     if len(cfg.input_shape) != 3:
         raise CapsNetError(f"input_shape must be (channels, height, width), got {cfg.input_shape}")
+    if cfg.routing == "em":
+        grids = em_grids(cfg)
+        return grids[0][0] * grids[0][1], grids[0]
     c, h, w = cfg.input_shape
     k1, k2, s2 = cfg.conv_kernel, cfg.primary_kernel, cfg.primary_stride
     field_px = k1 + k2 - 1  # conv1 (stride 1) then one PrimaryCaps window
@@ -85,9 +137,26 @@ def _geometry(cfg):
     return hw[0] * hw[1], hw
 
 
+def em_grids(cfg):
+    """EM network: (H, W) of the primary grid, of each ConvMatrixCaps' output, in order; CapsNetError if
+    the input is too small for them."""
+    c, h, w = cfg.input_shape
+    grids = [((h - cfg.conv_kernel) // cfg.conv_stride + 1, (w - cfg.conv_kernel) // cfg.conv_stride + 1)]
+    for k, s in EM_KERNELS:
+        gh, gw = grids[-1]
+        grids.append(((gh - k) // s + 1, (gw - k) // s + 1))
+    if min(h, w) < cfg.conv_kernel or min(min(g) for g in grids) < 1:
+        raise CapsNetError(f"input {h}x{w} is too small for the EM network: conv1 {cfg.conv_kernel}x{cfg.conv_kernel}"
+                           f"/{cfg.conv_stride}, then ConvMatrixCaps 3x3/2 and 3x3/1 need at least 7x7 primary "
+                           f"capsules; use larger images or a smaller conv_kernel or conv_stride")
+    return grids
+
+
 def param_shapes(cfg: CapsNetConfig) -> dict:
     """Name -> shape of every parameter, from the configuration alone (nothing is allocated)."""
     positions, _ = _geometry(cfg)
+    if cfg.routing == "em":
+        return _em_param_shapes(cfg)
     c, h, w = cfg.input_shape
     caps = cfg.primary_types * cfg.primary_dim
     shapes = {
@@ -96,6 +165,27 @@ def param_shapes(cfg: CapsNetConfig) -> dict:
         "classcaps.W": (1 if cfg.share_spatial else positions, cfg.primary_types, cfg.n_classes,
                         cfg.class_dim, cfg.primary_dim),
     }
+    if cfg.routing == "attention":
+        shapes["classcaps.bias"] = (1 if cfg.share_spatial else positions, cfg.primary_types, cfg.n_classes)
+    return {**shapes, **_decoder_shapes(cfg)}
+
+
+def _em_param_shapes(cfg):
+    c = cfg.input_shape[0]
+    A, T = cfg.conv_channels, cfg.primary_types
+    shapes = {"conv1.W": (cfg.conv_kernel, cfg.conv_kernel, c, A), "conv1.b": (A,),
+              "primary.W": (A, T * 17), "primary.b": (T * 17,)}
+    types = (T, *cfg.matrix_types, cfg.n_classes)
+    for k, (kernel, _) in enumerate(EM_KERNELS, start=1):
+        shapes[f"convcaps{k}.W"] = (kernel * kernel * types[k - 1], types[k], 4, 4)
+        shapes[f"convcaps{k}.beta_u"] = shapes[f"convcaps{k}.beta_a"] = (types[k],)
+    shapes["classcaps.W"] = (types[-2], cfg.n_classes, 4, 4)
+    shapes["classcaps.beta_u"] = shapes["classcaps.beta_a"] = (cfg.n_classes,)
+    return {**shapes, **_decoder_shapes(cfg)}
+
+
+def _decoder_shapes(cfg):
+    shapes = {}
     for k, (a, b) in enumerate(decoder_sizes(cfg), start=1):
         shapes[f"decoder{k}.W"], shapes[f"decoder{k}.b"] = (a, b), (b,)
     return shapes
@@ -114,8 +204,9 @@ class Outputs:
     reconstruction) and ``predictions`` fetch all of them with one transfer, so a GPU step is not
     held up mid-way, nor read twice."""
 
-    def __init__(self, B, v, lengths, reconstruction=None):
+    def __init__(self, B, v, lengths, reconstruction=None, loss_name="margin"):
         self.v, self.lengths, self.reconstruction = v, lengths, reconstruction
+        self.loss_name = loss_name  # the class loss's: "margin", or "spread" (EM)
         self.summary = None  # device array (3 + N,): total, margin, reconstruction, predicted classes
         self._B, self._host = B, None
 
@@ -128,7 +219,7 @@ class Outputs:
     def renewed(self) -> "Outputs":
         """The same arrays with the host copy of the summary dropped: for arrays that were
         overwritten in place (a replayed captured step), so that ``loss`` reads them again."""
-        out = Outputs(self._B, self.v, self.lengths, self.reconstruction)
+        out = Outputs(self._B, self.v, self.lengths, self.reconstruction, self.loss_name)
         out.summary = self.summary
         return out
 
@@ -149,7 +240,7 @@ class Outputs:
     @property
     def parts(self) -> dict:
         host = self._fetch()
-        return {} if host is None else {"margin": float(host[1]), "reconstruction": float(host[2])}
+        return {} if host is None else {self.loss_name: float(host[1]), "reconstruction": float(host[2])}
 
     @property
     def predictions(self):
@@ -174,20 +265,36 @@ class CapsNet:
         c, h, w = cfg.input_shape
         rng = np.random.default_rng(seed)
         B = self.B
-        self.conv1 = Conv2d(B, c, cfg.conv_channels, cfg.conv_kernel, rng=rng, init=he_uniform)
+        self.conv1 = Conv2d(B, c, cfg.conv_channels, cfg.conv_kernel, cfg.conv_stride, rng=rng, init=he_uniform)
         self.relu1 = ReLU(B)
-        self.primary = PrimaryCaps(B, cfg.conv_channels, cfg.primary_types, cfg.primary_dim,
-                                   cfg.primary_kernel, cfg.primary_stride, rng=rng,
-                                   conv=cfg.primary_conv)
-        self.classcaps = ClassCaps(B, self.n_positions, cfg.primary_types, cfg.primary_dim, cfg.n_classes,
-                                   cfg.class_dim, cfg.routing_iters, cfg.routing_grad, cfg.share_spatial, rng=rng)
+        self.matrix = cfg.routing == "em"  # matrix capsules pass (poses, activations) between layers
+        if self.matrix:
+            grids = em_grids(cfg)
+            types = (cfg.primary_types, *cfg.matrix_types)
+            self.primary = PrimaryMatrixCaps(B, cfg.conv_channels, cfg.primary_types, rng=rng)
+            self.convcaps = [ConvMatrixCaps(B, types[k], types[k + 1], kernel, stride, cfg.routing_iters,
+                                            cfg.routing_grad, cfg.em_lambda, rng=rng)
+                             for k, (kernel, stride) in enumerate(EM_KERNELS)]
+            self.classcaps = ClassMatrixCaps(B, grids[-1], types[-1], cfg.n_classes, cfg.routing_iters,
+                                             cfg.routing_grad, cfg.em_lambda, rng=rng)
+            self.class_loss = SpreadLoss(B)
+        else:
+            self.primary = PrimaryCaps(B, cfg.conv_channels, cfg.primary_types, cfg.primary_dim,
+                                       cfg.primary_kernel, cfg.primary_stride, rng=rng,
+                                       conv=cfg.primary_conv)
+            caps = (self.n_positions, cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim)
+            if cfg.routing == "attention":
+                self.classcaps = AttentionCaps(B, *caps, share_spatial=cfg.share_spatial, rng=rng)
+            else:
+                self.classcaps = ClassCaps(B, *caps, cfg.routing_iters, cfg.routing_grad, cfg.share_spatial, rng=rng)
+            self.convcaps = []
+            self.class_loss = MarginLoss(B, cfg.m_plus, cfg.m_minus, cfg.lam)
         self.length = CapsuleLength(B)
         self.decoder = []
         for k, (a, b) in enumerate(decoder_sizes(cfg)):
             hidden = k < len(cfg.decoder_hidden)
             self.decoder.append(Linear(B, a, b, rng=rng, init=he_uniform if hidden else None))
             self.decoder.append(ReLU(B) if hidden else Sigmoid(B))
-        self.margin = MarginLoss(B, cfg.m_plus, cfg.m_minus, cfg.lam)
         self.recon_loss = ReconstructionLoss(B, cfg.recon_weight)
         self._eye = B.asarray(np.eye(cfg.n_classes))  # row j: the one-hot mask of class j
         self._cache = None
@@ -208,7 +315,8 @@ class CapsNet:
 
     def layers(self):
         """(name, layer) for every layer with parameters, in forward order."""
-        named = [("conv1", self.conv1), ("primary", self.primary), ("classcaps", self.classcaps)]
+        named = [("conv1", self.conv1), ("primary", self.primary)]
+        named += [(f"convcaps{k}", l) for k, l in enumerate(self.convcaps, start=1)] + [("classcaps", self.classcaps)]
         named += [(f"decoder{k // 2 + 1}", l) for k, l in enumerate(self.decoder) if l.params]
         return named
 
@@ -262,15 +370,38 @@ class CapsNet:
         """``forward`` on checked device arrays; y: int labels (N,) or None."""
         xp = self.B.xp
         h = self.relu1.forward(self.conv1.forward(xp.permute_dims(x, (0, 2, 3, 1))))  # channels-last
-        u = self.primary.forward(h)                 # u_i (N, P, T, K)
-        v = self.classcaps.forward(u)               # v_j (N, J, D)
-        lengths = self.length.forward(v)            # (N, J)
-        out = Outputs(self.B, v, lengths)
+        v, lengths = self._capsules_forward(h)      # class capsules (N, J, D), class scores (N, J)
+        out = Outputs(self.B, v, lengths, loss_name=self.class_loss.name)
         self._cache = {"x": x, "v": v, "mask": None}
         if reconstruct:
             chosen = y if y is not None else xp.argmax(lengths, axis=1)
             out.reconstruction, self._cache["mask"] = self._decode(v, chosen)
         return out
+
+    def _capsules_forward(self, h):
+        """conv1's output (N, H1, W1, C1) -> (class capsules v (N, J, D), class scores (N, J)): |v_j|,
+        or for matrix capsules the poses μ_j (D = 16) and their activations a_j."""
+        if self.matrix:
+            z = self.primary.forward(h)                 # (M (N, H, W, B, 16), a (N, H, W, B))
+            for layer in self.convcaps:
+                z = layer.forward(z)
+            return self.classcaps.forward(z)
+        v = self.classcaps.forward(self.primary.forward(h))  # u_i (N, P, T, K) -> v_j (N, J, D)
+        return v, self.length.forward(v)
+
+    def _capsules_backward(self, dv, dscores):
+        """The adjoint of ``_capsules_forward``: dL/dv and dL/d(scores) -> dL/dh."""
+        if self.matrix:
+            d = self.classcaps.backward((dv, dscores))
+            for layer in reversed(self.convcaps):
+                d = layer.backward(d)
+            return self.primary.backward(d)
+        du = self.classcaps.backward(dv + self.length.backward(dscores))
+        return self.primary.backward(du)
+
+    def set_epoch(self, epoch: int):
+        """Tell the loss which epoch is starting (the spread loss's margin grows with it)."""
+        self.class_loss.set_epoch(epoch)
 
     def _decode(self, v, classes):
         """classes: device int array (N,): the capsule each sample's decoder sees."""
@@ -294,9 +425,9 @@ class CapsNet:
     def _loss(self, x, y) -> Outputs:
         out = self._forward(x, y)
         onehot = self._cache["mask"]  # with labels, the decoder's mask is the one-hot target
-        margin = self.margin.forward(out.lengths, onehot)
+        class_loss = self.class_loss.forward(out.lengths, onehot)
         recon = self.recon_loss.forward(out.reconstruction, x)
-        out.set_losses(margin + recon, margin, recon)
+        out.set_losses(class_loss + recon, class_loss, recon)
         return out
 
     def backward(self, input_grad: bool = False):
@@ -309,9 +440,7 @@ class CapsNet:
         for layer in reversed(self.decoder):
             dz = layer.backward(dz)
         dv = xp.reshape(dz, tuple(self._cache["v"].shape)) * self._cache["mask"][..., None]
-        dv = dv + self.length.backward(self.margin.backward())
-        du = self.classcaps.backward(dv)
-        dh = self.primary.backward(du)
+        dh = self._capsules_backward(dv, self.class_loss.backward())
         dx = self.conv1.backward(self.relu1.backward(dh), input_grad)  # training needs no dL/dx
         self._cache = None
         if dx is None:
@@ -344,7 +473,7 @@ class CapsNet:
     def release(self):
         """Drop what forward kept for a backward (the PrimaryCaps spectra and û alone are hundreds
         of MB at batch 64), e.g. after an evaluation, so that it is not held into the next step."""
-        for layer in (self.conv1, self.relu1, self.primary, self.primary.conv, self.classcaps, self.length,
-                      *self.decoder):
+        for layer in (self.conv1, self.relu1, self.primary, getattr(self.primary, "conv", self.primary),
+                      *self.convcaps, self.classcaps, self.length, *self.decoder):
             layer.cache = None
         self._cache = None

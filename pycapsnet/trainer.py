@@ -34,7 +34,7 @@ from .argtypes import fraction, make_writable_dir, nonnegative_int, positive_flo
 from .capsules import PrimaryCaps
 from .errors import BackendError, CapsNetError
 from .graph import CapturedStep
-from .model import CapsNet, CapsNetConfig
+from .model import ROUTING_DEFAULTS, ROUTINGS, CapsNet, CapsNetConfig
 from .routing import MODES as ROUTING_MODES
 
 CHECKPOINT = "checkpoint.npz"
@@ -65,7 +65,7 @@ FOLDER_FLAGS = ("image_size", "channels", "test_fraction")  # how --dataset fold
 # --limit-test of a quick run: a checkpoint is scored on the whole test split unless told).
 EVALUATED_ON = ("dtype", "dataset", "data_dir", *FOLDER_FLAGS)
 ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
-                for k in ("routing_iters", "routing_grad", "conv_channels", "primary_types", "share_spatial",
+                for k in ("routing", "routing_iters", "routing_grad", "conv_channels", "primary_types", "share_spatial",
                           "primary_conv")}
 # What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": data.DATASETS, "data_dir": str,
@@ -88,11 +88,15 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help=f"learning rate x this after every epoch (default: {d['lr_decay']})")
     p.add_argument("--optimizer", choices=optim.NAMES,
                    help=f"adam or sgd with momentum 0.9 (default: {d['optimizer']})")
+    p.add_argument("--routing", choices=ROUTINGS,
+                   help="the network: dynamic (Sabour et al. 2017, margin loss), em (matrix capsules with EM "
+                        "routing, Hinton et al. 2018, spread loss) or attention (self-attention routing, "
+                        f"Efficient-CapsNet) (default: {d['routing']})")
     p.add_argument("--routing-iters", type=positive_int,
-                   help=f"dynamic routing iterations (default: {d['routing_iters']})")
+                   help=f"dynamic or EM routing iterations (default: {d['routing_iters']})")
     p.add_argument("--routing-grad", choices=ROUTING_MODES,
-                   help="full: exact gradient through every routing iteration; final: coupling coefficients "
-                        f"treated as constants (default: {d['routing_grad']})")
+                   help="full: exact gradient through every routing iteration; final: the last coupling "
+                        f"coefficients (EM: assignments) treated as constants (default: {d['routing_grad']})")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"default: {d['dtype']}")
     p.add_argument("--seed", type=nonnegative_int,
                    help=f"weights, shuffling and augmentation (default: {d['seed']})")
@@ -114,10 +118,11 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help=f"random shift augmentation in pixels, 0 = off (default: {d['shift']})")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N training images (quick runs)")
     add_limit_test(p)
+    routing_default = lambda k: ", ".join(f"{v[k]} ({r})" for r, v in ROUTING_DEFAULTS.items())
     p.add_argument("--conv-channels", type=positive_int,
-                   help=f"conv1 channels (default: {d['conv_channels']}, the paper's)")
+                   help=f"conv1 channels (default, the papers': {routing_default('conv_channels')})")
     p.add_argument("--primary-types", type=positive_int,
-                   help=f"primary capsule types (default: {d['primary_types']})")
+                   help=f"primary capsule types (default: {routing_default('primary_types')})")
     p.add_argument("--share-spatial", action="store_true", default=None,
                    help="one routing transform per primary capsule type, shared over positions")
     p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS),
@@ -320,6 +325,7 @@ def train(args, backend_name: str) -> dict:
     last = {}
     for epoch in range(start, args.epochs):
         opt.lr = optim.exponential_lr(args.lr, args.lr_decay, epoch)
+        model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
         seen, correct, loss_sum, train_time = _train_epoch(args, model, opt, captured, train_set, epoch)
         _check_finite(args, model, opt, epoch)  # the epoch's last update has not been checked yet
         test_acc, test_loss = evaluate(model, test_set, group=group)
