@@ -49,7 +49,8 @@ def cmd_gradcheck(args):
     from . import gradcheck
 
     B = _backend(args.backend, args.dtype)
-    results = gradcheck.run_all(B, samples=args.samples, tol=args.tol, seed=args.seed)  # refuses float32
+    results = gradcheck.run_all(B, samples=args.samples, tol=args.tol, seed=args.seed,  # refuses float32
+                                routing=args.routing)
     print(f"finite-difference checks on {B.label} ({args.samples} sampled entries per tensor, "
           f"fourth-order central differences)")
     rows = [{"layer": r.layer, "tensor": r.tensor, "max abs err": f"{r.max_abs:.2e}",
@@ -126,8 +127,10 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
 def cmd_crosscheck(args):
     dtypes = args.dtype if args.dtype_b in (None, args.dtype) else f"{args.dtype} vs {args.dtype_b}"
     tol = args.rtol if args.rtol is not None else TOLERANCE[_lower_precision(args.dtype, args.dtype_b)]
+    if args.checkpoint and args.routing:
+        raise CapsNetError("--routing builds a seeded network; a --checkpoint brings its own: give one or the other")
     rows, models = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, args.perturb,
-                              dtype_b=args.dtype_b)
+                              config={"routing": args.routing} if args.routing else None, dtype_b=args.dtype_b)
     src = args.checkpoint or f"seeded initialisation (seed {args.seed})"
     print(f"{models[0].B.label}  vs  {models[1].B.label}: {args.batch} test digits, weights from {src}")
     table = [{"tensor": r["tensor"], "kind": r["kind"], "max |a-b|": f"{r['max_abs']:.2e}",
@@ -275,6 +278,8 @@ def build_parser():
     g.add_argument("--samples", type=positive_int, default=20, help="entries sampled per tensor (default: 20)")
     g.add_argument("--tol", type=positive_float, default=1e-6, help="max relative error (default: 1e-6)")
     g.add_argument("--seed", type=nonnegative_int, default=0)
+    g.add_argument("--routing", choices=ROUTINGS, default=None,
+                   help="only this routing's layers and networks (default: every layer, every network)")
     g.set_defaults(fn=cmd_gradcheck)
 
     c = sub.add_parser("crosscheck", help="same weights and batch on two backends or devices")
@@ -287,6 +292,8 @@ def build_parser():
                         "backward against the float64 one (which gradcheck checks)")
     c.add_argument("--rtol", type=positive_float, default=None,
                    help="tolerance (default: 1e-9 float64, 1e-4 when a side is float32)")
+    c.add_argument("--routing", choices=ROUTINGS, default=None,
+                   help="the seeded network of this routing (default: dynamic; a --checkpoint brings its own)")
     c.add_argument("--batch", type=positive_int, default=8)
     c.add_argument("--seed", type=nonnegative_int, default=0)
     c.add_argument("--perturb-grad", dest="perturb", metavar="NAME=FACTOR", type=name_and_factor, default=None,

@@ -22,7 +22,8 @@ check's own tolerance straddles a kink.  Such entries are counted in ``Check.kin
 whose sampled entries all straddle kinks fails.
 
 The "final" routing-gradient mode is the exact gradient of the routing with the last coupling
-coefficients c_ij held fixed, so its checks perturb that function (``_freeze_final_coupling``).
+coefficients c_ij (EM: the last assignments R_ij) held fixed, so its checks perturb that function
+(``_freeze_final_coupling``).
 Used by the test suite and by ``pycapsnet gradcheck``.
 """
 from __future__ import annotations
@@ -34,14 +35,15 @@ import numpy as np
 import backends as _backends
 
 from . import shared_routing
-from .capsules import CapsuleLength, ClassCaps, PrimaryCaps
+from .capsules import AttentionCaps, CapsuleLength, ClassCaps, PrimaryCaps
 from .errors import CapsNetError
 from .fourier import FourierConv2d
 from .layers import Conv2d, Linear, ReLU, Sigmoid
-from .losses import MarginLoss, ReconstructionLoss
+from .losses import MarginLoss, ReconstructionLoss, SpreadLoss
+from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps, _EMLayer
 from .model import CapsNet
 from .routing import routing_forward, softmax, softmax_backward
-from .squash import squash, squash_backward
+from .squash import squash, squash_backward, squash_exp, squash_exp_backward
 
 
 @dataclass
@@ -114,23 +116,34 @@ def _freeze_final_coupling(layer):
         else:
             c = layer.trace[-1][0]
             layer.route = lambda u_hat: routing_forward(layer.B, u_hat, layer.iters, fixed_coupling=c)
+    if isinstance(layer, _EMLayer) and layer.routing_grad == "final":
+        layer.fixed_assignments = layer.assignments[-1]  # R^{T-1}: what "final" holds constant
 
 
 # ---- single layers ------------------------------------------------------------------------------
+def _parts(y):
+    """A layer's input or output as a tuple: matrix capsule layers pass (poses, activations) pairs."""
+    return tuple(y) if isinstance(y, (tuple, list)) else (y,)
+
+
 def _scalar(B, y, R):
-    return float(B.to_numpy(B.xp.sum(y * R)))
+    return sum(float(B.to_numpy(B.xp.sum(a * r))) for a, r in zip(_parts(y), R))
 
 
 def check_layer(B, label, layer, x_host, samples=20, eps=1e-5, tol=1e-6, seed=0):
-    """L = sum(layer(x) * R) for a fixed random R; checks dL/dx and dL/d(every parameter)."""
+    """L = sum(layer(x) * R) for a fixed random R; checks dL/dx and dL/d(every parameter).  x_host
+    and the output may be tuples of arrays (a matrix capsule layer's (M, a)); R is then one per part."""
     rng = np.random.default_rng(seed + 1)
-    x = B.asarray(x_host)
+    tuple_in = isinstance(x_host, tuple)
+    xs = tuple(B.asarray(a) for a in _parts(x_host))
+    x = xs if tuple_in else xs[0]
     y = layer.forward(x)
-    R = B.asarray(rng.standard_normal(tuple(y.shape)))
+    R = tuple(B.asarray(rng.standard_normal(tuple(a.shape))) for a in _parts(y))
     _freeze_final_coupling(layer)
     layer.zero_grad()
-    dx = layer.backward(R)
-    tensors, analytic = {"input": x}, {"input": dx}
+    dx = _parts(layer.backward(R if isinstance(y, tuple) else R[0]))
+    names = [f"input{k}" if tuple_in else "input" for k in range(len(xs))]
+    tensors, analytic = dict(zip(names, xs)), dict(zip(names, dx))
     for k, p in layer.params.items():
         tensors[k], analytic[k] = p, layer.grads[k]
     return check_tensors(B, label, lambda: _scalar(B, layer.forward(x), R), tensors, analytic,
@@ -172,6 +185,12 @@ class _LossLayer:
 
 def layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
     """Checks of every layer of pycapsnet, on small random inputs."""
+    return (_dynamic_layer_checks(B, samples, eps, tol, seed) + attention_layer_checks(B, samples, eps, tol, seed)
+            + em_layer_checks(B, samples, eps, tol, seed))
+
+
+def _dynamic_layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
+    """The plain layers and those of the dynamic-routing network."""
     rng = np.random.default_rng(seed)
     xp = B.xp
     r = lambda *shape: rng.standard_normal(shape)
@@ -208,26 +227,75 @@ def layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
     return results
 
 
+def attention_layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
+    """Self-attention routing's layers: its squash, and AttentionCaps with W and the bias per
+    position and shared."""
+    rng = np.random.default_rng(seed + 2)
+    xp = B.xp
+    r = lambda *shape: rng.standard_normal(shape)
+    results = []
+    sq = _FunctionLayer(lambda s: squash_exp(xp, s)[0], lambda s, dv: squash_exp_backward(xp, s, squash_exp(xp, s)[1], dv))
+    results += check_layer(B, "squash_exp", sq, r(3, 4, 5), samples, eps, tol, seed)
+    results += check_layer(B, "squash_exp near 0", sq, 1e-3 * r(3, 4, 5), samples, 1e-8, tol, seed)  # the series branch
+    for share in (False, True):
+        layer = AttentionCaps(B, positions=4, types=2, in_dim=4, n_classes=3, out_dim=5, share_spatial=share, rng=rng)
+        layer.params["W"][...] = B.asarray(0.5 * r(*layer.params["W"].shape))
+        layer.params["bias"][...] = B.asarray(0.3 * r(*layer.params["bias"].shape))
+        results += check_layer(B, f"AttentionCaps{' shared' if share else ''}", layer, 0.5 * r(3, 4, 2, 4),
+                               samples, eps, tol, seed)
+    return results
+
+
+def em_layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
+    """Matrix capsule layers in both routing-gradient modes (overlapping 3x3/2 windows, so that a
+    child competes between parent positions), and the spread loss."""
+    rng = np.random.default_rng(seed + 3)
+    r = lambda *shape: rng.standard_normal(shape)
+    act = lambda *shape: rng.uniform(0.1, 0.9, shape)
+    results = []
+    results += check_layer(B, "PrimaryMatrixCaps", PrimaryMatrixCaps(B, 5, 3, rng=rng), r(2, 3, 4, 5), samples, eps, tol, seed)
+    for mode in ("full", "final"):
+        conv = ConvMatrixCaps(B, 2, 3, kernel=3, stride=2, iters=3, routing_grad=mode, lam=0.5, rng=rng)
+        cls = ClassMatrixCaps(B, (2, 3), 2, 4, iters=3, routing_grad=mode, lam=0.3, rng=rng)
+        for layer in (conv, cls):  # β away from 0, where some terms of their gradients vanish
+            layer.params["beta_u"][...] = B.asarray(0.3 * r(*layer.params["beta_u"].shape))
+            layer.params["beta_a"][...] = B.asarray(0.3 * r(*layer.params["beta_a"].shape))
+        results += check_layer(B, f"ConvMatrixCaps 3x3/2 routing={mode}", conv, (r(2, 7, 7, 2, 16), act(2, 7, 7, 2)),
+                               samples, eps, tol, seed)
+        results += check_layer(B, f"ClassMatrixCaps routing={mode}", cls, (r(2, 2, 3, 2, 16), act(2, 2, 3, 2)),
+                               samples, eps, tol, seed)
+    onehot = B.asarray(np.eye(4)[rng.integers(0, 4, 5)])
+    results += check_layer(B, "SpreadLoss", _LossLayer(SpreadLoss(B, m_start=0.5), onehot), rng.uniform(0, 1, (5, 4)),
+                           samples, eps, tol, seed)
+    return results
+
+
 # ---- the whole model ------------------------------------------------------------------------------
 SMALL = dict(input_shape=(1, 14, 14), conv_channels=8, conv_kernel=3, primary_types=4, primary_dim=4,
              primary_kernel=3, primary_stride=2, n_classes=4, class_dim=6, decoder_hidden=(16, 24))
+# The EM network at a size for float64 checks: a 10x10 primary grid, 4x4 and 2x2 convolutional capsules.
+SMALL_EM = dict(input_shape=(1, 12, 12), conv_channels=4, conv_kernel=3, conv_stride=1, primary_types=2,
+                matrix_types=(3, 3), n_classes=3, decoder_hidden=(8, 12), routing="em", em_lambda=0.05)
+SMALL_BY_ROUTING = {"dynamic": SMALL, "attention": {**SMALL, "routing": "attention"}, "em": SMALL_EM}
 
 
 def model_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3, **config):
     """Full loss (margin + reconstruction) w.r.t. every parameter tensor and the input."""
-    cfg = {**SMALL, **config}
+    cfg = {**SMALL_BY_ROUTING[config.get("routing", "dynamic")], **config}
     model = CapsNet(B, seed=seed, **cfg)
     rng = np.random.default_rng(seed)
     x = B.asarray(rng.random((batch, *model.config.input_shape)))
     y = rng.integers(0, model.config.n_classes, batch)
     model.zero_grad()
     model.loss(x, y)
-    _freeze_final_coupling(model.classcaps)
+    for layer in (*model.convcaps, model.classcaps):
+        _freeze_final_coupling(layer)
     dx = model.backward(input_grad=True)
     tensors = {"input": x, **model.params}
     analytic = {"input": dx, **model.grads}
     c = model.config
-    label = (f"CapsNet routing={c.routing_grad}{' shared' if c.share_spatial else ''}"
+    label = (f"CapsNet {c.routing}{'' if c.routing == 'attention' else ' routing=' + c.routing_grad}"
+             f"{' shared' if c.share_spatial else ''}"
              f"{' im2col' if c.primary_conv == 'im2col' else ''}")
     return check_tensors(B, label, lambda: model.loss(x, y).loss, tensors, analytic,
                          samples, eps, tol, floor, seed)
@@ -246,15 +314,29 @@ def require_float64(B):
                            "here: pycapsnet crosscheck --a numpy --b BACKEND --dtype-b float32")
 
 
-def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6, seed=0):
-    """Every layer check and the full-loss checks in both routing modes, with shared transforms, and
-    with the im2col PrimaryCaps (the default convolves by FourierConv2d)."""
+def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6, seed=0, routing=None):
+    """Every layer check and the full-loss checks of each routing: dynamic in both routing-gradient
+    modes, with shared transforms and with the im2col PrimaryCaps (the default convolves by
+    FourierConv2d); EM in both modes; attention with and without shared transforms.  ``routing``:
+    that routing's layers and networks only."""
     B = _backends.get(backend, device=device, dtype=dtype)
     require_float64(B)
     eps = 1e-5
-    results = layer_checks(B, samples, eps, tol, seed)
-    for mode in ("full", "final"):
-        results += model_checks(B, samples, eps, tol, seed=seed, routing_grad=mode)
-    results += model_checks(B, samples, eps, tol, seed=seed, share_spatial=True)
-    results += model_checks(B, samples, eps, tol, seed=seed, primary_conv="im2col")
+    results = []
+    if routing in (None, "dynamic"):
+        results += layer_checks(B, samples, eps, tol, seed) if routing is None else _dynamic_layer_checks(B, samples, eps, tol, seed)
+        for mode in ("full", "final"):
+            results += model_checks(B, samples, eps, tol, seed=seed, routing_grad=mode)
+        results += model_checks(B, samples, eps, tol, seed=seed, share_spatial=True)
+        results += model_checks(B, samples, eps, tol, seed=seed, primary_conv="im2col")
+    if routing == "em":
+        results += em_layer_checks(B, samples, eps, tol, seed)
+    if routing in (None, "em"):
+        for mode in ("full", "final"):
+            results += model_checks(B, samples, eps, tol, seed=seed, routing="em", routing_grad=mode)
+    if routing == "attention":
+        results += attention_layer_checks(B, samples, eps, tol, seed)
+    if routing in (None, "attention"):
+        for share in (False, True):
+            results += model_checks(B, samples, eps, tol, seed=seed, routing="attention", share_spatial=share)
     return results

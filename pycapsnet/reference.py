@@ -3,7 +3,10 @@ training path: the first thing to compare the hand-written backward with.  Needs
 module is not imported by ``import pycapsnet``).
 
 Written the way readable_capsnet writes one: nn-style convolutions (F.conv2d, NCHW) and an einsum
-routing loop, with every gradient left to autograd.  It reads pycapsnet's parameters (same names,
+routing loop, with every gradient left to autograd.  The EM network is formulated independently of
+pycapsnet's too: windows by Tensor.unfold, each child's assignments normalised by index_add and
+scatter_reduce over an explicit slot -> child index rather than by im2col/col2im, "final" as a
+detach of the last assignments.  It reads pycapsnet's parameters (same names,
 same layouts: conv weights (kh, kw, C_in, C_out), W_ij (P|1, T, J, D, K)), so the tests use it as an
 independent oracle for the hand-written backward, and the benchmark compares speed and memory with
 identical weights and batches.
@@ -38,18 +41,11 @@ class AutogradCapsNet:
         return list(self.params.values())
 
     def forward(self, x, y=None):
-        """x (N, C, H, W); y labels or None.  Returns (v, lengths, reconstruction)."""
+        """x (N, C, H, W); y labels or None.  Returns (v, class scores, reconstruction)."""
         cfg, p = self.cfg, self.params
-        conv = lambda t, name, stride: F.conv2d(t, p[name + ".W"].permute(3, 2, 0, 1), p[name + ".b"], stride=stride)
-        h = F.relu(conv(x, "conv1", 1))
-        s = conv(h, "primary", cfg.primary_stride)                    # (N, T*K, H2, W2)
-        n = s.shape[0]
-        s = s.permute(0, 2, 3, 1).reshape(n, -1, cfg.primary_types, cfg.primary_dim)  # (N, P, T, K)
-        u = squash(s)
-        W = p["classcaps.W"]                                          # (P|1, T, J, D, K)
-        u_hat = torch.einsum("ptjdk,nptk->nptjd", W, u).reshape(n, -1, cfg.n_classes, cfg.class_dim)
-        v = self.route(u_hat)
-        lengths = v.norm(dim=-1)
+        h = F.relu(self.conv(x, "conv1", getattr(cfg, "conv_stride", 1) or 1))
+        v, lengths = self.matrix_capsules(h) if getattr(cfg, "routing", "dynamic") == "em" else self.vector_capsules(h)
+        n = v.shape[0]
         chosen = y if y is not None else lengths.argmax(1)
         mask = F.one_hot(chosen, cfg.n_classes).to(v.dtype)
         z = (v * mask[..., None]).reshape(n, -1)
@@ -58,6 +54,107 @@ class AutogradCapsNet:
             z = z @ p[f"decoder{k}.W"] + p[f"decoder{k}.b"]
             z = F.relu(z) if k < n_dec else torch.sigmoid(z)
         return v, lengths, z.reshape(n, *cfg.input_shape)
+
+    def conv(self, t, name, stride):
+        p = self.params
+        return F.conv2d(t, p[name + ".W"].permute(3, 2, 0, 1), p[name + ".b"], stride=stride)
+
+    def vector_capsules(self, h):
+        """Dynamic or self-attention routing: (v (N, J, D), |v| (N, J))."""
+        cfg, p = self.cfg, self.params
+        s = self.conv(h, "primary", cfg.primary_stride)               # (N, T*K, H2, W2)
+        n = s.shape[0]
+        s = s.permute(0, 2, 3, 1).reshape(n, -1, cfg.primary_types, cfg.primary_dim)  # (N, P, T, K)
+        u = squash(s)
+        W = p["classcaps.W"]                                          # (P|1, T, J, D, K)
+        u_hat = torch.einsum("ptjdk,nptk->nptjd", W, u).reshape(n, -1, cfg.n_classes, cfg.class_dim)
+        if getattr(cfg, "routing", "dynamic") == "attention":
+            v = self.attention_route(u_hat)
+        else:
+            v = self.route(u_hat)
+        return v, v.norm(dim=-1)
+
+    def attention_route(self, u_hat):
+        """Self-attention routing on û (N, I, J, D), Efficient-CapsNet's squash on the output."""
+        cfg = self.cfg
+        n, i, j, d = u_hat.shape
+        bias = self.params["classcaps.bias"].expand(-1 if not cfg.share_spatial else i // cfg.primary_types,
+                                                    cfg.primary_types, j).reshape(i, j)
+        scores = torch.einsum("nijd,njd->nij", u_hat, u_hat.sum(1)) / d ** 0.5
+        c = torch.softmax(scores, dim=2) + bias
+        s = torch.einsum("nij,nijd->njd", c, u_hat)
+        norm = s.norm(dim=-1, keepdim=True)
+        return s * (1 - torch.exp(-norm)) / norm
+
+    # ---- matrix capsules with EM routing --------------------------------------------------------------
+    def matrix_capsules(self, h):
+        """h (N, A, H, W) -> (class poses (N, J, 16), class activations (N, J))."""
+        cfg, p = self.cfg, self.params
+        T = cfg.primary_types
+        y = torch.einsum("nahw,ak->nhwk", h, p["primary.W"]) + p["primary.b"]
+        n, gh, gw, _ = y.shape
+        M, a = y[..., :T * 16].reshape(n, gh, gw, T, 16), torch.sigmoid(y[..., T * 16:])
+        for k, (kernel, stride) in enumerate(((3, 2), (3, 1)), start=1):
+            M, a = self.conv_caps(M, a, f"convcaps{k}", kernel, stride)
+        n, gh, gw, t, _ = M.shape
+        V = torch.einsum("nqtab,tjbd->nqtjad", M.reshape(n, gh * gw, t, 4, 4), p["classcaps.W"])
+        coord = torch.zeros(gh, gw, 4, 4, dtype=V.dtype, device=V.device)   # coordinate addition
+        coord[:, :, 0, 3] = ((torch.arange(gw, dtype=V.dtype) + 0.5) / gw)[None, :]
+        coord[:, :, 1, 3] = ((torch.arange(gh, dtype=V.dtype) + 0.5) / gh)[:, None]
+        V = V + coord.reshape(1, gh * gw, 1, 1, 4, 4)
+        V = V.reshape(n, gh * gw * t, cfg.n_classes, 16)
+        child = torch.arange(gh * gw * t, device=V.device)                   # one slot per child
+        mu, a_out = self.em(V, a.reshape(n, -1), child, "classcaps")
+        return mu, a_out
+
+    def conv_caps(self, M, a, name, k, s):
+        """Windows by Tensor.unfold; children shared between windows found by index arithmetic."""
+        p, n, gh, gw, t = self.params, *M.shape[:4]
+        Mw = M.unfold(1, k, s).unfold(2, k, s)                  # (N, OH, OW, T, 16, k, k)
+        oh, ow = Mw.shape[1:3]
+        Mw = Mw.permute(0, 1, 2, 5, 6, 3, 4).reshape(n, oh * ow, k * k * t, 4, 4)
+        aw = a.unfold(1, k, s).unfold(2, k, s).permute(0, 1, 2, 4, 5, 3).reshape(n, oh * ow * k * k * t)
+        W = p[name + ".W"]                                       # (k*k*T, C, 4, 4)
+        V = torch.einsum("npiab,icbd->npicad", Mw, W).reshape(n, oh * ow * k * k * t, W.shape[1], 16)
+        r, c, ki, kj, ti = np.meshgrid(np.arange(oh), np.arange(ow), np.arange(k), np.arange(k), np.arange(t),
+                                       indexing="ij")
+        child = torch.as_tensor((((r * s + ki) * gw + (c * s + kj)) * t + ti).ravel(), device=V.device)
+        mu, a_out = self.em(V, aw, child, name, positions=oh * ow)
+        C = W.shape[1]
+        return mu.reshape(n, oh, ow, C, 16), a_out.reshape(n, oh, ow, C)
+
+    def em(self, V, a_in, child, name, positions=1):
+        """EM routing over slots: V (N, S, C, 16) with S = positions x slots per position, a_in (N, S),
+        child[s] the child in slot s.  Parents are (position, type); R normalised per child."""
+        cfg, p = self.cfg, self.params
+        n, S, C, H = V.shape
+        beta_u, beta_a = p[name + ".beta_u"], p[name + ".beta_a"]
+        iters, eps = cfg.routing_iters, 1e-6
+        n_children = int(child.max()) + 1
+        slots = torch.zeros(n_children, dtype=V.dtype, device=V.device).index_add_(0, child, torch.ones_like(child, dtype=V.dtype))
+        R = (1 / (C * slots[child]))[None, :, None].expand(n, S, C)
+        Vp = V.reshape(n, positions, S // positions, C, H)
+        for t in range(iters):
+            lam = cfg.em_lambda * (t + 1) / iters
+            if t == iters - 1 and cfg.routing_grad == "final":
+                R = R.detach()
+            Rp = (R * a_in[..., None]).reshape(n, positions, S // positions, C)
+            r = Rp.sum(2)                                               # (N, P, C)
+            mu = torch.einsum("npic,npich->npch", Rp, Vp) / (r[..., None] + eps)
+            var = torch.einsum("npic,npich->npch", Rp, (Vp - mu[:, :, None]) ** 2) / (r[..., None] + eps) + eps
+            cost = (beta_u[:, None] + 0.5 * torch.log(var)).sum(-1) * r
+            a = torch.sigmoid(lam * (beta_a - cost))
+            if t == iters - 1:
+                return mu.reshape(n, -1, H) if positions == 1 else mu, a.reshape(n, -1) if positions == 1 else a
+            log_p = -(((Vp - mu[:, :, None]) ** 2) / (2 * var[:, :, None])
+                      + 0.5 * torch.log(2 * np.pi * var[:, :, None])).sum(-1)
+            L = (F.logsigmoid(lam * (beta_a - cost))[:, :, None] + log_p).reshape(n, S, C)
+            lse_slot = torch.logsumexp(L, dim=2)                       # (N, S)
+            top = torch.full((n, n_children), -torch.inf, dtype=V.dtype, device=V.device)
+            top = top.scatter_reduce(1, child.expand(n, S), lse_slot.detach(), reduce="amax")
+            Z = torch.zeros(n, n_children, dtype=V.dtype, device=V.device)
+            Z = Z.index_add(1, child, torch.exp(lse_slot - top[:, child]))
+            R = torch.exp(L - (top[:, child] + torch.log(Z[:, child]))[..., None])
 
     def route(self, u_hat):
         """Dynamic routing on û (N, I, J, D); 'final' detaches everything but the last weighted sum."""
@@ -72,12 +169,18 @@ class AutogradCapsNet:
             v = squash(torch.einsum("nij,nijd->njd", c, u_for_b))
             b = b + torch.einsum("nijd,njd->nij", u_for_b, v)
 
+    spread_margin = 0.2  # the spread loss's margin (the first epoch's)
+
     def loss(self, x, y):
         cfg = self.cfg
         v, lengths, recon = self.forward(x, y)
         t = F.one_hot(y, cfg.n_classes).to(lengths.dtype)
-        margin = (t * F.relu(cfg.m_plus - lengths) ** 2
-                  + cfg.lam * (1 - t) * F.relu(lengths - cfg.m_minus) ** 2).sum(1).mean()
+        if getattr(cfg, "routing", "dynamic") == "em":
+            a_t = (lengths * t).sum(1, keepdim=True)
+            margin = ((F.relu(self.spread_margin - (a_t - lengths)) * (1 - t)) ** 2).sum(1).mean()
+        else:
+            margin = (t * F.relu(cfg.m_plus - lengths) ** 2
+                      + cfg.lam * (1 - t) * F.relu(lengths - cfg.m_minus) ** 2).sum(1).mean()
         rec = cfg.recon_weight * ((recon - x) ** 2).sum() / x.shape[0]
         return margin + rec, margin, rec
 

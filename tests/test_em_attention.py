@@ -1,0 +1,275 @@
+"""EM routing (matrix capsules) and self-attention routing: finite differences in float64, the
+autograd oracle, NumPy against PyTorch (float64 and float32) and the GPUs, numerical safety in both
+float dtypes, and the assignment normalisation over every parent that receives a child."""
+import numpy as np
+import pytest
+
+import backends
+from pycapsnet import CapsNet, gradcheck
+from pycapsnet.em_routing import em_backward, em_forward
+from pycapsnet.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, WindowGroup
+from pycapsnet.capsules import AttentionCaps
+from pycapsnet.gradcheck import SMALL_BY_ROUTING
+from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, assert_close
+
+B64 = backends.get("numpy", dtype="float64")
+RTOL = {"float64": 1e-9, "float32": 1e-4}
+ROUTED = [("em", "full"), ("em", "final"), ("attention", "full")]
+
+
+def _assert_all_pass(results):
+    assert results, "no check ran"
+    bad = [f"{r.layer} / {r.tensor}: max rel {r.max_rel:.2e}" for r in results if not r.passed]
+    assert not bad, "gradient check failed:\n" + "\n".join(bad)
+
+
+# ---- finite differences ---------------------------------------------------------------------------
+def test_em_layers_finite_differences():
+    results = gradcheck.em_layer_checks(B64, samples=20)
+    assert {r.layer for r in results} >= {"PrimaryMatrixCaps", "ConvMatrixCaps 3x3/2 routing=full",
+                                          "ConvMatrixCaps 3x3/2 routing=final", "ClassMatrixCaps routing=full",
+                                          "ClassMatrixCaps routing=final", "SpreadLoss"}
+    assert {r.tensor for r in results} >= {"input0", "input1", "W", "beta_u", "beta_a"}
+    _assert_all_pass(results)
+
+
+def test_attention_layers_finite_differences():
+    results = gradcheck.attention_layer_checks(B64, samples=20)
+    assert {r.layer for r in results} >= {"squash_exp", "squash_exp near 0", "AttentionCaps", "AttentionCaps shared"}
+    _assert_all_pass(results)
+
+
+@pytest.mark.parametrize("routing,mode", ROUTED + [("attention", "shared")])
+def test_whole_loss_finite_differences(routing, mode):
+    config = {"share_spatial": True} if mode == "shared" else {"routing_grad": mode}
+    results = gradcheck.model_checks(B64, samples=10, routing=routing, **config)
+    names = {r.tensor for r in results}
+    assert "input" in names and "decoder3.W" in names
+    if routing == "em":
+        assert names >= {"primary.W", "convcaps1.W", "convcaps2.beta_u", "classcaps.beta_a"}
+    else:
+        assert "classcaps.bias" in names
+    _assert_all_pass(results)
+
+
+def test_more_iterations_and_a_sharper_temperature():
+    _assert_all_pass(gradcheck.model_checks(B64, samples=8, routing="em", routing_iters=5, em_lambda=0.2, seed=4))
+
+
+def test_the_check_catches_a_wrong_em_backward(monkeypatch):
+    """The E-step's softmax backward off by 1% is caught."""
+    from pycapsnet import em_routing
+
+    orig = em_routing.em_backward
+
+    def wrong(*a, **k):
+        dV, da, dbu, dba = orig(*a, **k)
+        return dV, da, dbu, 1.01 * dba
+
+    monkeypatch.setattr("pycapsnet.matrix_capsules.em_backward", wrong)
+    results = gradcheck.em_layer_checks(B64, samples=5)
+    assert any(not r.passed and r.tensor == "beta_a" for r in results)
+
+
+# ---- the autograd oracle --------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("routing,mode", ROUTED + [("attention", "shared")])
+def test_gradients_match_autograd(backend, routing, mode):
+    torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch")
+    from pycapsnet.reference import AutogradCapsNet
+
+    config = {**SMALL_BY_ROUTING[routing], **({"share_spatial": True} if mode == "shared" else {"routing_grad": mode})}
+    model = CapsNet(backends.get(backend, dtype="float64"), seed=2, **config)
+    for _, layer in model.layers():  # parameters away from their initial zeros and small values
+        for p in layer.params.values():
+            p += model.B.asarray(0.2 * np.random.default_rng(3).standard_normal(tuple(p.shape)))
+    rng = np.random.default_rng(5)
+    x = rng.random((4, *model.config.input_shape))
+    y = rng.integers(0, model.config.n_classes, 4)
+    model.zero_grad()
+    out = model.loss(x, y)
+    dx = model.backward(input_grad=True)
+    loss_ref, g = AutogradCapsNet.from_model(model, dtype=torch.float64).grads(x, y, input_grad=True)
+    assert out.loss == pytest.approx(loss_ref, rel=1e-12)
+    for k, ref in g.items():
+        mine = dx if k == "input" else model.grads[k]
+        assert_close(model.B.to_numpy(mine), ref, 1e-8, what=k)
+
+
+# ---- across backends ----------------------------------------------------------------------------
+def _run(spec, dtype, routing, mode, n=4):
+    config = {**SMALL_BY_ROUTING[routing], "routing_grad": mode}
+    model = CapsNet(backends.get(spec, dtype=dtype), seed=11, **config)
+    rng = np.random.default_rng(1)
+    x = rng.random((n, *model.config.input_shape)).astype(dtype)
+    y = rng.integers(0, model.config.n_classes, n)
+    out = model.train_step_grads(x, y)
+    B = model.B
+    res = {"loss": np.array(out.loss), "v": B.to_numpy(out.v), "scores": B.to_numpy(out.lengths),
+           "reconstruction": B.to_numpy(out.reconstruction)}
+    res.update({f"grad {k}": B.to_numpy(g) for k, g in model.grads.items()})
+    return res
+
+
+def _compare(a, b, dtype):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert_close(a[k], b[k], RTOL[dtype], what=k)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("routing,mode", ROUTED)
+def test_numpy_vs_torch(dtype, routing, mode):
+    pytest.importorskip("torch", reason="cross-backend checks need PyTorch")
+    _compare(_run("torch", dtype, routing, mode), _run("numpy", dtype, routing, mode), dtype)
+
+
+@pytest.mark.parametrize("spec", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("routing,mode", ROUTED)
+def test_gpu_vs_numpy(spec, dtype, routing, mode):
+    _compare(_run(spec, dtype, routing, mode), _run("numpy", dtype, routing, mode), dtype)
+
+
+# ---- what EM routing computes ---------------------------------------------------------------------
+def test_a_child_shares_its_assignment_over_every_parent_that_receives_it():
+    """ConvMatrixCaps: each child's R sums to 1 over the parents of every type at every position whose
+    window holds it -- not to 1 per position, which would drop the competition between positions."""
+    rng = np.random.default_rng(0)
+    layer = ConvMatrixCaps(B64, 2, 3, kernel=3, stride=1, iters=3, rng=rng)
+    M, a = rng.standard_normal((2, 6, 6, 2, 16)), rng.uniform(0.1, 0.9, (2, 6, 6, 2))
+    layer.forward((M, a))
+    group = WindowGroup(B64, (2, 6, 6, 2), 3, 1)
+    for R in layer.assignments:                          # (N, P, I, C)
+        per_child = group.sum(R.sum(-1))                 # every slot holds its child's total
+        np.testing.assert_allclose(per_child, 1, rtol=1e-12)
+        assert not np.allclose(R.sum(-1), 1)            # per slot (one position) it is not 1
+    # the centre child of a 6x6 grid with 3x3/1 windows sits in 9 windows: R^0 = 1 / (9 * 3)
+    R0 = layer.assignments[0].reshape(2, 4, 4, 3, 3, 2, 3)
+    assert R0[0, 1, 1, 1, 1, 0, 0] == pytest.approx(1 / 27)
+
+
+def test_em_routing_runs_its_e_step_only_between_m_steps():
+    rng = np.random.default_rng(1)
+    V, a_in = rng.standard_normal((2, 1, 5, 3, 16)), rng.uniform(0.2, 0.8, (2, 1, 5))
+    zeros = np.zeros(3)
+    _, _, trace = em_forward(B64, V, a_in, zeros, zeros, [0.1, 0.2, 0.3])
+    assert len(trace) == 3  # three M-steps, hence two E-steps: R^0 (uniform), R^1, R^2
+    np.testing.assert_allclose(trace[0][0], 1 / 3)
+    assert not np.allclose(trace[2][0], trace[1][0])
+
+
+# ---- numerical safety -----------------------------------------------------------------------------
+def _finite(B, *arrays):
+    return all(B.all_finite(a) for a in arrays)
+
+
+def _em_case(case, rng):
+    """(V (N, 1, I, C, 16), a_in (N, 1, I)) of one hard case."""
+    V, a = rng.standard_normal((2, 1, 6, 3, 16)), rng.uniform(0.2, 0.8, (2, 1, 6))
+    if case == "zero activations":
+        a[:] = 0
+    elif case == "identical votes":       # σ² -> ε
+        V[:] = V[:, :, :1]
+    elif case == "a single child":
+        V, a = V[:, :, :1], a[:, :, :1]
+    elif case == "very large poses":
+        V *= 1e4
+    return V, a
+
+
+CASES = ["zero activations", "identical votes", "a single child", "very large poses"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", ["full", "final"])
+def test_em_routing_stays_finite(dtype, case, mode):
+    B = backends.get("numpy", dtype=dtype)
+    rng = np.random.default_rng(2)
+    V, a = (B.asarray(t) for t in _em_case(case, rng))
+    beta = B.asarray(rng.standard_normal(3))
+    lambdas = [0.01, 0.1, 1.0]
+    with np.errstate(over="raise", invalid="raise", divide="raise"):  # underflow to 0 is fine
+        mu, act, trace = em_forward(B, V, a, beta, beta, lambdas)
+        grads = em_backward(B, V, a, beta, lambdas, trace, B.asarray(rng.standard_normal(tuple(mu.shape))),
+                            B.asarray(rng.standard_normal(tuple(act.shape))), mode=mode)
+    assert _finite(B, mu, act, *[t for step in trace for t in step], *grads), case
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", CASES)
+def test_em_layers_stay_finite(dtype, case):
+    """The same cases through ConvMatrixCaps (children shared by windows) and ClassMatrixCaps."""
+    B = backends.get("numpy", dtype=dtype)
+    rng = np.random.default_rng(3)
+    M, a = rng.standard_normal((2, 5, 5, 2, 16)), rng.uniform(0.2, 0.8, (2, 5, 5, 2))
+    if case == "zero activations":
+        a[:] = 0
+    elif case == "identical votes":
+        M[:] = 0                                          # every vote is 0 (W 0 would do too)
+    elif case == "a single child":
+        M, a = M[:, :3, :3, :1], a[:, :3, :3, :1]         # one window, one type: 9 slots, no overlap
+    elif case == "very large poses":
+        M *= 1e4
+    conv = ConvMatrixCaps(B, M.shape[3], 3, kernel=3, stride=1, rng=rng)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        M2, a2 = conv.forward((B.asarray(M), B.asarray(a)))
+        cls = ClassMatrixCaps(B, tuple(M2.shape[1:3]), 3, 4, rng=rng)
+        v, act = cls.forward((M2, a2))
+        d = cls.backward((B.asarray(rng.standard_normal(tuple(v.shape))), B.asarray(rng.standard_normal(tuple(act.shape)))))
+        dM, da = conv.backward(d)
+    assert _finite(B, M2, a2, v, act, dM, da, *conv.grads.values(), *cls.grads.values()), case
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", ["zero predictions", "identical votes", "a single child", "very large poses"])
+def test_attention_routing_stays_finite(dtype, case):
+    B = backends.get("numpy", dtype=dtype)
+    rng = np.random.default_rng(4)
+    positions, types = (1, 1) if case == "a single child" else (4, 2)
+    layer = AttentionCaps(B, positions, types, 4, 3, 5, rng=rng)
+    u = rng.standard_normal((3, positions, types, 4))
+    if case == "zero predictions":        # s_j = 0: the squash at its singular point
+        u[:] = 0
+    elif case == "identical votes":
+        u[:] = u[:1, :1, :1]
+    elif case == "very large poses":
+        u *= 1e4
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        v = layer.forward(B.asarray(u))
+        du = layer.backward(B.asarray(rng.standard_normal(tuple(v.shape))))
+    assert _finite(B, v, du, *layer.grads.values()), case
+
+
+# ---- the networks -----------------------------------------------------------------------------------
+def test_the_papers_em_network_builds():
+    """A=32, B=8, C=D=16, 3 iterations; on 28x28 digits: 12x12 primary, 5x5 and 3x3 convolutional capsules."""
+    model = CapsNet("numpy", routing="em")
+    c = model.config
+    assert (c.conv_channels, c.conv_kernel, c.conv_stride, c.primary_types, c.matrix_types, c.routing_iters) == \
+        (32, 5, 2, 8, (16, 16), 3)
+    assert model.params["convcaps1.W"].shape == (72, 16, 4, 4)
+    assert model.params["classcaps.W"].shape == (16, 10, 4, 4)
+    out = model.loss(np.random.default_rng(0).random((2, 1, 28, 28)), [1, 2])
+    assert out.v.shape == (2, 10, 16) and set(out.parts) == {"spread", "reconstruction"}
+
+
+def test_switching_routing_takes_the_new_routings_defaults():
+    from pycapsnet.model import CapsNetConfig
+
+    em = CapsNetConfig().replace(routing="em")
+    assert (em.conv_channels, em.primary_types) == (32, 8)
+    assert CapsNetConfig().replace(routing="em", conv_channels=64).conv_channels == 64
+
+
+def test_spread_loss_margin_schedule_reaches_the_step():
+    model = CapsNet(B64, seed=0, **SMALL_BY_ROUTING["em"])
+    rng = np.random.default_rng(0)
+    x, y = rng.random((3, 1, 12, 12)), np.array([0, 1, 2])
+    losses = []
+    for epoch in (0, 3, 20):
+        model.set_epoch(epoch)
+        losses.append(model.loss(x, y).parts["spread"])
+    assert float(model.class_loss.margin) == pytest.approx(0.9)
+    assert losses[0] < losses[1] < losses[2]  # a wider margin, a larger loss on the same activations
