@@ -20,6 +20,7 @@ import numpy as np
 
 from .argtypes import name_and_factor, nonnegative_int, positive_float, positive_int
 from .errors import BackendError, CapsNetError
+from .model import ROUTINGS
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 
@@ -107,7 +108,7 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
         dx = model.backward(input_grad=True)
         B = model.B
         res = {"loss": ("forward", np.array(out.loss)), "v_j (class capsules)": ("forward", B.to_numpy(out.v)),
-               "|v_j| (lengths)": ("forward", B.to_numpy(out.lengths)),
+               "class scores (|v_j|; EM: a_j)": ("forward", B.to_numpy(out.lengths)),
                "reconstruction": ("forward", B.to_numpy(out.reconstruction)), "dL/dx (input)": ("gradient", B.to_numpy(dx))}
         for name, g in model.grads.items():
             g = B.to_numpy(g)
@@ -171,6 +172,7 @@ def cmd_inspect(args):
     pred = int(out.predictions[0])
     names = ckpt["header"].get("classes") or test.classes  # class names, by index
     couplings = [np.array(B.to_numpy(c)[0]) for c in model.classcaps.coupling]  # per iteration (I, J), copied
+    activations = [np.array(B.to_numpy(a)[0]) for a in getattr(model.classcaps, "activations", [])]  # EM
     # before the reconstructions' forward pass reuses the routing's buffers
     written = [save_reconstructions(model, test, os.path.join(args.out, "reconstructions.png"))]
     D = v.shape[-1]
@@ -185,9 +187,16 @@ def cmd_inspect(args):
         decoded, PERTURB_STEPS, os.path.join(args.out, "perturbation.png"),
         f"test image {args.index} (label {names[y]}, predicted {names[pred]}): each of the {D} dimensions of capsule {pred} "
         "moved over [-0.25, 0.25], then decoded"))
+    em = model.config.routing == "em"
+    what = "EM assignments R_ij of the class layer" if em else "coupling coefficients c_ij"
     written.append(plots.coupling_heatmaps(
-        couplings, model.primary_hw, model.config.primary_types, os.path.join(args.out, "coupling.png"), pred,
-        f"coupling coefficients c_ij for test image {args.index} (label {names[y]}, predicted {names[pred]})"))
+        couplings, *model.routed_grid, os.path.join(args.out, "coupling.png"), pred,
+        f"{what} for test image {args.index} (label {names[y]}, predicted {names[pred]})",
+        symbol="R_ij" if em else "c_ij", child="child capsule" if em else "primary capsule"))
+    if em:
+        written.append(plots.activation_bars(activations, os.path.join(args.out, "activations.png"), names, y, pred,
+                                             f"class activations a_j per EM iteration, test image {args.index} "
+                                             f"(label {names[y]}, predicted {names[pred]})"))
     files.atomic_write(os.path.join(args.out, "coupling.npz"), lambda f: np.savez(f, *couplings))
     for p in written:
         print(p)
@@ -301,7 +310,8 @@ def build_parser():
                         "disagreement is caught)")
     c.set_defaults(fn=cmd_crosscheck)
 
-    i = sub.add_parser("inspect", help="PNGs: reconstructions, capsule-dimension perturbations, coupling c_ij")
+    i = sub.add_parser("inspect", help="PNGs: reconstructions, capsule-dimension perturbations, coupling c_ij "
+                                       "(EM: assignments R_ij and class activations per iteration)")
     i.add_argument("checkpoint")
     i.add_argument("--out", default="inspect", help="output directory (default: ./inspect)")
     i.add_argument("--index", type=nonnegative_int, default=0, help="which test image to perturb and route (default: 0)")

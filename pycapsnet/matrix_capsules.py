@@ -86,11 +86,18 @@ class PrimaryMatrixCaps(Layer):
     """A 1x1 convolution from C_in channels to T capsule types: 16 pose entries and an activation
     logit per type, a = sigmoid(logit).  h (N, H, W, C_in) -> (M (N, H, W, T, 16), a (N, H, W, T))."""
 
+    pose_scale = 8.0  # the pose columns' initial weights, times the fan-in initialisation's
+
     def __init__(self, backend, c_in, types=8, rng=None):
         super().__init__(backend)
         self.types = types
         self.linear = Linear(backend, c_in, types * 17, rng=rng)  # columns: T*16 pose entries, then T logits
         self.params, self.grads = self.linear.params, self.linear.grads
+        # Poses of about unit size at the start, so that the votes' variances start near 1 in every
+        # routed layer.  From the fan-in initialisation they would start far below it, ln σ² << 0,
+        # and the cost r_j sum_h ½ ln σ²_jh would then push every activation to 1 (a(1 - a) ~ 0: no gradient).
+        for name in ("W", "b"):
+            self.params[name][..., :types * 16] *= self.pose_scale
 
     def forward(self, h):
         xp = self.B.xp
@@ -241,3 +248,14 @@ class ClassMatrixCaps(_EMLayer):
         if not input_grad:
             return None
         return xp.reshape(dM, shape), xp.reshape(da_in, shape[:4])
+
+    @property
+    def coupling(self):
+        """R_ij of each routing iteration of the last forward, as (N, I, J) arrays, i = (row, column,
+        type) of the child grid: the layout of dynamic routing's c_ij, for the same pictures."""
+        return [self.B.xp.reshape(R, (R.shape[0], R.shape[2], self.J)) for R in self.assignments]
+
+    @property
+    def activations(self):
+        """a_j of each routing iteration's M-step, (N, J) arrays."""
+        return [self.B.xp.reshape(t[5], (t[5].shape[0], self.J)) for t in self.trace]

@@ -278,6 +278,7 @@ class CapsNet:
             self.classcaps = ClassMatrixCaps(B, grids[-1], types[-1], cfg.n_classes, cfg.routing_iters,
                                              cfg.routing_grad, cfg.em_lambda, rng=rng)
             self.class_loss = SpreadLoss(B)
+            self.routed_grid = (grids[-1], types[-1])  # the class layer's children: (H, W) grid, types
         else:
             self.primary = PrimaryCaps(B, cfg.conv_channels, cfg.primary_types, cfg.primary_dim,
                                        cfg.primary_kernel, cfg.primary_stride, rng=rng,
@@ -289,6 +290,7 @@ class CapsNet:
                 self.classcaps = ClassCaps(B, *caps, cfg.routing_iters, cfg.routing_grad, cfg.share_spatial, rng=rng)
             self.convcaps = []
             self.class_loss = MarginLoss(B, cfg.m_plus, cfg.m_minus, cfg.lam)
+            self.routed_grid = (self.primary_hw, cfg.primary_types)
         self.length = CapsuleLength(B)
         self.decoder = []
         for k, (a, b) in enumerate(decoder_sizes(cfg)):

@@ -79,7 +79,7 @@ def perturbation_grid(decoded, steps, path, title=""):
     return save(fig, path)
 
 
-def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title=""):
+def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title="", symbol="c_ij", child="primary capsule"):
     """couplings: list over routing iterations of c_ij (I, J) for one input, I = positions * types.
 
     Top row: c_ij per iteration (rows = primary capsules i, columns = class capsules j), on one colour
@@ -99,8 +99,8 @@ def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title=""):
         ax.set_title(f"iteration {r + 1}", fontsize=9)
         ax.set_xlabel("class capsule j", fontsize=8)
         if r == 0:
-            ax.set_ylabel(f"primary capsule i ({grid_hw[0]}x{grid_hw[1]} positions x {types} types)", fontsize=8)
-    fig.colorbar(im, ax=axes[0].tolist(), label="c_ij")
+            ax.set_ylabel(f"{child} i ({grid_hw[0]}x{grid_hw[1]} positions x {types} types)", fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), label=symbol)
     if chosen is not None:
         maps = [c[:, chosen].reshape(grid_hw[0], grid_hw[1], types).mean(-1) for c in cs]
         mlo, mhi = min(m.min() for m in maps), max(m.max() for m in maps)
@@ -108,9 +108,28 @@ def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title=""):
             ax = axes[1, r]
             im2 = ax.imshow(m, cmap="magma", vmin=mlo, vmax=mhi, interpolation="nearest")
             ax.set_xticks([]), ax.set_yticks([])
-            ax.set_xlabel(f"c_i,{chosen} by position (mean over types)", fontsize=7)
-        fig.colorbar(im2, ax=axes[1].tolist(), label=f"mean c_i,{chosen}")
-    fig.suptitle(title or "coupling coefficients c_ij per routing iteration", fontsize=9)
+            ax.set_xlabel(f"{symbol[0]}_i,{chosen} by position (mean over types)", fontsize=7)
+        fig.colorbar(im2, ax=axes[1].tolist(), label=f"mean {symbol[0]}_i,{chosen}")
+    fig.suptitle(title or f"{symbol} per routing iteration", fontsize=9)
+    return save(fig, path)
+
+
+def activation_bars(activations, path, names, label=None, chosen=None, title=""):
+    """EM routing's class activations a_j after each iteration's M-step: one bar chart per iteration
+    (activations: list of (J,) arrays), the label's bar and the predicted one marked."""
+    plt = pyplot()
+    R = len(activations)
+    fig, axes = plt.subplots(1, R, figsize=(2.6 * R + 0.6, 2.8), squeeze=False, sharey=True)
+    for r, a in enumerate(activations):
+        ax = axes[0, r]
+        colours = ["C2" if j == label else "C3" if j == chosen else "C0" for j in range(len(a))]
+        ax.bar(range(len(a)), a, color=colours)
+        ax.set_xticks(range(len(a)), [str(n) for n in names], fontsize=6, rotation=90 if len(a) > 12 else 0)
+        ax.set_ylim(0, 1), ax.set_title(f"iteration {r + 1}", fontsize=9)
+        if r == 0:
+            ax.set_ylabel("a_j", fontsize=8)
+    fig.suptitle(title or "class activations a_j per routing iteration (green: label, red: predicted if not)", fontsize=9)
+    fig.tight_layout()
     return save(fig, path)
 
 

@@ -109,7 +109,7 @@ class AutogradCapsNet:
 
     def conv_caps(self, M, a, name, k, s):
         """Windows by Tensor.unfold; children shared between windows found by index arithmetic."""
-        p, n, gh, gw, t = self.params, *M.shape[:4]
+        p, n, gw, t = self.params, M.shape[0], M.shape[2], M.shape[3]
         Mw = M.unfold(1, k, s).unfold(2, k, s)                  # (N, OH, OW, T, 16, k, k)
         oh, ow = Mw.shape[1:3]
         Mw = Mw.permute(0, 1, 2, 5, 6, 3, 4).reshape(n, oh * ow, k * k * t, 4, 4)
