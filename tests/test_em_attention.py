@@ -273,3 +273,61 @@ def test_spread_loss_margin_schedule_reaches_the_step():
         losses.append(model.loss(x, y).parts["spread"])
     assert float(model.class_loss.margin) == pytest.approx(0.9)
     assert losses[0] < losses[1] < losses[2]  # a wider margin, a larger loss on the same activations
+
+
+# ---- the trainer and the commands ----------------------------------------------------------------
+SMALL_EM_FLAGS = ["--conv-channels", "8", "--primary-types", "4"]
+QUICK_DATA = ["--limit", "64", "--limit-test", "32", "--no-progress", "--batch-size", "32"]
+
+
+@pytest.mark.parametrize("routing", ["em", "attention"])
+def test_train_resume_evaluate_and_inspect(routing, tmp_path):
+    """--routing selects the network; the run checkpoints, resumes to the uninterrupted run's weights,
+    and the checkpoint is evaluated and inspected with its own network."""
+    import json
+    import os
+
+    from pycapsnet import checkpoint, cli, trainer
+
+    flags = ["--routing", routing, *(SMALL_EM_FLAGS if routing == "em" else ["--conv-channels", "16", "--primary-types", "4"])]
+    out, straight = str(tmp_path / "run"), str(tmp_path / "straight")
+    assert trainer.main("numpy", flags + QUICK_DATA + ["--epochs", "1", "--out", out]) == 0
+    assert trainer.main("numpy", ["--no-progress", "--epochs", "2", "--resume", out]) == 0
+    assert trainer.main("numpy", flags + QUICK_DATA + ["--epochs", "2", "--out", straight]) == 0
+    a, b = checkpoint.load(out), checkpoint.load(straight)
+    assert a["header"]["config"]["routing"] == routing
+    for k in a["params"]:
+        np.testing.assert_allclose(a["params"][k], b["params"][k], rtol=1e-6, atol=1e-7, err_msg=k)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["epoch"] for line in f] == [1, 2]
+    assert cli.main(["evaluate", out, "--limit-test", "32"]) == 0
+    pictures = str(tmp_path / "inspect")
+    assert cli.main(["inspect", out, "--out", pictures]) == 0
+    names = ["reconstructions.png", "perturbation.png", "coupling.png"] + (["activations.png"] if routing == "em" else [])
+    for name in names:
+        with open(os.path.join(pictures, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    c = np.load(os.path.join(pictures, "coupling.npz"))
+    if routing == "em":  # R_ij of the class layer per iteration; each child's sums to 1 over the classes
+        assert len(c.files) == 3
+        np.testing.assert_allclose(c["arr_2"].sum(1), 1.0, rtol=1e-5)
+
+
+def test_a_checkpoint_of_another_routing_is_refused_on_resume(tmp_path, capsys):
+    from pycapsnet import trainer
+
+    out = str(tmp_path / "run")
+    assert trainer.main("numpy", ["--routing", "em", *SMALL_EM_FLAGS, *QUICK_DATA, "--epochs", "1", "--out", out]) == 0
+    assert trainer.main("numpy", ["--routing", "dynamic", "--epochs", "2", "--resume", out, "--no-progress"]) != 0
+    assert "--routing dynamic (the checkpoint has em)" in capsys.readouterr().err
+
+
+def test_gradcheck_and_crosscheck_take_the_routing(capsys):
+    from pycapsnet import cli
+
+    assert cli.main(["gradcheck", "--routing", "em", "--samples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "ConvMatrixCaps 3x3/2 routing=full" in out and "CapsNet em routing=final" in out and "0 failed" in out
+    assert "ClassCaps routing" not in out  # only the EM checks
+    assert cli.main(["crosscheck", "--routing", "attention", "--batch", "2"]) == 0
+    assert "classcaps.bias" in capsys.readouterr().out
