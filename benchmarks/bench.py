@@ -45,6 +45,7 @@ from backends.torch_backend import is_torch_device  # (imports no torch)
 from pycapsnet.argtypes import nonnegative_int, positive_int, writable_file
 from pycapsnet.capsules import PrimaryCaps
 from pycapsnet.cli import format_table
+from pycapsnet.model import ROUTINGS
 
 QUICK = dict(conv_channels=16, primary_types=4)
 
@@ -410,8 +411,12 @@ def parser():
     p.add_argument("--quick", action="store_true", help="tiny model, 1 timed step: a smoke run")
     p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS), default="fourier",
                    help="how the hand-written PrimaryCaps convolves (default fourier, as in training)")
-    p.add_argument("--json", type=writable_file, default=os.path.join(ROOT, "benchmarks", "results.json"),
-                   help="where the results go (default: benchmarks/results.json, the README's)")
+    p.add_argument("--routing", choices=ROUTINGS, default="dynamic",
+                   help="the network: dynamic (default), em or attention; each against an autograd "
+                        "implementation of the same network (pycapsnet/reference.py)")
+    p.add_argument("--json", type=writable_file, default=None,
+                   help="where the results go (default: benchmarks/results.json, the README's; "
+                        "benchmarks/results-ROUTING.json for --routing em or attention)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
@@ -423,6 +428,14 @@ def main(argv=None):
         return 0
     args.config = dict(QUICK) if args.quick else {}
     args.config["primary_conv"] = args.primary_conv
+    if args.routing != "dynamic":
+        args.config["routing"] = args.routing
+        if args.quick:  # the tiny model's sizes are dynamic routing's; the EM network keeps its own
+            args.config = {k: v for k, v in args.config.items() if args.routing != "em" or k not in
+                           ("conv_channels", "conv_kernel", "primary_types")}
+    if args.json is None:
+        name = "results.json" if args.routing == "dynamic" else f"results-{args.routing}.json"
+        args.json = os.path.join(ROOT, "benchmarks", name)
     if args.quick:
         args.warmup, args.steps, args.batch_size, args.rounds = 1, 1, min(args.batch_size, 8), min(args.rounds, 2)
 
@@ -440,10 +453,11 @@ def main(argv=None):
     for impl in impls:
         print(f"measuring {impl}: memory, GEMM floor ...", file=sys.stderr, flush=True)
         results["main"].append(_measure(impl, args, speed=_median_run(runs[impl])))
-        results["floor"][impl] = _spawn("floor", impl, args)
+        # the GEMM floor models dynamic routing's products (step_products); none for the other networks
+        results["floor"][impl] = _spawn("floor", impl, args) if args.routing == "dynamic" else {}
     ref = next((r for r in results["main"] if r["impl"].startswith("autograd") and "error" not in r), None)
     rows = [table_row(r, ref, results["floor"].get(r["impl"], {}), args) for r in results["main"]]
-    cfg_txt = "tiny model (--quick)" if args.quick else "paper MNIST CapsNet"
+    cfg_txt = ("tiny model (--quick)" if args.quick else "paper MNIST CapsNet") + f", {args.routing} routing"
     print(f"\n{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up,"
           f" median of {args.rounds} rounds (ratio range in brackets); hand-written PrimaryCaps: {args.primary_conv}")
     print(format_table(rows, ["implementation", "train samples/s", "60k epoch s", "eval samples/s", "peak train MB",
