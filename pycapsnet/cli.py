@@ -23,6 +23,10 @@ from .errors import BackendError, CapsNetError
 from .model import ROUTINGS
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+# EM routing in float32: the E-step exponentiates log-likelihoods that are sums of 16 squared
+# distances, and every routed layer compounds their rounding, so float32 lands further from float64
+# (on either backend) than the other networks do.
+EM_FLOAT32_TOLERANCE = 2e-3
 
 
 def _lower_precision(*dtypes):
@@ -127,11 +131,13 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
 
 def cmd_crosscheck(args):
     dtypes = args.dtype if args.dtype_b in (None, args.dtype) else f"{args.dtype} vs {args.dtype_b}"
-    tol = args.rtol if args.rtol is not None else TOLERANCE[_lower_precision(args.dtype, args.dtype_b)]
     if args.checkpoint and args.routing:
         raise CapsNetError("--routing builds a seeded network; a --checkpoint brings its own: give one or the other")
     rows, models = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, args.perturb,
                               config={"routing": args.routing} if args.routing else None, dtype_b=args.dtype_b)
+    low = _lower_precision(args.dtype, args.dtype_b)
+    tol = (args.rtol if args.rtol is not None else EM_FLOAT32_TOLERANCE
+           if low == "float32" and models[0].config.routing == "em" else TOLERANCE[low])
     src = args.checkpoint or f"seeded initialisation (seed {args.seed})"
     print(f"{models[0].B.label}  vs  {models[1].B.label}: {args.batch} test digits, weights from {src}")
     table = [{"tensor": r["tensor"], "kind": r["kind"], "max |a-b|": f"{r['max_abs']:.2e}",
@@ -300,7 +306,7 @@ def build_parser():
                    help="side b's dtype, if not --dtype: --dtype float64 --dtype-b float32 checks a float32 "
                         "backward against the float64 one (which gradcheck checks)")
     c.add_argument("--rtol", type=positive_float, default=None,
-                   help="tolerance (default: 1e-9 float64, 1e-4 when a side is float32)")
+                   help="tolerance (default: 1e-9 float64, 1e-4 when a side is float32, 2e-3 for EM routing then)")
     c.add_argument("--routing", choices=ROUTINGS, default=None,
                    help="the seeded network of this routing (default: dynamic; a --checkpoint brings its own)")
     c.add_argument("--batch", type=positive_int, default=8)

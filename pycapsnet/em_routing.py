@@ -36,7 +36,7 @@ dμ and da are the incoming gradients), with d_ijh = V_ijh - μ_jh and q_ijh = d
   M-step t:
     dβ_a += λ_t sum dz_j,   dcost_j = -λ_t dz_j,   dβ_u += H sum dcost_j r_j
     dr_j  = dcost_j sum_h (β_u + ½ ln σ²_jh),   dσ²_jh += dcost_j r_j / (2σ²_jh)
-    dμ_jh -= 2 dσ²_jh sum_i w_ij d_ijh                                (σ² depends on μ too)
+    dμ_jh -= 2 dσ²_jh sum_i w_ij d_ijh  = 2 dσ²_jh μ_jh ε / (r_j + ε)    (σ² depends on μ too)
     dw_ij = sum_h (dσ²_jh d²_ijh + dμ_jh V_ijh),   dV_ijh += w_ij (2 dσ²_jh d_ijh + dμ_jh)
     dR'_ij = dw_ij / (r_j + ε) + dr_j - sum_i' dw_i'j w_i'j / (r_j + ε)
     da_i += sum_j dR'_ij R_ij,   dR = dR'_ij a_i  (carried into E-step t-1; R^0 is a constant)
@@ -99,7 +99,8 @@ def m_step(xp, V, a_in, R, beta_u, beta_a, lam, eps):
 def e_step(xp, V, mu, var, z, group):
     """R_ij = a_j p_ij normalised over every parent that receives child i, in log space."""
     d = V - mu[:, :, None]
-    ln_p = -0.5 * xp.sum(d * d / var[:, :, None] + xp.log((2 * math.pi) * var)[:, :, None], axis=-1)
+    ln_norm = -0.5 * xp.sum(xp.log((2 * math.pi) * var), axis=-1)         # (N, P, C): the same for every i
+    ln_p = -0.5 * xp.sum(d * d / var[:, :, None], axis=-1) + ln_norm[:, :, None]
     L = log_sigmoid(xp, z)[:, :, None] + ln_p          # (N, P, I, C)
     top = group.max(xp.max(L, axis=-1))                # the child's largest L: exp(L - top) <= 1, one term = 1
     e = xp.exp(L - top[..., None])
@@ -159,11 +160,18 @@ def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Ide
         dvar = dvar + (dcost * r)[..., None] / (2 * var)
         Rp = R * a_in[..., None]
         w = Rp / (r[:, :, None] + eps)
-        wd = w[..., None] * d
-        dmu_t = dmu_t - 2 * dvar * xp.sum(wd, axis=2)
-        dV += w[..., None] * dmu_t[:, :, None] + 2 * dvar[:, :, None] * wd
-        dw = xp.sum(dvar[:, :, None] * d * d + dmu_t[:, :, None] * V, axis=-1)   # (N, P, I, C)
-        dRp = (dw - xp.sum(dw * w, axis=2, keepdims=True)) / (r[:, :, None] + eps) + dr[:, :, None]
+        # sum_i w_ij d_ijh = μ_jh - μ_jh sum_i w_ij = μ_jh ε / (r_j + ε): no pass over V needed
+        dmu_t = dmu_t - 2 * dvar * mu * (eps / (r + eps))[..., None]
+        # with g = dσ² d + dμ:  dV += w (2 dσ² d + dμ) = w (2g - dμ),  and, as V = d + μ,
+        # dw_ij = sum_h (dσ² d² + dμ V) = sum_h d g + k_j  with  k_j = sum_h dμ_jh μ_jh
+        g = dvar[:, :, None] * d + dmu_t[:, :, None]                          # (N, P, I, C, H)
+        dV += w[..., None] * (2 * g - dmu_t[:, :, None])
+        dw = xp.sum(d * g, axis=-1)                                           # dw - k_j (N, P, I, C)
+        # k_j, the same for every i, would cancel in dw - sum_i' dw w but for sum_i' w = r/(r + ε):
+        # its share is added in closed form, k_j ε / (r_j + ε)², rather than added and taken away
+        # again (in float32, rounding the large k_j would swamp the rest)
+        k = xp.sum(dmu_t * mu, axis=-1) * eps / (r + eps) ** 2
+        dRp = (dw - xp.sum(dw * w, axis=2, keepdims=True)) / (r[:, :, None] + eps) + (dr + k)[:, :, None]
         da_in += xp.sum(dRp * R, axis=-1)
         dR = dRp * a_in[..., None]
     return dV, da_in, dbeta_u, dbeta_a
