@@ -343,3 +343,28 @@ def test_gradcheck_and_crosscheck_take_the_routing(capsys):
     assert "ClassCaps routing" not in out  # only the EM checks
     assert cli.main(["crosscheck", "--routing", "attention", "--batch", "2"]) == 0
     assert "classcaps.bias" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec", CPU_BACKENDS + GPU_BACKENDS)
+@pytest.mark.parametrize("routing", ["em", "attention"])
+def test_captured_step_equals_the_step_op_by_op(spec, routing):
+    """The step a GPU records as a graph (re-run with host transfers refused on the CPU) computes what
+    the step op by op does, and a new spread-loss margin reaches the recording."""
+    from pycapsnet import optim
+    from pycapsnet.graph import CapturedStep
+
+    B = backends.get(spec, dtype="float64")
+    config = SMALL_BY_ROUTING[routing]
+    eager, rec = CapsNet(B, seed=5, **config), CapsNet(B, seed=5, **config)
+    opt_e, opt_r = optim.make("adam", eager, 1e-2), optim.make("adam", rec, 1e-2)
+    step = CapturedStep(rec, opt_r, batch_size=3)
+    rng = np.random.default_rng(0)
+    for k in range(3):
+        if k == 2:
+            eager.set_epoch(4), rec.set_epoch(4)
+        x, y = rng.random((3, *eager.config.input_shape)), rng.integers(0, eager.config.n_classes, 3)
+        out_e = eager.train_step_grads(x, y)
+        opt_e.step()
+        assert step(x, y).loss == pytest.approx(out_e.loss, rel=1e-12, abs=0)
+    for k, p in eager.params.items():
+        np.testing.assert_allclose(B.to_numpy(rec.params[k]), B.to_numpy(p), rtol=1e-12, atol=1e-14, err_msg=k)
