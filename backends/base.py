@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -286,17 +287,33 @@ class Backend(abc.ABC):
         return dx[:, padding:padding + h, padding:padding + w, :] if padding else dx
 
     # ---- helpers -----------------------------------------------------------------------------
+    def split_batch(self, fn, n: int) -> None:
+        """Call fn(slice) over parts of a batch of n on this backend's host threads, for per-sample
+        work made of many elementwise passes (EM routing) that NumPy runs on one core.  One call with
+        slice(None) where the backend has one thread (PyTorch threads inside each op; a GPU wants
+        few, large launches)."""
+        self._over_batch(fn, n)
+
     def _over_batch(self, fn, n: int) -> None:
         """Call fn(slice) over slices that split a batch of n, on ``self.threads`` threads.  Used for
         work that NumPy runs on one core and that releases the GIL: the memory-bound gathers and
         scatters of im2col/col2im, and (NumPy backend) the routing products and batches of small products."""
-        if self.threads <= 1 or n < 2 * self.threads:
+        # Work already on one of the pool's threads (split_batch's parts call im2col, matmul, ...) runs
+        # where it is: the pool's threads are all busy with the parts, so waiting on them would deadlock.
+        if self.threads <= 1 or n < 2 * self.threads or getattr(_ON_POOL, "on", False):
             fn(slice(None))
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads)
+            self._pool = ThreadPoolExecutor(self.threads, initializer=_mark_pool_thread)
         bounds = np.linspace(0, n, self.threads + 1).astype(int)
         list(self._pool.map(fn, [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]))
+
+
+_ON_POOL = threading.local()
+
+
+def _mark_pool_thread():
+    _ON_POOL.on = True
 
 
 def keep_freed_memory() -> bool:

@@ -74,6 +74,10 @@ class Identity:
     def max(x):
         return x
 
+    @staticmethod
+    def part(sl, n):
+        return Identity
+
 
 def inverse_temperatures(lam: float, iters: int):
     """λ_t = λ (t + 1) / T: the activations sharpen linearly to λ at the last M-step.  Early
@@ -83,14 +87,14 @@ def inverse_temperatures(lam: float, iters: int):
     return [lam * (t + 1) / iters for t in range(iters)]
 
 
-def m_step(xp, V, a_in, R, beta_u, beta_a, lam, eps):
+def m_step(xp, V, a_in, R, beta_u, beta_a, lam, eps, var_floor):
     """Returns (mu, var, r, z, a): parent poses, variances, assigned mass, activation logits, activations."""
     Rp = R * a_in[..., None]                           # R'_ij (N, P, I, C)
     r = xp.sum(Rp, axis=2)                             # r_j (N, P, C)
     w = Rp / (r[:, :, None] + eps)                     # w_ij
     mu = xp.sum(w[..., None] * V, axis=2)              # μ_j (N, P, C, H)
     d = V - mu[:, :, None]
-    var = xp.sum(w[..., None] * d * d, axis=2) + eps   # σ²_j (N, P, C, H)
+    var = xp.sum(w[..., None] * d * d, axis=2) + var_floor   # σ²_j (N, P, C, H)
     cost = r * (V.shape[-1] * beta_u + 0.5 * xp.sum(xp.log(var), axis=-1))
     z = lam * (beta_a - cost)
     return mu, var, r, z, sigmoid(xp, z)
@@ -107,7 +111,8 @@ def e_step(xp, V, mu, var, z, group):
     return e / group.sum(xp.sum(e, axis=-1))[..., None]
 
 
-def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fixed_assignments=None):
+def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fixed_assignments=None,
+               var_floor=1e-6):
     """Returns (mu, a, trace); trace[t] = (R^t, mu^t, var^t, r^t, z^t, a^t) for the backward and for
     inspection.  ``fixed_assignments``: use this R in the last M-step (the function "final" differentiates)."""
     xp = B.xp
@@ -117,7 +122,7 @@ def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fi
     for t, lam in enumerate(lambdas):
         if t == len(lambdas) - 1 and fixed_assignments is not None:
             R = fixed_assignments
-        mu, var, r, z, a = m_step(xp, V, a_in, R, beta_u, beta_a, lam, eps)
+        mu, var, r, z, a = m_step(xp, V, a_in, R, beta_u, beta_a, lam, eps, var_floor)
         trace.append((R, mu, var, r, z, a))
         if t < len(lambdas) - 1:
             R = e_step(xp, V, mu, var, z, group)

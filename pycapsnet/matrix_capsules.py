@@ -60,6 +60,11 @@ class WindowGroup:
         n, h, w, _ = self.shape
         self.oh, self.ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
 
+    def part(self, sl, n):
+        """The group of samples ``sl`` of a batch of n."""
+        size = len(range(*sl.indices(n)))
+        return self if size == self.shape[0] else WindowGroup(self.B, (size, *self.shape[1:]), self.k, self.s)
+
     def _slots(self, image):
         n = self.shape[0]
         return self.B.xp.reshape(self.B.im2col(image, self.k, self.k, self.s), (n, self.oh * self.ow, -1))
@@ -124,7 +129,8 @@ class PrimaryMatrixCaps(Layer):
 class _EMLayer(Layer):
     """What the two routed layers share: W, β_u, β_a, the routing settings and the EM trace."""
 
-    eps = 1e-6  # ε of σ² (and of the M-step's division by r_j)
+    eps = 1e-6        # ε of the M-step's division by r_j
+    var_floor = 1e-6  # the ε added to σ²
 
     def __init__(self, backend, n_slots, out_types, iters, routing_grad, lam, rng):
         super().__init__(backend)
@@ -141,22 +147,53 @@ class _EMLayer(Layer):
         self.fixed_assignments = None  # gradient checks of "final" hold R^{T-1} here
 
     def route(self, V, a_in, group):
-        mu, a, self.trace = em_forward(self.B, V, a_in, self.params["beta_u"], self.params["beta_a"],
-                                       self.lambdas, self.eps, group, self.fixed_assignments)
+        """EM routing of votes V (N, P, I, C, 16) from a_in (N, P, I): (μ (N, P, C, 16), a (N, P, C)).
+        Each sample routes on its own, so the batch is split over the backend's host threads
+        (B.split_batch; one part on PyTorch and the GPUs); self.trace holds (slice, trace) per part."""
+        B = self.B
+        n, p, _, c, _ = V.shape
+        mu, a = B.empty((n, p, c, 16)), B.empty((n, p, c))
+        parts = []
+
+        def run(sl):
+            fixed = None if self.fixed_assignments is None else self.fixed_assignments[sl]
+            mu[sl], a[sl], trace = em_forward(B, V[sl], a_in[sl], self.params["beta_u"], self.params["beta_a"],
+                                              self.lambdas, self.eps, group.part(sl, n), fixed, self.var_floor)
+            parts.append((sl, trace))
+
+        B.split_batch(run, n)
+        self.trace = sorted(parts, key=lambda part: part[0].start or 0)
         return mu, a
 
     def route_backward(self, V, a_in, group, dmu, da):
         """dV and da_in; adds dβ_u and dβ_a."""
-        dV, da_in, dbu, dba = em_backward(self.B, V, a_in, self.params["beta_u"], self.lambdas, self.trace,
-                                          dmu, da, self.eps, group, self.routing_grad)
-        self.grads["beta_u"] += dbu
-        self.grads["beta_a"] += dba
+        B = self.B
+        dV, da_in, dbeta = B.empty(tuple(V.shape)), B.empty(tuple(a_in.shape)), []
+
+        def run(sl):
+            trace = next(t for s, t in self.trace if s == sl)
+            dV[sl], da_in[sl], dbu, dba = em_backward(B, V[sl], a_in[sl], self.params["beta_u"], self.lambdas, trace,
+                                                      dmu[sl], da[sl], self.eps, group.part(sl, V.shape[0]),
+                                                      self.routing_grad)
+            dbeta.append((dbu, dba))
+
+        B.split_batch(run, V.shape[0])
+        for dbu, dba in dbeta:
+            self.grads["beta_u"] += dbu
+            self.grads["beta_a"] += dba
         return dV, da_in
 
     @property
     def assignments(self):
         """R_ij of every routing iteration of the last forward, (N, P, I, C) each."""
-        return [t[0] for t in self.trace]
+        xp = self.B.xp
+        return [xp.concat([trace[t][0] for _, trace in self.trace], axis=0) for t in range(self.iters)]
+
+    @property
+    def iteration_activations(self):
+        """a_j after every iteration's M-step, (N, P, C) each."""
+        xp = self.B.xp
+        return [xp.concat([trace[t][5] for _, trace in self.trace], axis=0) for t in range(self.iters)]
 
 
 class ConvMatrixCaps(_EMLayer):
@@ -258,4 +295,4 @@ class ClassMatrixCaps(_EMLayer):
     @property
     def activations(self):
         """a_j of each routing iteration's M-step, (N, J) arrays."""
-        return [self.B.xp.reshape(t[5], (t[5].shape[0], self.J)) for t in self.trace]
+        return [self.B.xp.reshape(a, (a.shape[0], self.J)) for a in self.iteration_activations]
