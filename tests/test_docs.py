@@ -15,6 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 QUICK_MODEL = "--epochs 1 --limit 64 --limit-test 32 --conv-channels 16 --primary-types 4 --no-progress"
+QUICK_EM = "--epochs 1 --limit 32 --limit-test 16 --conv-channels 8 --primary-types 4 --no-progress"
 
 # command as written -> what runs instead: a str (the quick form) or None with the reason it is not run here
 LONG = {
@@ -23,7 +24,10 @@ LONG = {
     "pycapsnet train": f"pycapsnet train {QUICK_MODEL} --out quick-train",
     "python benchmarks/bench.py": "python benchmarks/bench.py --quick --no-reference --rounds 1 --json bench.json",
     'pip install torch==2.13.0 -e ".[test]" && python -m pytest': (None, ".ci/run runs exactly this line"),
-    "python benchmarks/plan_check.py --side S [--primary-conv im2col]": "python benchmarks/plan_check.py --side 28 --classes 10",
+    "python train_numpy.py --routing attention --out runs/attention":
+        f"python train_numpy.py --routing attention --out runs/attention {QUICK_MODEL}",
+    "python train_numpy.py --routing em --out runs/em": f"python train_numpy.py --routing em --out runs/em {QUICK_EM}",
+    "python benchmarks/bench.py --routing em": "python benchmarks/bench.py --routing em --quick --rounds 1 --json bench-em.json",
     'pip install -e ".[cupy]"': (None, "CuPy installs on a CUDA machine only"),
     'pip install -e ".[torch]"': (None, "the test command installs torch (the [test] extra)"),
     "bash benchmarks/gpu_check.sh": (None, "needs a CUDA GPU; benchmarks/gpu_check.sh is run on one"),

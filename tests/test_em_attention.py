@@ -11,16 +11,12 @@ from pycapsnet.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, WindowGro
 from pycapsnet.capsules import AttentionCaps
 from pycapsnet.gradcheck import SMALL_BY_ROUTING
 from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, assert_close
+from tests.test_cross_backend import _run as run_step
+from tests.test_gradcheck import _assert_all_pass
 
 B64 = backends.get("numpy", dtype="float64")
 RTOL = {"float64": 1e-9, "float32": 1e-4}
 ROUTED = [("em", "full"), ("em", "final"), ("attention", "full")]
-
-
-def _assert_all_pass(results):
-    assert results, "no check ran"
-    bad = [f"{r.layer} / {r.tensor}: max rel {r.max_rel:.2e}" for r in results if not r.passed]
-    assert not bad, "gradient check failed:\n" + "\n".join(bad)
 
 
 # ---- finite differences ---------------------------------------------------------------------------
@@ -98,16 +94,9 @@ def test_gradients_match_autograd(backend, routing, mode):
 
 # ---- across backends ----------------------------------------------------------------------------
 def _run(spec, dtype, routing, mode, n=4):
-    config = {**SMALL_BY_ROUTING[routing], "routing_grad": mode}
-    model = CapsNet(backends.get(spec, dtype=dtype), seed=11, **config)
-    rng = np.random.default_rng(1)
-    x = rng.random((n, *model.config.input_shape)).astype(dtype)
-    y = rng.integers(0, model.config.n_classes, n)
-    out = model.train_step_grads(x, y)
-    B = model.B
-    res = {"loss": np.array(out.loss), "v": B.to_numpy(out.v), "scores": B.to_numpy(out.lengths),
-           "reconstruction": B.to_numpy(out.reconstruction)}
-    res.update({f"grad {k}": B.to_numpy(g) for k, g in model.grads.items()})
+    """Outputs and gradients of one train step (test_cross_backend's) of the small network of ``routing``."""
+    res = run_step(spec, dtype, mode, config=SMALL_BY_ROUTING[routing], n=n)
+    del res["predict"]
     return res
 
 
