@@ -475,7 +475,10 @@ class CapsNet:
     def release(self):
         """Drop what forward kept for a backward (the PrimaryCaps spectra and û alone are hundreds
         of MB at batch 64), e.g. after an evaluation, so that it is not held into the next step."""
-        for layer in (self.conv1, self.relu1, self.primary, getattr(self.primary, "conv", self.primary),
-                      *self.convcaps, self.classcaps, self.length, *self.decoder):
+        inner = [getattr(self.primary, k) for k in ("conv", "linear") if hasattr(self.primary, k)]
+        for layer in (self.conv1, self.relu1, self.primary, *inner, *self.convcaps, self.classcaps, self.length,
+                      *self.decoder):
             layer.cache = None
+        for layer in (*self.convcaps, self.classcaps):
+            layer.trace = None  # EM keeps R, μ, σ², r, a of every iteration: sizable at evaluation batches
         self._cache = None

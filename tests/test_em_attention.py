@@ -357,3 +357,16 @@ def test_captured_step_equals_the_step_op_by_op(spec, routing):
         assert step(x, y).loss == pytest.approx(out_e.loss, rel=1e-12, abs=0)
     for k, p in eager.params.items():
         np.testing.assert_allclose(B.to_numpy(rec.params[k]), B.to_numpy(p), rtol=1e-12, atol=1e-14, err_msg=k)
+
+
+def test_evaluation_releases_what_the_em_network_kept():
+    """After predict no backward follows: the votes, the window slots and every iteration's R must not
+    be carried into the next train step."""
+    m = CapsNet("numpy", seed=0, **SMALL_BY_ROUTING["em"])
+    x = np.random.default_rng(0).random((2, 1, 12, 12))
+    m.forward(x)
+    layers = [m.primary, m.primary.linear, *m.convcaps, m.classcaps]
+    assert all(layer.cache is not None for layer in layers) and m.classcaps.trace is not None
+    m.predict(x)
+    assert all(layer.cache is None for layer in layers)
+    assert all(layer.trace is None for layer in (*m.convcaps, m.classcaps))
