@@ -294,7 +294,8 @@ def model_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3,
     tensors = {"input": x, **model.params}
     analytic = {"input": dx, **model.grads}
     c = model.config
-    label = (f"CapsNet {c.routing}{'' if c.routing == 'attention' else ' routing=' + c.routing_grad}"
+    name = "CapsNet" if c.routing == "dynamic" else f"CapsNet {c.routing}"
+    label = (f"{name}{'' if c.routing == 'attention' else ' routing=' + c.routing_grad}"
              f"{' shared' if c.share_spatial else ''}"
              f"{' im2col' if c.primary_conv == 'im2col' else ''}")
     return check_tensors(B, label, lambda: model.loss(x, y).loss, tensors, analytic,

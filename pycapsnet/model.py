@@ -88,9 +88,10 @@ class CapsNetConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise CapsNetError(f"CapsNetConfig.{name} must be an integer of at least 1, got {value!r}")
-        if any(d < 1 for d in self.input_shape + self.decoder_hidden + self.matrix_types):
-            raise CapsNetError(f"CapsNetConfig: every size in input_shape {self.input_shape}, decoder_hidden "
-                               f"{self.decoder_hidden} and matrix_types {self.matrix_types} must be at least 1")
+        bad = [f"{name} {getattr(self, name)}" for name in ("input_shape", "decoder_hidden", "matrix_types")
+               if any(d < 1 for d in getattr(self, name))]
+        if bad:
+            raise CapsNetError(f"CapsNetConfig: every size in {' and '.join(bad)} must be at least 1")
         if len(self.matrix_types) != len(EM_KERNELS):
             raise CapsNetError(f"CapsNetConfig.matrix_types needs {len(EM_KERNELS)} sizes (one per ConvMatrixCaps), "
                                f"got {self.matrix_types}")

@@ -119,7 +119,7 @@ def activation_bars(activations, path, names, label=None, chosen=None, title="")
     (activations: list of (J,) arrays), the label's bar and the predicted one marked."""
     plt = pyplot()
     R = len(activations)
-    fig, axes = plt.subplots(1, R, figsize=(2.6 * R + 0.6, 2.8), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, R, figsize=(max(7.0, 2.6 * R + 0.6), 2.8), squeeze=False, sharey=True)
     for r, a in enumerate(activations):
         ax = axes[0, r]
         colours = ["C2" if j == label else "C3" if j == chosen else "C0" for j in range(len(a))]

@@ -65,8 +65,8 @@ FOLDER_FLAGS = ("image_size", "channels", "test_fraction")  # how --dataset fold
 # --limit-test of a quick run: a checkpoint is scored on the whole test split unless told).
 EVALUATED_ON = ("dtype", "dataset", "data_dir", *FOLDER_FLAGS)
 ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
-                for k in ("routing", "routing_iters", "routing_grad", "conv_channels", "primary_types", "share_spatial",
-                          "primary_conv")}
+                for k in ("routing", "routing_iters", "routing_grad", "em_lambda", "conv_channels", "primary_types",
+                          "share_spatial", "primary_conv")}
 # What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": data.DATASETS, "data_dir": str,
                  "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
@@ -97,6 +97,8 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--routing-grad", choices=ROUTING_MODES,
                    help="full: exact gradient through every routing iteration; final: the last coupling "
                         f"coefficients (EM: assignments) treated as constants (default: {d['routing_grad']})")
+    p.add_argument("--em-lambda", type=positive_float,
+                   help=f"EM routing's inverse temperature at the last iteration (default: {d['em_lambda']})")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"default: {d['dtype']}")
     p.add_argument("--seed", type=nonnegative_int,
                    help=f"weights, shuffling and augmentation (default: {d['seed']})")

@@ -32,8 +32,8 @@ def test_gradcheck_fails_on_a_broken_backward(monkeypatch, capsys):
 
     real = layers.Linear.backward
 
-    def broken(self, dy):
-        dx = real(self, dy)
+    def broken(self, dy, *args, **kwargs):
+        dx = real(self, dy, *args, **kwargs)
         self.grads["b"] *= 1.001  # a 0.1% error in one bias gradient
         return dx
 
