@@ -83,7 +83,9 @@ def inverse_temperatures(lam: float, iters: int):
     """λ_t = λ (t + 1) / T: the activations sharpen linearly to λ at the last M-step.  Early
     iterations keep a_j soft so that parents that start badly placed still compete for children
     (deterministic annealing); the paper increases the inverse temperature at each iteration
-    without giving a schedule."""
+    without giving a schedule.  The networks' default λ is 1e-3: the cost sums ½ ln σ² over 16
+    entries and over every child a parent receives, so a larger λ saturates the activations, and
+    ln a_j then feeds back into the E-step (docs/performance.md has the runs behind this)."""
     return [lam * (t + 1) / iters for t in range(iters)]
 
 

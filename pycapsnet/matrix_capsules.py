@@ -208,7 +208,7 @@ class ConvMatrixCaps(_EMLayer):
     (M (N, H, W, T_in, 16), a (N, H, W, T_in)) -> (M (N, OH, OW, C, 16), a (N, OH, OW, C))."""
 
     def __init__(self, backend, in_types, out_types, kernel=3, stride=1, iters=3, routing_grad="full",
-                 lam=0.01, rng=None):
+                 lam=1e-3, rng=None):
         super().__init__(backend, kernel * kernel * in_types, out_types, iters, routing_grad, lam, rng)
         self.k, self.stride, self.out_types = kernel, stride, out_types
 
@@ -252,7 +252,7 @@ class ClassMatrixCaps(_EMLayer):
     M unchanged.  EM routing then runs with P = 1 and I = GH*GW*T_in children, each in one slot.
     (M (N, GH, GW, T_in, 16), a (N, GH, GW, T_in)) -> (μ (N, J, 16), a (N, J))."""
 
-    def __init__(self, backend, grid, in_types, n_classes, iters=3, routing_grad="full", lam=0.01, rng=None):
+    def __init__(self, backend, grid, in_types, n_classes, iters=3, routing_grad="full", lam=1e-3, rng=None):
         super().__init__(backend, in_types, n_classes, iters, routing_grad, lam, rng)
         gh, gw = grid
         offsets = np.zeros((gh, gw, 1, 1, 16))

@@ -64,7 +64,7 @@ class CapsNetConfig:
     routing_grad: str = "full"            # "full" | "final" (dynamic and EM routing)
     share_spatial: bool = False           # dynamic and attention routing
     matrix_types: tuple = (16, 16)        # EM: capsule types C, D of the two ConvMatrixCaps
-    em_lambda: float = 0.01               # EM: inverse temperature λ of the last iteration (em_routing.py)
+    em_lambda: float = 1e-3               # EM: inverse temperature λ of the last iteration (em_routing.py)
     decoder_hidden: tuple = (512, 1024)
     recon_weight: float = 0.0005
     m_plus: float = 0.9
