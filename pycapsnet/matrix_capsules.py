@@ -175,10 +175,10 @@ class _EMLayer(Layer):
             dV[sl], da_in[sl], dbu, dba = em_backward(B, V[sl], a_in[sl], self.params["beta_u"], self.lambdas, trace,
                                                       dmu[sl], da[sl], self.eps, group.part(sl, V.shape[0]),
                                                       self.routing_grad)
-            dbeta.append((dbu, dba))
+            dbeta.append((sl.start or 0, dbu, dba))
 
         B.split_batch(run, V.shape[0])
-        for dbu, dba in dbeta:
+        for _, dbu, dba in sorted(dbeta, key=lambda part: part[0]):  # in batch order, whichever thread ended first
             self.grads["beta_u"] += dbu
             self.grads["beta_a"] += dba
         return dV, da_in
