@@ -28,7 +28,10 @@ LONG = {
         f"python train_numpy.py --routing attention --out runs/attention {QUICK_MODEL}",
     "python train_numpy.py --routing em --out runs/em --lr 1e-2 --batch-size 16":
         f"python train_numpy.py --routing em --out runs/em --lr 1e-2 {QUICK_EM}",
-    "python benchmarks/bench.py --routing em": "python benchmarks/bench.py --routing em --quick --rounds 1 --json bench-em.json",
+    "python benchmarks/bench.py --routing attention":
+        "python benchmarks/bench.py --routing attention --quick --rounds 1 --json bench-attention.json",
+    "python benchmarks/bench.py --routing em --batch-size 32 --rounds 2 --steps 3":
+        "python benchmarks/bench.py --routing em --quick --rounds 1 --json bench-em.json",
     'pip install -e ".[cupy]"': (None, "CuPy installs on a CUDA machine only"),
     'pip install -e ".[torch]"': (None, "the test command installs torch (the [test] extra)"),
     "bash benchmarks/gpu_check.sh": (None, "needs a CUDA GPU; benchmarks/gpu_check.sh is run on one"),
