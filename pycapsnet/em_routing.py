@@ -49,13 +49,9 @@ from __future__ import annotations
 
 import math
 
+from .layers import sigmoid
+
 MODES = ("full", "final")
-
-
-def sigmoid(xp, z):
-    """1 / (1 + e^-z) without overflow: e^-|z| is at most 1."""
-    e = xp.exp(-xp.abs(z))
-    return xp.where(z >= 0, 1 / (1 + e), e / (1 + e))
 
 
 def log_sigmoid(xp, z):

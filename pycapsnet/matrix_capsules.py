@@ -12,8 +12,8 @@ import math
 
 import numpy as np
 
-from .em_routing import MODES, Identity, em_backward, em_forward, inverse_temperatures, sigmoid
-from .layers import Layer, Linear
+from .em_routing import MODES, Identity, em_backward, em_forward, inverse_temperatures
+from .layers import Layer, Linear, sigmoid
 
 
 def votes(B, M, W):

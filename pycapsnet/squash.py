@@ -36,18 +36,22 @@ def squash_backward(xp, s, n, dv, axis=-1):
 # k(n) ~ -1/(2n) + 1/3 as n -> 0, and (s . dv) s shrinks like n^2, so the term vanishes at s = 0;
 # below n = 1e-2 the two-term series is used (its error, n^2/30 relative, is far below rounding).
 
+def _exp_factor(xp, n):
+    """h(n) = (1 - e^-n) / n, and its limit 1 at n = 0."""
+    return xp.where(n > 0, -xp.expm1(-n) / xp.where(n > 0, n, 1), 1)
+
+
 def squash_exp(xp, s, axis=-1):
     """v = (1 - e^-|s|) s / |s| over ``axis``.  Returns (v, n) with n = |s| (kept dims)."""
     n = xp.sqrt(xp.sum(s * s, axis=axis, keepdims=True))
-    safe_n = xp.where(n > 0, n, 1)
-    return s * xp.where(n > 0, -xp.expm1(-n) / safe_n, 1), n
+    return s * _exp_factor(xp, n), n
 
 
 def squash_exp_backward(xp, s, n, dv, axis=-1):
     """dL/ds from dL/dv for ``squash_exp``, given s and n = |s|."""
     small = n < 1e-2
     safe_n = xp.where(n > 0, n, 1)
-    h = xp.where(n > 0, -xp.expm1(-n) / safe_n, 1)
+    h = _exp_factor(xp, n)
     big_n = xp.where(small, 1, n)
     k = xp.where(small, xp.where(n > 0, -0.5 / safe_n + 1 / 3, 0),
                  (big_n * xp.exp(-big_n) + xp.expm1(-big_n)) / big_n ** 3)
