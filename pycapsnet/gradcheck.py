@@ -185,8 +185,7 @@ class _LossLayer:
 
 def layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
     """Checks of every layer of pycapsnet, on small random inputs."""
-    return (_dynamic_layer_checks(B, samples, eps, tol, seed) + attention_layer_checks(B, samples, eps, tol, seed)
-            + em_layer_checks(B, samples, eps, tol, seed))
+    return [check for checks in LAYER_CHECKS.values() for check in checks(B, samples, eps, tol, seed)]
 
 
 def _dynamic_layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
@@ -315,29 +314,27 @@ def require_float64(B):
                            "here: pycapsnet crosscheck --a numpy --b BACKEND --dtype-b float32")
 
 
+# Per routing: its layer checks, and the full-loss checks of its network (the config overrides of each).
+LAYER_CHECKS = {"dynamic": _dynamic_layer_checks, "em": em_layer_checks, "attention": attention_layer_checks}
+MODEL_CHECKS = {
+    "dynamic": [dict(routing_grad="full"), dict(routing_grad="final"), dict(share_spatial=True),
+                dict(primary_conv="im2col")],  # the default convolves by FourierConv2d
+    "em": [dict(routing="em", routing_grad="full"), dict(routing="em", routing_grad="final")],
+    "attention": [dict(routing="attention"), dict(routing="attention", share_spatial=True)],
+}
+
+
 def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6, seed=0, routing=None):
-    """Every layer check and the full-loss checks of each routing: dynamic in both routing-gradient
-    modes, with shared transforms and with the im2col PrimaryCaps (the default convolves by
-    FourierConv2d); EM in both modes; attention with and without shared transforms.  ``routing``:
-    that routing's layers and networks only."""
+    """Every layer check, then the full-loss checks of each routing (MODEL_CHECKS); ``routing``: that
+    routing's layers and network only."""
     B = _backends.get(backend, device=device, dtype=dtype)
     require_float64(B)
     eps = 1e-5
+    routings = list(MODEL_CHECKS) if routing is None else [routing]
     results = []
-    if routing in (None, "dynamic"):
-        results += layer_checks(B, samples, eps, tol, seed) if routing is None else _dynamic_layer_checks(B, samples, eps, tol, seed)
-        for mode in ("full", "final"):
-            results += model_checks(B, samples, eps, tol, seed=seed, routing_grad=mode)
-        results += model_checks(B, samples, eps, tol, seed=seed, share_spatial=True)
-        results += model_checks(B, samples, eps, tol, seed=seed, primary_conv="im2col")
-    if routing == "em":
-        results += em_layer_checks(B, samples, eps, tol, seed)
-    if routing in (None, "em"):
-        for mode in ("full", "final"):
-            results += model_checks(B, samples, eps, tol, seed=seed, routing="em", routing_grad=mode)
-    if routing == "attention":
-        results += attention_layer_checks(B, samples, eps, tol, seed)
-    if routing in (None, "attention"):
-        for share in (False, True):
-            results += model_checks(B, samples, eps, tol, seed=seed, routing="attention", share_spatial=share)
+    for r in routings:
+        results += LAYER_CHECKS[r](B, samples, eps, tol, seed)
+    for r in routings:
+        for config in MODEL_CHECKS[r]:
+            results += model_checks(B, samples, eps, tol, seed=seed, **config)
     return results

@@ -38,9 +38,10 @@ from .routing import MODES as ROUTING_MODES
 ROUTINGS = ("dynamic", "em", "attention")
 # Defaults that depend on the routing (a field left None takes its routing's): the EM column is the
 # paper's matrix-capsule network (A = 32 channels of 5x5/2, B = 8 primary types).
+_VECTOR_CAPSULES = dict(conv_channels=256, conv_kernel=9, conv_stride=1, primary_types=32)  # Sabour et al.'s
 ROUTING_DEFAULTS = {
-    "dynamic": dict(conv_channels=256, conv_kernel=9, conv_stride=1, primary_types=32),
-    "attention": dict(conv_channels=256, conv_kernel=9, conv_stride=1, primary_types=32),
+    "dynamic": _VECTOR_CAPSULES,
+    "attention": _VECTOR_CAPSULES,  # the same network, routed otherwise
     "em": dict(conv_channels=32, conv_kernel=5, conv_stride=2, primary_types=8),
 }
 EM_KERNELS = ((3, 2), (3, 1))  # (kernel, stride) of the two ConvMatrixCaps, the paper's

@@ -43,8 +43,8 @@ class AutogradCapsNet:
     def forward(self, x, y=None):
         """x (N, C, H, W); y labels or None.  Returns (v, class scores, reconstruction)."""
         cfg, p = self.cfg, self.params
-        h = F.relu(self.conv(x, "conv1", getattr(cfg, "conv_stride", 1) or 1))
-        v, lengths = self.matrix_capsules(h) if getattr(cfg, "routing", "dynamic") == "em" else self.vector_capsules(h)
+        h = F.relu(self.conv(x, "conv1", cfg.conv_stride))
+        v, lengths = self.matrix_capsules(h) if cfg.routing == "em" else self.vector_capsules(h)
         n = v.shape[0]
         chosen = y if y is not None else lengths.argmax(1)
         mask = F.one_hot(chosen, cfg.n_classes).to(v.dtype)
@@ -68,7 +68,7 @@ class AutogradCapsNet:
         u = squash(s)
         W = p["classcaps.W"]                                          # (P|1, T, J, D, K)
         u_hat = torch.einsum("ptjdk,nptk->nptjd", W, u).reshape(n, -1, cfg.n_classes, cfg.class_dim)
-        if getattr(cfg, "routing", "dynamic") == "attention":
+        if cfg.routing == "attention":
             v = self.attention_route(u_hat)
         else:
             v = self.route(u_hat)
@@ -175,7 +175,7 @@ class AutogradCapsNet:
         cfg = self.cfg
         v, lengths, recon = self.forward(x, y)
         t = F.one_hot(y, cfg.n_classes).to(lengths.dtype)
-        if getattr(cfg, "routing", "dynamic") == "em":
+        if cfg.routing == "em":
             a_t = (lengths * t).sum(1, keepdim=True)
             margin = ((F.relu(self.spread_margin - (a_t - lengths)) * (1 - t)) ** 2).sum(1).mean()
         else:
