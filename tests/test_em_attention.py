@@ -71,8 +71,8 @@ def test_the_check_catches_a_wrong_em_backward(monkeypatch):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("routing,mode", ROUTED + [("attention", "shared")])
 def test_gradients_match_autograd(backend, routing, mode):
-    torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch")
-    from pycapsnet.reference import AutogradCapsNet
+    pytest.importorskip("torch", reason="the autograd oracle needs PyTorch")
+    from tests.test_autograd_oracle import assert_matches_autograd
 
     config = {**SMALL_BY_ROUTING[routing], **({"share_spatial": True} if mode == "shared" else {"routing_grad": mode})}
     model = CapsNet(backends.get(backend, dtype="float64"), seed=2, **config)
@@ -80,16 +80,7 @@ def test_gradients_match_autograd(backend, routing, mode):
         for p in layer.params.values():
             p += model.B.asarray(0.2 * np.random.default_rng(3).standard_normal(tuple(p.shape)))
     rng = np.random.default_rng(5)
-    x = rng.random((4, *model.config.input_shape))
-    y = rng.integers(0, model.config.n_classes, 4)
-    model.zero_grad()
-    out = model.loss(x, y)
-    dx = model.backward(input_grad=True)
-    loss_ref, g = AutogradCapsNet.from_model(model, dtype=torch.float64).grads(x, y, input_grad=True)
-    assert out.loss == pytest.approx(loss_ref, rel=1e-12)
-    for k, ref in g.items():
-        mine = dx if k == "input" else model.grads[k]
-        assert_close(model.B.to_numpy(mine), ref, 1e-8, what=k)
+    assert_matches_autograd(model, rng.random((4, *model.config.input_shape)), rng.integers(0, model.config.n_classes, 4))
 
 
 # ---- across backends ----------------------------------------------------------------------------
