@@ -173,6 +173,23 @@ class Backend(abc.ABC):
             out = term if out is None else out + term
         return self.contiguous(out)
 
+    # ---- the sums of EM routing (pycapsnet/em_routing.py) ---------------------------------------
+    # Shapes: votes V and what is shaped like them (N, P, I, C, H); assignments (N, P, I, C); parent
+    # poses μ and variances σ² (N, P, C, H).  Written as the math reads; NumPy overrides both with
+    # einsum, which sums without forming the product (and NumPy's sum over a short last axis is slow).
+    def sum_children(self, w, x, y=None):
+        """Σ_i w_ij x_ijh [y_ijh]: (N, P, I, C), (N, P, I, C, H) [, (N, P, I, C, H)] -> (N, P, C, H)."""
+        prod = w[..., None] * x if y is None else w[..., None] * x * y
+        return self.xp.sum(prod, axis=2)
+
+    def sum_entries(self, x, y, z=None):
+        """Σ_h x_ijh y_ijh [z_jh]: x (N, P, I, C, H); y the same or a parent's (N, P, C, H), the same
+        for every child; z (N, P, C, H) -> (N, P, I, C)."""
+        prod = x * (y if y.ndim == x.ndim else y[:, :, None])
+        if z is not None:
+            prod = prod * z[:, :, None]
+        return self.xp.sum(prod, axis=-1)
+
     def all_finite(self, x) -> bool:
         """Whether every entry of ``x`` is finite; a host NumPy array is checked where it is."""
         if isinstance(x, np.ndarray):
@@ -287,12 +304,34 @@ class Backend(abc.ABC):
         return dx[:, padding:padding + h, padding:padding + w, :] if padding else dx
 
     # ---- helpers -----------------------------------------------------------------------------
-    def split_batch(self, fn, n: int) -> None:
-        """Call fn(slice) over parts of a batch of n on this backend's host threads, for per-sample
-        work made of many elementwise passes (EM routing) that NumPy runs on one core.  One call with
-        slice(None) where the backend has one thread (PyTorch threads inside each op; a GPU wants
-        few, large launches)."""
-        self._over_batch(fn, n)
+    # Per-sample work of many elementwise passes (EM routing) runs on parts of the batch of about
+    # this many elements each, so that a part's temporaries stay in the CPU's caches; None: whole.
+    sample_block: int | None = None
+
+    def split_batch(self, fn, n: int, sample_size: int = 1) -> None:
+        """Call fn(slice) over parts of a batch of n samples of ``sample_size`` elements each, for
+        per-sample work made of many elementwise passes (EM routing): blocks of about
+        ``sample_block`` elements, spread over this backend's host threads (NumPy runs each pass on
+        one core).  One call with slice(None) where ``sample_block`` is None (a GPU wants few, large
+        launches).  fn must not care in which order the parts run."""
+        slices = self._sample_blocks(n, sample_size)
+        if self.threads <= 1 or len(slices) == 1 or getattr(_ON_POOL, "on", False):
+            for sl in slices:
+                fn(sl)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, initializer=_mark_pool_thread)
+        list(self._pool.map(fn, slices))
+
+    def _sample_blocks(self, n: int, sample_size: int) -> list:
+        """Slices that split a batch of n into blocks of about ``sample_block`` elements, at least one
+        per thread (when n allows)."""
+        if self.sample_block is None:
+            return [slice(None)]
+        per_part = max(1, self.sample_block // max(1, sample_size))
+        parts = max(-(-n // per_part), min(self.threads, n))
+        bounds = np.linspace(0, n, parts + 1).astype(int)
+        return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _over_batch(self, fn, n: int) -> None:
         """Call fn(slice) over slices that split a batch of n, on ``self.threads`` threads.  Used for

@@ -6,7 +6,7 @@ import contextlib
 
 import numpy as np
 
-from .base import BackendError
+from .base import Backend, BackendError
 from .numpy_backend import NumpyBackend
 
 
@@ -66,6 +66,11 @@ class CupyBackend(NumpyBackend):
         self._direct_cublas = None  # set while a step is recorded: matmul then calls cuBLAS itself
 
     collective_backend = "nccl"
+    # EM routing: the whole batch in one part, and the sums as broadcasts and reductions (CuPy's einsum
+    # may call cuBLAS, which a recorded graph refuses)
+    sample_block = None
+    sum_children = Backend.sum_children
+    sum_entries = Backend.sum_entries
 
     def as_torch(self, x):
         """The same device memory as a torch CUDA tensor, through DLPack (no copy)."""

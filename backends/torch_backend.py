@@ -47,6 +47,7 @@ class TorchBackend(Backend):
             # col2im's strided adds are memory-bound and run best split over the batch
             self.threads = cpu_threads()
             self.elementwise_block = 1 << 20  # as NumPy's: a block's temporaries stay in cache
+            self.sample_block = 1 << 20       # EM routing's blocks of the batch, likewise
             keep_freed_memory()  # PyTorch's CPU allocator is glibc's malloc: same reasoning as NumPy
         else:
             # A step is hundreds of small kernels: on a GPU, launching them costs more than running
@@ -115,6 +116,19 @@ class TorchBackend(Backend):
         for c, v in zip(coeffs[1:], vecs[1:]):
             du.addcmul_(*term(c, v))
         return du
+
+    def sum_children(self, w, x, y=None):
+        """Backend.sum_children as one (1, I) @ (I, H) product per parent, on strided views: the
+        broadcast product would be written out first.  (Backend's sum_entries is PyTorch's best.)"""
+        if y is not None:
+            x = x * y
+        return self.torch.matmul(w.transpose(2, 3)[..., None, :], x.transpose(2, 3))[..., 0, :]
+
+    def split_batch(self, fn, n, sample_size=1):
+        """Backend.split_batch's blocks one after another: PyTorch threads inside each op, and its
+        ops called from several threads at once would compete for the same cores."""
+        for sl in self._sample_blocks(n, sample_size):
+            fn(sl)
 
     def contiguous(self, x):
         return x.contiguous()

@@ -85,25 +85,27 @@ def inverse_temperatures(lam: float, iters: int):
     return [lam * (t + 1) / iters for t in range(iters)]
 
 
-def m_step(xp, V, a_in, R, beta_u, beta_a, lam, eps, var_floor):
-    """Returns (mu, var, r, z, a): parent poses, variances, assigned mass, activation logits, activations."""
+def m_step(B, V, a_in, R, beta_u, beta_a, lam, eps, var_floor):
+    """Returns (mu, var, r, z, a, d): parent poses, variances, assigned mass, activation logits,
+    activations, and the votes' deviations d_ijh = V_ijh - μ_jh (which the E-step reuses)."""
+    xp = B.xp
     Rp = R * a_in[..., None]                           # R'_ij (N, P, I, C)
     r = xp.sum(Rp, axis=2)                             # r_j (N, P, C)
     w = Rp / (r[:, :, None] + eps)                     # w_ij
-    mu = xp.sum(w[..., None] * V, axis=2)              # μ_j (N, P, C, H)
-    d = V - mu[:, :, None]
-    var = xp.sum(w[..., None] * d * d, axis=2) + var_floor   # σ²_j (N, P, C, H)
+    mu = B.sum_children(w, V)                          # μ_jh = sum_i w_ij V_ijh  (N, P, C, H)
+    d = V - mu[:, :, None]                             # (N, P, I, C, H)
+    var = B.sum_children(w, d, d) + var_floor          # σ²_jh = sum_i w_ij d²_ijh + ε
     cost = r * (V.shape[-1] * beta_u + 0.5 * xp.sum(xp.log(var), axis=-1))
     z = lam * (beta_a - cost)
-    return mu, var, r, z, sigmoid(xp, z)
+    return mu, var, r, z, sigmoid(xp, z), d
 
 
-def e_step(xp, V, mu, var, z, group):
+def e_step(B, d, var, z, group):
     """R_ij = a_j p_ij normalised over every parent that receives child i, in log space."""
-    d = V - mu[:, :, None]
+    xp = B.xp
     ln_norm = -0.5 * xp.sum(xp.log((2 * math.pi) * var), axis=-1)         # (N, P, C): the same for every i
-    ln_p = -0.5 * xp.sum(d * d / var[:, :, None], axis=-1) + ln_norm[:, :, None]
-    L = log_sigmoid(xp, z)[:, :, None] + ln_p          # (N, P, I, C)
+    ln_p = -0.5 * B.sum_entries(d, d, 1 / var) + ln_norm[:, :, None]      # (N, P, I, C)
+    L = log_sigmoid(xp, z)[:, :, None] + ln_p
     top = group.max(xp.max(L, axis=-1))                # the child's largest L: exp(L - top) <= 1, one term = 1
     e = xp.exp(L - top[..., None])
     return e / group.sum(xp.sum(e, axis=-1))[..., None]
@@ -113,17 +115,16 @@ def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fi
                var_floor=1e-6):
     """Returns (mu, a, trace); trace[t] = (R^t, mu^t, var^t, r^t, z^t, a^t) for the backward and for
     inspection.  ``fixed_assignments``: use this R in the last M-step (the function "final" differentiates)."""
-    xp = B.xp
     n, p, i, c, _ = V.shape
     R = 1 / (c * group.sum(B.zeros((n, p, i)) + 1))[..., None] + B.zeros((n, p, i, c))
     trace = []
     for t, lam in enumerate(lambdas):
         if t == len(lambdas) - 1 and fixed_assignments is not None:
             R = fixed_assignments
-        mu, var, r, z, a = m_step(xp, V, a_in, R, beta_u, beta_a, lam, eps, var_floor)
+        mu, var, r, z, a, d = m_step(B, V, a_in, R, beta_u, beta_a, lam, eps, var_floor)
         trace.append((R, mu, var, r, z, a))
         if t < len(lambdas) - 1:
-            R = e_step(xp, V, mu, var, z, group)
+            R = e_step(B, d, var, z, group)
     return mu, a, trace
 
 
@@ -151,10 +152,11 @@ def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Ide
             dL = R1 * (dR - group.sum(xp.sum(R1 * dR, axis=-1))[..., None])
             dz = (1 - a) * xp.sum(dL, axis=2)
             q = d / var[:, :, None]
-            dLq = dL[..., None] * q
-            dV -= dLq
-            dmu_t = xp.sum(dLq, axis=2)
-            dvar = 0.5 * (xp.sum(dLq * q, axis=2) - xp.sum(dL, axis=2)[..., None] / var)
+            dmu_t = B.sum_children(dL, q)
+            dvar = 0.5 * (B.sum_children(dL, q, q) - xp.sum(dL, axis=2)[..., None] / var)
+            q *= dL[..., None]
+            dV -= q                                            # dV_ijh -= dL_ij q_ijh
+            del q
         lam = lambdas[t]
         dbeta_a += lam * xp.sum(dz, axis=(0, 1))
         dcost = -lam * dz                                      # (N, P, C)
@@ -167,9 +169,12 @@ def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Ide
         dmu_t = dmu_t - 2 * dvar * mu * (eps / (r + eps))[..., None]
         # with g = dσ² d + dμ:  dV += w (2 dσ² d + dμ) = w (2g - dμ),  and, as V = d + μ,
         # dw_ij = sum_h (dσ² d² + dμ V) = sum_h d g + k_j  with  k_j = sum_h dμ_jh μ_jh
-        g = dvar[:, :, None] * d + dmu_t[:, :, None]                          # (N, P, I, C, H)
-        dV += w[..., None] * (2 * g - dmu_t[:, :, None])
-        dw = xp.sum(d * g, axis=-1)                                           # dw - k_j (N, P, I, C)
+        dw = B.sum_entries(d, d, dvar) + B.sum_entries(d, dmu_t)             # sum_h d g = dw - k_j (N, P, I, C)
+        d *= (2 * dvar)[:, :, None]
+        d += dmu_t[:, :, None]                                                # 2g - dμ, in d's memory
+        d *= w[..., None]
+        dV += d
+        del d
         # k_j, the same for every i, would cancel in dw - sum_i' dw w but for sum_i' w = r/(r + ε):
         # its share is added in closed form, k_j ε / (r_j + ε)², rather than added and taken away
         # again (in float32, rounding the large k_j would swamp the rest)

@@ -148,8 +148,9 @@ class _EMLayer(Layer):
 
     def route(self, V, a_in, group):
         """EM routing of votes V (N, P, I, C, 16) from a_in (N, P, I): (μ (N, P, C, 16), a (N, P, C)).
-        Each sample routes on its own, so the batch is split over the backend's host threads
-        (B.split_batch; one part on PyTorch and the GPUs); self.trace holds (slice, trace) per part."""
+        Each sample routes on its own, so the batch is split into blocks that keep the routing's
+        temporaries in cache, spread over the backend's host threads (B.split_batch; one part on the
+        GPUs); self.trace holds (slice, trace) per part."""
         B = self.B
         n, p, _, c, _ = V.shape
         mu, a = B.empty((n, p, c, 16)), B.empty((n, p, c))
@@ -161,7 +162,7 @@ class _EMLayer(Layer):
                                               self.lambdas, self.eps, group.part(sl, n), fixed, self.var_floor)
             parts.append((sl, trace))
 
-        B.split_batch(run, n)
+        B.split_batch(run, n, math.prod(V.shape[1:]))
         self.trace = sorted(parts, key=lambda part: part[0].start or 0)
         return mu, a
 
@@ -177,7 +178,7 @@ class _EMLayer(Layer):
                                                       self.routing_grad)
             dbeta.append((sl.start or 0, dbu, dba))
 
-        B.split_batch(run, V.shape[0])
+        B.split_batch(run, V.shape[0], math.prod(V.shape[1:]))
         for _, dbu, dba in sorted(dbeta, key=lambda part: part[0]):  # in batch order, whichever thread ended first
             self.grads["beta_u"] += dbu
             self.grads["beta_a"] += dba

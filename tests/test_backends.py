@@ -127,6 +127,56 @@ def test_routing_products_equal_their_einsum_in_c_order(backend, name):
     assert contiguous, name
 
 
+# The two sums of EM routing, each case with its einsum.  (N, P, I, C, H) = (2, 3, 5, 4, 6).
+X, W, PARENT = (2, 3, 5, 4, 6), (2, 3, 5, 4), (2, 3, 4, 6)
+EM_SUMS = {
+    "children": ("sum_children", "npic,npich->npch", [W, X]),                   # μ = sum_i w V
+    "children, squared": ("sum_children", "npic,npich,npich->npch", [W, X, X]),  # σ² = sum_i w d d
+    "entries": ("sum_entries", "npich,npich->npic", [X, X]),
+    "entries, weighted": ("sum_entries", "npich,npich,npch->npic", [X, X, PARENT]),  # sum_h d² / σ²
+    "entries, a parent's": ("sum_entries", "npich,npch->npic", [X, PARENT]),         # sum_h d dμ
+    "entries, a parent's, weighted": ("sum_entries", "npich,npch,npch->npic", [X, PARENT, PARENT]),
+}
+
+
+@pytest.mark.parametrize("case", EM_SUMS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
+def test_em_routing_sums_equal_their_einsum(backend, case):
+    from backends.base import Backend
+    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
+    name, subscripts, shapes = EM_SUMS[case]
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal(s) for s in shapes]
+    fn = getattr(Backend, name).__get__(B) if backend == "default" else getattr(B, name)
+    out = fn(*(B.asarray(a) for a in host))
+    np.testing.assert_allclose(B.to_numpy(out), np.einsum(subscripts, *host), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", CPU_BACKENDS)
+@pytest.mark.parametrize("n, sample_size, block, threads", [
+    (7, 10, 25, 2), (7, 10, 5, 2), (7, 10, 1000, 1), (1, 10, 5, 2), (3, 10, None, 2)])
+def test_split_batch_calls_every_sample_once(spec, n, sample_size, block, threads):
+    """Blocks of about ``sample_block`` elements (at least one sample), at least one per thread,
+    covering the batch exactly once: EM routing writes each block's result into its slice."""
+    B = backends.get(spec, dtype="float64")
+    B.sample_block, B.threads = block, threads
+    seen = np.zeros(n, int)
+    slices = []
+
+    def fn(sl):
+        slices.append(sl)
+        seen[sl] += 1
+
+    B.split_batch(fn, n, sample_size)
+    assert (seen == 1).all()
+    if block is None:
+        assert slices == [slice(None)]
+    else:
+        per_block = max(1, block // sample_size)
+        assert all(len(range(*sl.indices(n))) <= per_block for sl in slices)
+        assert len(slices) >= min(threads, n)
+
+
 @pytest.fixture
 def split_numpy(monkeypatch):
     """A NumPy backend that splits every routing product and small-product batch over 2 threads
