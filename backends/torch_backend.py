@@ -117,12 +117,14 @@ class TorchBackend(Backend):
             du.addcmul_(*term(c, v))
         return du
 
-    def sum_children(self, w, x, y=None):
-        """Backend.sum_children as one (1, I) @ (I, H) product per parent, on strided views: the
-        broadcast product would be written out first.  (Backend's sum_entries is PyTorch's best.)"""
-        if y is not None:
-            x = x * y
-        return self.torch.matmul(w.transpose(2, 3)[..., None, :], x.transpose(2, 3))[..., 0, :]
+    def sum_entries(self, x, y, z=None):
+        """Backend.sum_entries with the sum over h as a product with a vector of ones: PyTorch's CPU
+        sum over a short last axis is slower.  (Backend's sum_children, a sum over a middle axis,
+        is PyTorch's best form of that one.)"""
+        prod = x * (y if y.ndim == x.ndim else y[:, :, None])
+        if z is not None:
+            prod *= z[:, :, None]
+        return prod @ self.torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
 
     def split_batch(self, fn, n, sample_size=1):
         """Backend.split_batch's blocks one after another: PyTorch threads inside each op, and its

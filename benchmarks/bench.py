@@ -5,6 +5,7 @@ GEMM floor of a train step.
     python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda   # on a GPU
     python benchmarks/bench.py --scaling               # + throughput vs batch / routing, memory vs size
     python benchmarks/bench.py --quick                 # a seconds-long smoke run (used by the tests)
+    python benchmarks/bench.py --reference both        # + the reference under torch.compile (compiles first)
 
 Every implementation runs in its own fresh process (so memory is measured cleanly) with the same
 seeded weights (pycapsnet's initialisation, copied into the reference) and the same batch of real
@@ -108,8 +109,8 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
     return {"impl": impl, "label": made["label"], "batch": batch, "dtype": dtype, "input_size": input_size,
             "params": int(made["n_params"]), "train_step_s": t_train, "train_samples_per_s": batch / t_train,
             "train_step_all_s": all_train, "eval_samples_per_s": batch / t_eval,
-            "peak_train_mem_mb": peak / 2**20, "routing_iters": cfg.get("routing_iters", 3),
-            "share_spatial": bool(cfg.get("share_spatial", False))}
+            "peak_train_mem_mb": peak / 2**20, "routing_iters": made["routing_iters"],
+            "share_spatial": bool(cfg.get("share_spatial", False)), "compile_s": made.get("compile_s")}
 
 
 def _reference_step(impl, batch, dtype, cfg, x, y):
@@ -122,6 +123,7 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
     from pycapsnet.reference import AutogradCapsNet
 
     device = impl.split(":", 1)[1] if ":" in impl else "cpu"
+    compiled = impl.startswith(COMPILED)
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         return {"impl": impl, "error": "no CUDA GPU for the autograd reference"}
@@ -135,17 +137,34 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
     xt = torch.as_tensor(x, dtype=getattr(torch, dtype), device=device)
     yt = torch.as_tensor(y, device=device)
 
+    # --reference compiled: the same model's loss and forward under torch.compile (default mode);
+    # autograd still makes the backward, which AOTAutograd compiles along.  Compiling happens in the
+    # first calls, here, untimed; compile_s says how long they took.
+    loss_fn, forward_fn, compile_s = ref.loss, ref.forward, None
+    if compiled:
+        loss_fn, forward_fn = torch.compile(ref.loss), torch.compile(ref.forward)
+
     def train():
         opt.zero_grad(set_to_none=False)
-        loss, _, _ = ref.loss(xt, yt)
+        loss, _, _ = loss_fn(xt, yt)
         loss.backward()
         opt.step()
 
     def evaluate():
         with torch.no_grad():
-            ref.forward(xt)[1].argmax(1)
+            forward_fn(xt)[1].argmax(1)
 
-    return {"train": train, "evaluate": evaluate, "label": f"autograd torch:{device}", "mem0": mem0,
+    if compiled:
+        t = time.perf_counter()
+        try:
+            train()
+            evaluate()
+        except Exception as e:  # an op inductor cannot lower, no C++ compiler, ...: a skipped row, with why
+            return {"impl": impl, "error": f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        compile_s = time.perf_counter() - t
+    label = f"autograd torch:{device}" + (", torch.compile" if compiled else "")
+    return {"train": train, "evaluate": evaluate, "label": label, "mem0": mem0, "compile_s": compile_s,
+            "routing_iters": ref.cfg.routing_iters,
             "sync": (lambda: torch.cuda.synchronize()) if cuda else (lambda: None),
             "mem_fn": (lambda: torch.cuda.max_memory_allocated()) if cuda else None,
             "reset": (lambda: torch.cuda.reset_peak_memory_stats()) if cuda else reset_process_peak,
@@ -191,6 +210,7 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     # a CUDA graph allocates while it is recorded, not when replayed: its peak counts from the
     # model's creation (on the CPU a "recording" re-runs the step, which allocates as it goes)
     return {"train": train, "evaluate": evaluate, "mem0": mem0, "sync": B.synchronize,
+            "routing_iters": model.config.routing_iters,
             "label": B.label.replace(f"/{dtype}", "") + (recorded if graph else ", op by op" if mode else ""),
             "mem_fn": (lambda: B.memory()["peak"]) if on_gpu else None,
             "reset": (lambda: None) if graph and on_gpu else B.reset_peak_memory if on_gpu else reset_process_peak,
@@ -254,7 +274,8 @@ def gemm_floor(impl, batch, dtype, reps, config):
     """Seconds of a train step's unavoidable matrix products, with the backend's own matmul."""
     import backends
 
-    name = "torch" + impl[len("autograd"):] if impl.startswith("autograd") else impl.partition("+")[0]
+    # the autograd references' products are torch's (autograd:cuda, autograd-compiled:cpu -> torch:cuda, torch:cpu)
+    name = "torch" + impl[impl.index(":"):] if impl.startswith("autograd") else impl.partition("+")[0]
     try:
         B = backends.get(name, dtype=dtype)
     except backends.BackendError as e:
@@ -358,8 +379,22 @@ def torch_device(text: str) -> str:
     return text
 
 
-def table_row(r, ref, floor, args):
-    """One implementation's row of the printed table; adds the derived ratios to its result ``r``."""
+COMPILED = "autograd-compiled"  # the autograd reference under torch.compile (--reference compiled)
+
+
+def _ratio(r, other):
+    """Median over rounds of r's train throughput over other's, and the per-round ratios."""
+    per_round = [a / b for a, b in zip(r["train_samples_per_s_rounds"], other["train_samples_per_s_rounds"])]
+    return float(np.median(per_round)), per_round
+
+
+def _ratio_text(median, per_round):
+    return f"{median:.2f}x" if len(per_round) == 1 else f"{median:.2f}x ({min(per_round):.2f}-{max(per_round):.2f})"
+
+
+def table_row(r, ref, floor, args, compiled=None):
+    """One implementation's row of the printed table; adds the derived ratios to its result ``r``
+    (against the eager autograd reference ``ref`` and, where it ran, the compiled one)."""
     if "error" in r:
         return {"implementation": r["impl"], "train samples/s": "skipped: " + r["error"][:70]}
     row = {"implementation": r["label"] + (" (hand-written)" if not r["impl"].startswith("autograd") else ""),
@@ -370,13 +405,15 @@ def table_row(r, ref, floor, args):
     r["epoch_60k_s"] = 60000 / r["train_samples_per_s"]
     row["60k epoch s"] = f"{r['epoch_60k_s']:.1f}"
     if ref and r is not ref:
-        per_round = [a / b for a, b in zip(r["train_samples_per_s_rounds"], ref["train_samples_per_s_rounds"])]
-        r["speedup_vs_autograd_rounds"] = per_round
-        r["speedup_vs_autograd"] = float(np.median(per_round))
+        r["speedup_vs_autograd"], r["speedup_vs_autograd_rounds"] = _ratio(r, ref)
         r["memory_vs_autograd"] = r["peak_train_mem_mb"] / ref["peak_train_mem_mb"]
-        row["train vs autograd"] = (f"{r['speedup_vs_autograd']:.2f}x" if len(per_round) == 1 else
-                                    f"{r['speedup_vs_autograd']:.2f}x ({min(per_round):.2f}-{max(per_round):.2f})")
+        row["train vs autograd"] = _ratio_text(r["speedup_vs_autograd"], r["speedup_vs_autograd_rounds"])
         row["memory vs autograd"] = f"{r['memory_vs_autograd']:.2f}x"
+    if compiled and r is not compiled:
+        r["speedup_vs_compiled"], r["speedup_vs_compiled_rounds"] = _ratio(r, compiled)
+        row["train vs compiled"] = _ratio_text(r["speedup_vs_compiled"], r["speedup_vs_compiled_rounds"])
+    if r.get("compile_s") is not None:
+        row["compile s"] = f"{r['compile_s']:.0f}"
     if "floor_s" in floor:
         r["gemm_floor_s"] = floor["floor_s"]
         r["step_over_floor"] = r["train_step_s"] / floor["floor_s"]
@@ -399,6 +436,9 @@ def parser():
                         "as a CUDA graph, with +eager op by op; +graph records the step on any backend")
     p.add_argument("--ref-device", type=torch_device, default="cpu", help="device of the autograd reference (cpu or cuda)")
     p.add_argument("--no-reference", action="store_true", help="skip the autograd reference")
+    p.add_argument("--reference", choices=("eager", "compiled", "both"), default="eager",
+                   help="the autograd reference op by op (eager, the default), under torch.compile "
+                        "(compiled; it compiles in its warm-up, untimed, and reports how long), or both")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--dtype", default="float32", choices=FLOAT_DTYPES)
     p.add_argument("--warmup", type=nonnegative_int, default=2)
@@ -439,7 +479,10 @@ def main(argv=None):
     if args.quick:
         args.warmup, args.steps, args.batch_size, args.rounds = 1, 1, min(args.batch_size, 8), min(args.rounds, 2)
 
-    impls = list(args.backends) + ([] if args.no_reference else [f"autograd:{args.ref_device}"])
+    refs = [] if args.no_reference else [name for name, kinds in (("autograd", ("eager", "both")),
+                                                                   (COMPILED, ("compiled", "both")))
+                                         if args.reference in kinds]
+    impls = list(args.backends) + [f"{name}:{args.ref_device}" for name in refs]
     results = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                            "cpus": os.cpu_count(), "python": platform.python_version(),
                            # set by `import backends` (through pycapsnet.cli above); the workers inherit it
@@ -455,14 +498,15 @@ def main(argv=None):
         results["main"].append(_measure(impl, args, speed=_median_run(runs[impl])))
         # the GEMM floor models dynamic routing's products (step_products); none for the other networks
         results["floor"][impl] = _spawn("floor", impl, args) if args.routing == "dynamic" else {}
-    ref = next((r for r in results["main"] if r["impl"].startswith("autograd") and "error" not in r), None)
-    rows = [table_row(r, ref, results["floor"].get(r["impl"], {}), args) for r in results["main"]]
+    ref, compiled = (next((r for r in results["main"] if r["impl"].split(":")[0] == name and "error" not in r), None)
+                     for name in ("autograd", COMPILED))
+    rows = [table_row(r, ref, results["floor"].get(r["impl"], {}), args, compiled) for r in results["main"]]
     cfg_txt = ("tiny model (--quick)" if args.quick else "paper MNIST CapsNet") + f", {args.routing} routing"
     print(f"\n{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up,"
           f" median of {args.rounds} rounds (ratio range in brackets); hand-written PrimaryCaps: {args.primary_conv}")
     print(format_table(rows, ["implementation", "train samples/s", "60k epoch s", "eval samples/s", "peak train MB",
-                            "train vs autograd", "memory vs autograd", "GEMM floor s", "step / floor",
-                            "own products s", "step / own"]))
+                            "train vs autograd", "train vs compiled", "compile s", "memory vs autograd",
+                            "GEMM floor s", "step / floor", "own products s", "step / own"]))
 
     if args.scaling:
         results["scaling"] = scaling(args)

@@ -274,7 +274,8 @@ SMALL = dict(input_shape=(1, 14, 14), conv_channels=8, conv_kernel=3, primary_ty
              primary_kernel=3, primary_stride=2, n_classes=4, class_dim=6, decoder_hidden=(16, 24))
 # The EM network at a size for float64 checks: a 10x10 primary grid, 4x4 and 2x2 convolutional capsules.
 SMALL_EM = dict(input_shape=(1, 12, 12), conv_channels=4, conv_kernel=3, conv_stride=1, primary_types=2,
-                matrix_types=(3, 3), n_classes=3, decoder_hidden=(8, 12), routing="em", em_lambda=0.05)
+                matrix_types=(3, 3), n_classes=3, decoder_hidden=(8, 12), routing="em", em_lambda=0.05,
+                routing_iters=3)  # the paper's 3 iterations (two E-steps to differentiate through), not the default 2
 SMALL_BY_ROUTING = {"dynamic": SMALL, "attention": {**SMALL, "routing": "attention"}, "em": SMALL_EM}
 
 

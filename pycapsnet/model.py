@@ -38,11 +38,14 @@ from .routing import MODES as ROUTING_MODES
 ROUTINGS = ("dynamic", "em", "attention")
 # Defaults that depend on the routing (a field left None takes its routing's): the EM column is the
 # paper's matrix-capsule network (A = 32 channels of 5x5/2, B = 8 primary types).
-_VECTOR_CAPSULES = dict(conv_channels=256, conv_kernel=9, conv_stride=1, primary_types=32)  # Sabour et al.'s
+_VECTOR_CAPSULES = dict(conv_channels=256, conv_kernel=9, conv_stride=1, primary_types=32,  # Sabour et al.'s
+                        routing_iters=3)
 ROUTING_DEFAULTS = {
     "dynamic": _VECTOR_CAPSULES,
     "attention": _VECTOR_CAPSULES,  # the same network, routed otherwise
-    "em": dict(conv_channels=32, conv_kernel=5, conv_stride=2, primary_types=8),
+    # The paper routes 3 times; 2 is the default here because the 3-iteration network learns far
+    # more slowly on the embedded digits (docs/performance.md, "The three routings").
+    "em": dict(conv_channels=32, conv_kernel=5, conv_stride=2, primary_types=8, routing_iters=2),
 }
 EM_KERNELS = ((3, 2), (3, 1))  # (kernel, stride) of the two ConvMatrixCaps, the paper's
 
@@ -61,7 +64,7 @@ class CapsNetConfig:
     primary_stride: int = 2
     primary_conv: str = "fourier"         # "fourier" | "im2col": how PrimaryCaps convolves (same result)
     class_dim: int = 16
-    routing_iters: int = 3
+    routing_iters: int = None             # None: the routing's default (3; EM: 2)
     routing_grad: str = "full"            # "full" | "final" (dynamic and EM routing)
     share_spatial: bool = False           # dynamic and attention routing
     matrix_types: tuple = (16, 16)        # EM: capsule types C, D of the two ConvMatrixCaps

@@ -10,6 +10,27 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def test_rows_report_ratios_against_the_eager_and_the_compiled_reference():
+    """--reference both: every row gets its ratio to each reference, per round then the median (the
+    compiled reference's own compile time shows); the real compile is too slow for the suite."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench import parser, table_row
+
+    args = parser().parse_args(["--reference", "both"])
+
+    def result(impl, rounds, compile_s=None):
+        return {"impl": impl, "label": impl, "train_samples_per_s_rounds": rounds, "train_samples_per_s": rounds[0],
+                "eval_samples_per_s": 1.0, "peak_train_mem_mb": 100.0, "compile_s": compile_s}
+
+    ref, compiled = result("autograd:cpu", [10.0, 12.0]), result("autograd-compiled:cpu", [20.0, 20.0], 30.0)
+    mine = result("numpy", [30.0, 36.0])
+    row = table_row(mine, ref, {}, args, compiled)
+    assert mine["speedup_vs_autograd_rounds"] == [3.0, 3.0] and mine["speedup_vs_compiled_rounds"] == [1.5, 1.8]
+    assert mine["speedup_vs_compiled"] == pytest.approx(1.65)
+    assert row["train vs compiled"] == "1.65x (1.50-1.80)"
+    assert table_row(compiled, ref, {}, args, compiled)["compile s"] == "30"
+
+
 def test_benchmark_quick_run_writes_a_complete_table(tmp_path):
     pytest.importorskip("torch", reason="the benchmark's reference is PyTorch autograd")
     out = tmp_path / "bench.json"
