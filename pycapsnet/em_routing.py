@@ -128,14 +128,18 @@ def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fi
     return mu, a, trace
 
 
-def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Identity, mode="full"):
+def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Identity, mode="full", out=None):
     """From dL/dμ (N, P, C, H) and dL/da (N, P, C) of the last iteration to
-    (dV (N, P, I, C, H), da_in (N, P, I), dβ_u (C,), dβ_a (C,))."""
+    (dV (N, P, I, C, H), da_in (N, P, I), dβ_u (C,), dβ_a (C,)); dV is written into ``out`` if given."""
     xp = B.xp
     if mode not in MODES:
         raise ValueError(f"unknown routing gradient mode {mode!r}: use one of {MODES}")
     H = V.shape[-1]
-    dV = B.zeros(tuple(V.shape))
+    if out is None:
+        dV = B.zeros(tuple(V.shape))
+    else:
+        dV = out
+        dV[...] = 0
     da_in = B.zeros(tuple(a_in.shape))
     dbeta_u = B.zeros(tuple(beta_u.shape))
     dbeta_a = B.zeros(tuple(beta_u.shape))

@@ -173,9 +173,9 @@ class _EMLayer(Layer):
 
         def run(sl):
             trace = next(t for s, t in self.trace if s == sl)
-            dV[sl], da_in[sl], dbu, dba = em_backward(B, V[sl], a_in[sl], self.params["beta_u"], self.lambdas, trace,
-                                                      dmu[sl], da[sl], self.eps, group.part(sl, V.shape[0]),
-                                                      self.routing_grad)
+            _, da_in[sl], dbu, dba = em_backward(B, V[sl], a_in[sl], self.params["beta_u"], self.lambdas, trace,
+                                                 dmu[sl], da[sl], self.eps, group.part(sl, V.shape[0]),
+                                                 self.routing_grad, out=dV[sl])
             dbeta.append((sl.start or 0, dbu, dba))
 
         B.split_batch(run, V.shape[0], math.prod(V.shape[1:]))

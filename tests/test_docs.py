@@ -26,8 +26,8 @@ LONG = {
     'pip install torch==2.13.0 -e ".[test]" && python -m pytest': (None, ".ci/run runs exactly this line"),
     "python train_numpy.py --routing attention --out runs/attention":
         f"python train_numpy.py --routing attention --out runs/attention {QUICK_MODEL}",
-    "python train_numpy.py --routing em --out runs/em --lr 1e-2 --batch-size 16":
-        f"python train_numpy.py --routing em --out runs/em --lr 1e-2 {QUICK_EM}",
+    "python train_numpy.py --routing em --out runs/em":
+        f"python train_numpy.py --routing em --out runs/em {QUICK_EM}",
     "python benchmarks/bench.py --routing attention":
         "python benchmarks/bench.py --routing attention --quick --rounds 1 --json bench-attention.json",
     "python benchmarks/bench.py --routing em --batch-size 32 --rounds 2 --steps 3":
