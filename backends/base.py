@@ -173,6 +173,63 @@ class Backend(abc.ABC):
             out = term if out is None else out + term
         return self.contiguous(out)
 
+    # ---- matrix capsules' votes (pycapsnet/matrix_capsules.py) ---------------------------------------
+    def votes(self, M, W):
+        """V_ij = M_i W_ij for every child slot i and parent type j: M (N, P, I, 16) and W (I, C, 4, 4)
+        -> V (N, P, I, C, 16), and what ``votes_backward`` needs.  As I products (N*P*4, 4) @ (4, C*4):
+        row (n, p, a) of M_i times W_i laid out [b, (c, d)], then the result laid out as V."""
+        xp = self.xp
+        n, p, i, _ = M.shape
+        c = W.shape[1]
+        Mi = xp.reshape(xp.permute_dims(xp.reshape(M, (n, p, i, 4, 4)), (2, 0, 1, 3, 4)), (i, n * p * 4, 4))
+        Wi = xp.reshape(xp.permute_dims(W, (0, 2, 1, 3)), (i, 4, c * 4))
+        Vi = self.matmul(Mi, Wi)                                                      # (I, N*P*4, C*4)
+        V = xp.permute_dims(xp.reshape(Vi, (i, n, p, 4, c, 4)), (1, 2, 0, 4, 3, 5))   # (N, P, I, C, 4, 4)
+        return xp.reshape(self.contiguous(V), (n, p, i, c, 16)), Mi
+
+    def votes_backward(self, saved, W, dV):
+        """From dL/dV (N, P, I, C, 16): (dW (I, C, 4, 4), dM (N, P, I, 16)), with ``saved`` from votes.
+        dW_ij = sum_{n,p} M_i^T dV_ij  and  dM_i = sum_j dV_ij W_ij^T."""
+        xp, Mi = self.xp, saved
+        n, p, i, c, _ = dV.shape
+        dVi = xp.reshape(xp.permute_dims(xp.reshape(dV, (n, p, i, c, 4, 4)), (2, 0, 1, 4, 3, 5)), (i, n * p * 4, c * 4))
+        Wi = xp.reshape(xp.permute_dims(W, (0, 2, 1, 3)), (i, 4, c * 4))
+        dW = xp.permute_dims(xp.reshape(self.matmul(xp.matrix_transpose(Mi), dVi), (i, 4, c, 4)), (0, 2, 1, 3))
+        dMi = self.matmul(dVi, xp.matrix_transpose(Wi))                               # (I, N*P*4, 4)
+        dM = xp.permute_dims(xp.reshape(dMi, (i, n, p, 4, 4)), (1, 2, 0, 3, 4))
+        return dW, xp.reshape(self.contiguous(dM), (n, p, i, 16))
+
+    # The same products without moving V, for a backend whose matmul writes through a strided view
+    # (NumPy, PyTorch on the CPU, which supply _slot_rows and _matmul_into).  ``votes`` above makes V
+    # in the products' layout and then copies it into (N, P, I, C, 16), and dV back: each a pass over
+    # the biggest array of the step.  Here each slot i is one product (N*P, 16) @ (16, C*16) whose
+    # result rows are the strided rows V[:, :, i] themselves: the 4x4 product M_i W_ij written as a
+    # 16 x (C*16) matrix, W_big[(a, b), (c, a', d)] = [a = a'] W_icbd (four times the multiply-adds,
+    # all inside BLAS).
+    def slotwise_votes(self, M, W):
+        xp = self.xp
+        n, p, i, _ = M.shape
+        c = W.shape[1]
+        big = self.zeros((i, 4, 4, c, 4, 4), dtype=self.dtype_name(W))     # [i, a, b, c, a', d]
+        for a in range(4):
+            big[:, a, :, :, a, :] = xp.permute_dims(W, (0, 2, 1, 3))        # W_icbd at [i, a, b, c, a, d]
+        big = xp.reshape(big, (i, 16, c * 16))
+        M = self.contiguous(M)
+        V = self.empty((n, p, i, c * 16), dtype=self.dtype_name(M))
+        self._matmul_into(self._slot_rows(M), big, self._slot_rows(V))
+        return xp.reshape(V, (n, p, i, c, 16)), (M, big)
+
+    def slotwise_votes_backward(self, saved, W, dV):
+        xp = self.xp
+        M, big = saved
+        n, p, i, c, _ = dV.shape
+        dVs = self._slot_rows(xp.reshape(self.contiguous(dV), (n, p, i, c * 16)))
+        dM = self.empty((n, p, i, 16), dtype=self.dtype_name(dV))
+        self._matmul_into(dVs, xp.matrix_transpose(big), self._slot_rows(dM))      # dM_i = dV_i W_big_i^T
+        dbig = xp.reshape(self.matmul(xp.matrix_transpose(self._slot_rows(M)), dVs), (i, 4, 4, c, 4, 4))
+        dW = sum(dbig[:, a, :, :, a, :] for a in range(4))                          # [i, b, c, d], summed over a
+        return self.contiguous(xp.permute_dims(dW, (0, 2, 1, 3))), dM
+
     # ---- the sums of EM routing (pycapsnet/em_routing.py) ---------------------------------------
     # Shapes: votes V and what is shaped like them (N, P, I, C, H); assignments (N, P, I, C); parent
     # poses μ and variances σ² (N, P, C, H).  Written as the math reads; NumPy overrides both with

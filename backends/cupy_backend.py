@@ -71,6 +71,8 @@ class CupyBackend(NumpyBackend):
     sample_block = None
     sum_children = Backend.sum_children
     sum_entries = Backend.sum_entries
+    votes = Backend.votes  # products written through strided views: not tried on a GPU yet
+    votes_backward = Backend.votes_backward
 
     def as_torch(self, x):
         """The same device memory as a torch CUDA tensor, through DLPack (no copy)."""

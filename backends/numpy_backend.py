@@ -93,6 +93,18 @@ class NumpyBackend(Backend):
         self._split_batch(part, n, max(C.size, V.size))
         return du
 
+    votes = Backend.slotwise_votes  # see Backend
+    votes_backward = Backend.slotwise_votes_backward
+
+    def _slot_rows(self, x):
+        n, p, i, k = x.shape
+        if not x.flags["C_CONTIGUOUS"]:
+            raise ValueError("votes' operands must be C-contiguous")  # a copy would take the written results
+        return self.lib.lib.stride_tricks.as_strided(x, (i, n * p, k), (x.strides[2], x.strides[1], x.strides[3]))
+
+    def _matmul_into(self, a, b, out):
+        self.lib.matmul(a, b, out=out)
+
     # The sums of EM routing (see Backend) as batched BLAS products on strided views: one (1, I) @ (I, H)
     # or (I, H) @ (H, 1) per parent, rather than writing the broadcast product and then summing it
     # (NumPy's sum over the short last axis, H = 16, is slow).  EM routing already runs on blocks of

@@ -126,6 +126,22 @@ class TorchBackend(Backend):
             prod *= z[:, :, None]
         return prod @ self.torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
 
+    def votes(self, M, W):
+        """Backend.slotwise_votes on the CPU (a GPU records its step as a graph: there, Backend.votes)."""
+        return (self.slotwise_votes if self._device.type == "cpu" else super().votes)(M, W)
+
+    def votes_backward(self, saved, W, dV):
+        return (self.slotwise_votes_backward if self._device.type == "cpu" else super().votes_backward)(saved, W, dV)
+
+    def _slot_rows(self, x):
+        n, p, i, k = x.shape
+        if not x.is_contiguous():
+            raise ValueError("votes' operands must be contiguous")  # a copy would take the written results
+        return x.as_strided((i, n * p, k), (x.stride(2), x.stride(1), x.stride(3)))
+
+    def _matmul_into(self, a, b, out):
+        self.torch.matmul(a, b, out=out)
+
     def split_batch(self, fn, n, sample_size=1):
         """Backend.split_batch's blocks one after another: PyTorch threads inside each op, and its
         ops called from several threads at once would compete for the same cores."""

@@ -3,7 +3,7 @@ ClassMatrixCaps.
 
 A capsule is a 4x4 pose matrix M (kept flat, 16 entries, row-major) and an activation a in (0, 1).
 A layer passes the pair (M, a) on a channels-last grid: M (N, H, W, T, 16), a (N, H, W, T).  A child i
-votes for a parent j through a learned 4x4 transform, V_ij = M_i W_ij, and EM routing
+votes for a parent j through a learned 4x4 transform, V_ij = M_i W_ij (``B.votes``), and EM routing
 (em_routing.py) turns the votes into the parents' poses μ_j and activations a_j.
 """
 from __future__ import annotations
@@ -14,33 +14,6 @@ import numpy as np
 
 from .em_routing import MODES, Identity, em_backward, em_forward, inverse_temperatures
 from .layers import Layer, Linear, sigmoid
-
-
-def votes(B, M, W):
-    """V_ij = M_i W_ij for every child slot i and parent type j:
-    M (N, P, I, 16), W (I, C, 4, 4) -> V (N, P, I, C, 16), and Mi, the operand the backward reuses.
-    As I products (N*P*4, 4) @ (4, C*4): row (n, p, a) of M_i times W_i laid out [b, (c, d)]."""
-    xp = B.xp
-    n, p, i, _ = M.shape
-    c = W.shape[1]
-    Mi = xp.reshape(xp.permute_dims(xp.reshape(M, (n, p, i, 4, 4)), (2, 0, 1, 3, 4)), (i, n * p * 4, 4))
-    Wi = xp.reshape(xp.permute_dims(W, (0, 2, 1, 3)), (i, 4, c * 4))
-    Vi = B.matmul(Mi, Wi)                                                      # (I, N*P*4, C*4)
-    V = xp.permute_dims(xp.reshape(Vi, (i, n, p, 4, c, 4)), (1, 2, 0, 4, 3, 5))  # (N, P, I, C, 4, 4)
-    return xp.reshape(B.contiguous(V), (n, p, i, c, 16)), Mi
-
-
-def votes_backward(B, Mi, W, dV):
-    """From dL/dV (N, P, I, C, 16): (dW (I, C, 4, 4), dM (N, P, I, 16)).
-    dW_ij = sum_{n,p} M_i^T dV_ij  and  dM_i = sum_j dV_ij W_ij^T."""
-    xp = B.xp
-    n, p, i, c, _ = dV.shape
-    dVi = xp.reshape(xp.permute_dims(xp.reshape(dV, (n, p, i, c, 4, 4)), (2, 0, 1, 4, 3, 5)), (i, n * p * 4, c * 4))
-    Wi = xp.reshape(xp.permute_dims(W, (0, 2, 1, 3)), (i, 4, c * 4))
-    dW = xp.permute_dims(xp.reshape(B.matmul(xp.matrix_transpose(Mi), dVi), (i, 4, c, 4)), (0, 2, 1, 3))
-    dMi = B.matmul(dVi, xp.matrix_transpose(Wi))                               # (I, N*P*4, 4)
-    dM = xp.permute_dims(xp.reshape(dMi, (i, n, p, 4, 4)), (1, 2, 0, 3, 4))
-    return dW, xp.reshape(B.contiguous(dM), (n, p, i, 16))
 
 
 def transform_init(rng, shape):
@@ -221,7 +194,7 @@ class ConvMatrixCaps(_EMLayer):
         p = group.oh * group.ow
         Mw = xp.reshape(B.im2col(xp.reshape(M, (n, h, w, t * 16)), self.k, self.k, self.stride), (n, p, -1, 16))
         a_in = xp.reshape(B.im2col(a, self.k, self.k, self.stride), (n, p, -1))        # (N, P, I)
-        V, Mi = votes(B, Mw, self.params["W"])                                          # (N, P, I, C, 16)
+        V, Mi = B.votes(Mw, self.params["W"])                                           # (N, P, I, C, 16)
         mu, a_out = self.route(V, a_in, group)
         self.cache = (Mi, V, a_in, group)
         c = self.out_types
@@ -234,7 +207,7 @@ class ConvMatrixCaps(_EMLayer):
         self.cache = None
         n, p = V.shape[:2]
         dV, da_in = self.route_backward(V, a_in, group, xp.reshape(dM, (n, p, -1, 16)), xp.reshape(da, (n, p, -1)))
-        dW, dMw = votes_backward(B, Mi, self.params["W"], dV)
+        dW, dMw = B.votes_backward(Mi, self.params["W"], dV)
         self.grads["W"] += dW
         if not input_grad:
             return None
@@ -266,7 +239,7 @@ class ClassMatrixCaps(_EMLayer):
         M, a = x
         xp, B = self.B.xp, self.B
         n, gh, gw, t, _ = M.shape
-        V, Mi = votes(B, xp.reshape(M, (n, gh * gw, t, 16)), self.params["W"])  # (N, Q, T, J, 16)
+        V, Mi = B.votes(xp.reshape(M, (n, gh * gw, t, 16)), self.params["W"])   # (N, Q, T, J, 16)
         V = xp.reshape(V + self.offsets, (n, 1, gh * gw * t, self.J, 16))
         a_in = xp.reshape(a, (n, 1, gh * gw * t))
         mu, a_out = self.route(V, a_in, Identity)
@@ -281,7 +254,7 @@ class ClassMatrixCaps(_EMLayer):
         n, gh, gw, t, _ = shape
         dV, da_in = self.route_backward(V, a_in, Identity, xp.reshape(dmu, (n, 1, self.J, 16)),
                                         xp.reshape(da, (n, 1, self.J)))
-        dW, dM = votes_backward(B, Mi, self.params["W"], xp.reshape(dV, (n, gh * gw, t, self.J, 16)))
+        dW, dM = B.votes_backward(Mi, self.params["W"], xp.reshape(dV, (n, gh * gw, t, self.J, 16)))
         self.grads["W"] += dW
         if not input_grad:
             return None

@@ -152,6 +152,24 @@ def test_em_routing_sums_equal_their_einsum(backend, case):
     np.testing.assert_allclose(B.to_numpy(out), np.einsum(subscripts, *host), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
+def test_matrix_capsule_votes_and_their_backward_equal_their_einsum(backend):
+    """V_ij = M_i W_ij, dW_ij = sum_{n,p} M_i^T dV_ij, dM_i = sum_j dV_ij W_ij^T, with 4x4 poses kept flat."""
+    from backends.base import Backend
+    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
+    votes, votes_backward = ((Backend.votes.__get__(B), Backend.votes_backward.__get__(B)) if backend == "default"
+                             else (B.votes, B.votes_backward))
+    rng = np.random.default_rng(0)
+    n, p, i, c = 2, 3, 5, 4
+    M, W, dV = rng.standard_normal((n, p, i, 16)), rng.standard_normal((i, c, 4, 4)), rng.standard_normal((n, p, i, c, 16))
+    V, saved = votes(B.asarray(M), B.asarray(W))
+    M6, dV6 = M.reshape(n, p, i, 4, 4), dV.reshape(n, p, i, c, 4, 4)
+    np.testing.assert_allclose(B.to_numpy(V), np.einsum("npiab,icbd->npicad", M6, W).reshape(V.shape), atol=1e-12)
+    dW, dM = votes_backward(saved, B.asarray(W), B.asarray(dV))
+    np.testing.assert_allclose(B.to_numpy(dW), np.einsum("npiab,npicad->icbd", M6, dV6), atol=1e-12)
+    np.testing.assert_allclose(B.to_numpy(dM), np.einsum("npicad,icbd->npiab", dV6, W).reshape(M.shape), atol=1e-12)
+
+
 @pytest.mark.parametrize("spec", CPU_BACKENDS)
 @pytest.mark.parametrize("n, sample_size, block, threads", [
     (7, 10, 25, 2), (7, 10, 5, 2), (7, 10, 1000, 1), (1, 10, 5, 2), (3, 10, None, 2)])
