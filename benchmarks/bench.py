@@ -454,6 +454,8 @@ def parser():
     p.add_argument("--routing", choices=ROUTINGS, default="dynamic",
                    help="the network: dynamic (default), em or attention; each against an autograd "
                         "implementation of the same network (pycapsnet/reference.py)")
+    p.add_argument("--routing-iters", type=positive_int, default=None,
+                   help="routing iterations (default: the network's own; EM's is 2, the paper's 3)")
     p.add_argument("--json", type=writable_file, default=None,
                    help="where the results go (default: benchmarks/results.json, the README's; "
                         "benchmarks/results-ROUTING.json for --routing em or attention)")
@@ -473,6 +475,8 @@ def main(argv=None):
         if args.quick:  # the tiny model's sizes are dynamic routing's; the EM network keeps its own
             args.config = {k: v for k, v in args.config.items() if args.routing != "em" or k not in
                            ("conv_channels", "conv_kernel", "primary_types")}
+    if args.routing_iters is not None:
+        args.config["routing_iters"] = args.routing_iters
     if args.json is None:
         name = "results.json" if args.routing == "dynamic" else f"results-{args.routing}.json"
         args.json = os.path.join(ROOT, "benchmarks", name)

@@ -86,25 +86,26 @@ def inverse_temperatures(lam: float, iters: int):
 
 
 def m_step(B, V, a_in, R, beta_u, beta_a, lam, eps, var_floor):
-    """Returns (mu, var, r, z, a, d): parent poses, variances, assigned mass, activation logits,
-    activations, and the votes' deviations d_ijh = V_ijh - μ_jh (which the E-step reuses)."""
+    """Returns (mu, var, r, z, a, d2): parent poses, variances, assigned mass, activation logits,
+    activations, and the votes' squared deviations d²_ijh = (V_ijh - μ_jh)² (which the E-step reuses)."""
     xp = B.xp
     Rp = R * a_in[..., None]                           # R'_ij (N, P, I, C)
     r = xp.sum(Rp, axis=2)                             # r_j (N, P, C)
     w = Rp / (r[:, :, None] + eps)                     # w_ij
     mu = B.sum_children(w, V)                          # μ_jh = sum_i w_ij V_ijh  (N, P, C, H)
-    d = V - mu[:, :, None]                             # (N, P, I, C, H)
-    var = B.sum_children(w, d, d) + var_floor          # σ²_jh = sum_i w_ij d²_ijh + ε
+    d2 = V - mu[:, :, None]
+    d2 *= d2                                           # d²_ijh (N, P, I, C, H)
+    var = B.sum_children(w, d2) + var_floor            # σ²_jh = sum_i w_ij d²_ijh + ε
     cost = r * (V.shape[-1] * beta_u + 0.5 * xp.sum(xp.log(var), axis=-1))
     z = lam * (beta_a - cost)
-    return mu, var, r, z, sigmoid(xp, z), d
+    return mu, var, r, z, sigmoid(xp, z), d2
 
 
-def e_step(B, d, var, z, group):
+def e_step(B, d2, var, z, group):
     """R_ij = a_j p_ij normalised over every parent that receives child i, in log space."""
     xp = B.xp
     ln_norm = -0.5 * xp.sum(xp.log((2 * math.pi) * var), axis=-1)         # (N, P, C): the same for every i
-    ln_p = -0.5 * B.sum_entries(d, d, 1 / var) + ln_norm[:, :, None]      # (N, P, I, C)
+    ln_p = -0.5 * B.sum_entries(d2, 1 / var) + ln_norm[:, :, None]        # (N, P, I, C)
     L = log_sigmoid(xp, z)[:, :, None] + ln_p
     top = group.max(xp.max(L, axis=-1))                # the child's largest L: exp(L - top) <= 1, one term = 1
     e = xp.exp(L - top[..., None])
@@ -121,10 +122,10 @@ def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fi
     for t, lam in enumerate(lambdas):
         if t == len(lambdas) - 1 and fixed_assignments is not None:
             R = fixed_assignments
-        mu, var, r, z, a, d = m_step(B, V, a_in, R, beta_u, beta_a, lam, eps, var_floor)
+        mu, var, r, z, a, d2 = m_step(B, V, a_in, R, beta_u, beta_a, lam, eps, var_floor)
         trace.append((R, mu, var, r, z, a))
         if t < len(lambdas) - 1:
-            R = e_step(B, d, var, z, group)
+            R = e_step(B, d2, var, z, group)
     return mu, a, trace
 
 
