@@ -157,11 +157,12 @@ def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Ide
             dL = R1 * (dR - group.sum(xp.sum(R1 * dR, axis=-1))[..., None])
             dz = (1 - a) * xp.sum(dL, axis=2)
             q = d / var[:, :, None]
-            dmu_t = B.sum_children(dL, q)
-            dvar = 0.5 * (B.sum_children(dL, q, q) - xp.sum(dL, axis=2)[..., None] / var)
-            q *= dL[..., None]
-            dV -= q                                            # dV_ijh -= dL_ij q_ijh
-            del q
+            dLq = q * dL[..., None]                            # dL_ij q_ijh
+            dV -= dLq
+            dmu_t = xp.sum(dLq, axis=2)
+            dLq *= q
+            dvar = 0.5 * (xp.sum(dLq, axis=2) - xp.sum(dL, axis=2)[..., None] / var)
+            del q, dLq
         lam = lambdas[t]
         dbeta_a += lam * xp.sum(dz, axis=(0, 1))
         dcost = -lam * dz                                      # (N, P, C)
