@@ -233,7 +233,8 @@ class Backend(abc.ABC):
     # ---- the sums of EM routing (pycapsnet/em_routing.py) ---------------------------------------
     # Shapes: votes V and what is shaped like them (N, P, I, C, H); assignments (N, P, I, C); parent
     # poses μ and variances σ² (N, P, C, H).  Written as the math reads; NumPy overrides both with
-    # einsum, which sums without forming the product (and NumPy's sum over a short last axis is slow).
+    # batched BLAS products that sum without forming the product, PyTorch the sum over h alone
+    # (_sum_last): both libraries sum slowly over the short last axis.
     def sum_children(self, w, x, y=None):
         """Σ_i w_ij x_ijh [y_ijh]: (N, P, I, C), (N, P, I, C, H) [, (N, P, I, C, H)] -> (N, P, C, H)."""
         prod = w[..., None] * x if y is None else w[..., None] * x * y
@@ -244,8 +245,12 @@ class Backend(abc.ABC):
         for every child; z (N, P, C, H) -> (N, P, I, C)."""
         prod = x * (y if y.ndim == x.ndim else y[:, :, None])
         if z is not None:
-            prod = prod * z[:, :, None]
-        return self.xp.sum(prod, axis=-1)
+            prod *= z[:, :, None]
+        return self._sum_last(prod)
+
+    def _sum_last(self, x):
+        """Σ over the last axis (sum_entries' h)."""
+        return self.xp.sum(x, axis=-1)
 
     def all_finite(self, x) -> bool:
         """Whether every entry of ``x`` is finite; a host NumPy array is checked where it is."""
@@ -371,7 +376,27 @@ class Backend(abc.ABC):
         ``sample_block`` elements, spread over this backend's host threads (NumPy runs each pass on
         one core).  One call with slice(None) where ``sample_block`` is None (a GPU wants few, large
         launches).  fn must not care in which order the parts run."""
-        slices = self._sample_blocks(n, sample_size)
+        self._run_parts(fn, self._sample_blocks(n, sample_size))
+
+    def _sample_blocks(self, n: int, sample_size: int) -> list:
+        """Slices that split a batch of n into blocks of about ``sample_block`` elements, at least one
+        per thread (when n allows)."""
+        if self.sample_block is None:
+            return [slice(None)]
+        per_part = max(1, self.sample_block // max(1, sample_size))
+        return _even_slices(n, max(-(-n // per_part), min(self.threads, n)))
+
+    def _over_batch(self, fn, n: int) -> None:
+        """Call fn(slice) over slices that split a batch of n, on ``self.threads`` threads.  Used for
+        work that NumPy runs on one core and that releases the GIL: the memory-bound gathers and
+        scatters of im2col/col2im, and (NumPy backend) the routing products and batches of small products."""
+        whole = self.threads <= 1 or n < 2 * self.threads or getattr(_ON_POOL, "on", False)
+        self._run_parts(fn, [slice(None)] if whole else _even_slices(n, self.threads))
+
+    def _run_parts(self, fn, slices) -> None:
+        """fn(slice) for every slice, on this backend's thread pool when there are several."""
+        # Work already on one of the pool's threads (split_batch's parts call im2col, matmul, ...) runs
+        # where it is: the pool's threads are all busy with the parts, so waiting on them would deadlock.
         if self.threads <= 1 or len(slices) == 1 or getattr(_ON_POOL, "on", False):
             for sl in slices:
                 fn(sl)
@@ -380,29 +405,11 @@ class Backend(abc.ABC):
             self._pool = ThreadPoolExecutor(self.threads, initializer=_mark_pool_thread)
         list(self._pool.map(fn, slices))
 
-    def _sample_blocks(self, n: int, sample_size: int) -> list:
-        """Slices that split a batch of n into blocks of about ``sample_block`` elements, at least one
-        per thread (when n allows)."""
-        if self.sample_block is None:
-            return [slice(None)]
-        per_part = max(1, self.sample_block // max(1, sample_size))
-        parts = max(-(-n // per_part), min(self.threads, n))
-        bounds = np.linspace(0, n, parts + 1).astype(int)
-        return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def _over_batch(self, fn, n: int) -> None:
-        """Call fn(slice) over slices that split a batch of n, on ``self.threads`` threads.  Used for
-        work that NumPy runs on one core and that releases the GIL: the memory-bound gathers and
-        scatters of im2col/col2im, and (NumPy backend) the routing products and batches of small products."""
-        # Work already on one of the pool's threads (split_batch's parts call im2col, matmul, ...) runs
-        # where it is: the pool's threads are all busy with the parts, so waiting on them would deadlock.
-        if self.threads <= 1 or n < 2 * self.threads or getattr(_ON_POOL, "on", False):
-            fn(slice(None))
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, initializer=_mark_pool_thread)
-        bounds = np.linspace(0, n, self.threads + 1).astype(int)
-        list(self._pool.map(fn, [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]))
+def _even_slices(n: int, parts: int) -> list:
+    """``parts`` slices that split range(n) into nearly equal runs."""
+    bounds = np.linspace(0, n, parts + 1).astype(int)
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 _ON_POOL = threading.local()

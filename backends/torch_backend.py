@@ -117,14 +117,11 @@ class TorchBackend(Backend):
             du.addcmul_(*term(c, v))
         return du
 
-    def sum_entries(self, x, y, z=None):
-        """Backend.sum_entries with the sum over h as a product with a vector of ones: PyTorch's CPU
-        sum over a short last axis is slower.  (Backend's sum_children, a sum over a middle axis,
-        is PyTorch's best form of that one.)"""
-        prod = x * (y if y.ndim == x.ndim else y[:, :, None])
-        if z is not None:
-            prod *= z[:, :, None]
-        return prod @ self.torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    def _sum_last(self, x):
+        """sum_entries' sum over h as a product with a vector of ones: PyTorch's CPU sum over a short
+        last axis is slower.  (Backend's sum_children, a sum over a middle axis, is PyTorch's best
+        form of that one.)"""
+        return x @ self.torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
 
     def votes(self, M, W):
         """Backend.slotwise_votes on the CPU (a GPU records its step as a graph: there, Backend.votes)."""
