@@ -258,7 +258,7 @@ def em_layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
         cls = ClassMatrixCaps(B, (2, 3), 2, 4, iters=3, routing_grad=mode, lam=0.3, rng=rng)
         for layer in (conv, cls):  # β away from 0, where some terms of their gradients vanish
             layer.params["beta_u"][...] = B.asarray(0.3 * r(*layer.params["beta_u"].shape))
-            layer.params["beta_a"][...] = B.asarray(0.3 * r(*layer.params["beta_a"].shape))
+            layer.params["lambda_beta_a"][...] = B.asarray(0.3 * r(*layer.params["lambda_beta_a"].shape))
         results += check_layer(B, f"ConvMatrixCaps 3x3/2 routing={mode}", conv, (r(2, 7, 7, 2, 16), act(2, 7, 7, 2)),
                                samples, eps, tol, seed)
         results += check_layer(B, f"ClassMatrixCaps routing={mode}", cls, (r(2, 2, 3, 2, 16), act(2, 2, 3, 2)),

@@ -100,7 +100,14 @@ class PrimaryMatrixCaps(Layer):
 
 
 class _EMLayer(Layer):
-    """What the two routed layers share: W, β_u, β_a, the routing settings and the EM trace."""
+    """What the two routed layers share: W, β_u, β_a, the routing settings and the EM trace.
+
+    β_a is learned as λβ_a (the parameter ``lambda_beta_a``, λ the last iteration's): the logit that
+    a parent's activation has when it costs nothing.  The function is the paper's; only what the
+    optimizer steps changes.  With λ = 1e-3, the paper's β_a must travel thousands of units for a
+    parent that receives little (a wrong class) to be switched off, and an optimizer that steps a
+    few thousandths per update never gets there: those activations stay at sigmoid(0) = ½ and the
+    spread loss's margin is out of reach (docs/performance.md, "The three routings")."""
 
     eps = 1e-6        # ε of the M-step's division by r_j
     var_floor = 1e-6  # the ε added to σ²
@@ -115,7 +122,7 @@ class _EMLayer(Layer):
         self.iters, self.routing_grad, self.lambdas = iters, routing_grad, inverse_temperatures(lam, iters)
         self._add_param("W", transform_init(rng, (n_slots, out_types, 4, 4)))
         self._add_param("beta_u", np.zeros(out_types))
-        self._add_param("beta_a", np.zeros(out_types))
+        self._add_param("lambda_beta_a", np.zeros(out_types))
         self.trace = None
         self.fixed_assignments = None  # gradient checks of "final" hold R^{T-1} here
 
@@ -127,11 +134,12 @@ class _EMLayer(Layer):
         B = self.B
         n, p, _, c, _ = V.shape
         mu, a = B.empty((n, p, c, 16)), B.empty((n, p, c))
+        beta_a = self.params["lambda_beta_a"] / self.lambdas[-1]
         parts = []
 
         def run(sl):
             fixed = None if self.fixed_assignments is None else self.fixed_assignments[sl]
-            mu[sl], a[sl], trace = em_forward(B, V[sl], a_in[sl], self.params["beta_u"], self.params["beta_a"],
+            mu[sl], a[sl], trace = em_forward(B, V[sl], a_in[sl], self.params["beta_u"], beta_a,
                                               self.lambdas, self.eps, group.part(sl, n), fixed, self.var_floor)
             parts.append((sl, trace))
 
@@ -140,7 +148,7 @@ class _EMLayer(Layer):
         return mu, a
 
     def route_backward(self, V, a_in, group, dmu, da):
-        """dV and da_in; adds dβ_u and dβ_a."""
+        """dV and da_in; adds dβ_u and d(λβ_a) = dβ_a / λ."""
         B = self.B
         dV, da_in, dbeta = B.empty(tuple(V.shape)), B.empty(tuple(a_in.shape)), []
 
@@ -154,7 +162,7 @@ class _EMLayer(Layer):
         B.split_batch(run, V.shape[0], math.prod(V.shape[1:]))
         for _, dbu, dba in sorted(dbeta, key=lambda part: part[0]):  # in batch order, whichever thread ended first
             self.grads["beta_u"] += dbu
-            self.grads["beta_a"] += dba
+            self.grads["lambda_beta_a"] += dba / self.lambdas[-1]
         return dV, da_in
 
     @property

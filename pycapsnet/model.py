@@ -183,9 +183,9 @@ def _em_param_shapes(cfg):
     types = (T, *cfg.matrix_types, cfg.n_classes)
     for k, (kernel, _) in enumerate(EM_KERNELS, start=1):
         shapes[f"convcaps{k}.W"] = (kernel * kernel * types[k - 1], types[k], 4, 4)
-        shapes[f"convcaps{k}.beta_u"] = shapes[f"convcaps{k}.beta_a"] = (types[k],)
+        shapes[f"convcaps{k}.beta_u"] = shapes[f"convcaps{k}.lambda_beta_a"] = (types[k],)
     shapes["classcaps.W"] = (types[-2], cfg.n_classes, 4, 4)
-    shapes["classcaps.beta_u"] = shapes["classcaps.beta_a"] = (cfg.n_classes,)
+    shapes["classcaps.beta_u"] = shapes["classcaps.lambda_beta_a"] = (cfg.n_classes,)
     return {**shapes, **_decoder_shapes(cfg)}
 
 

@@ -128,7 +128,7 @@ class AutogradCapsNet:
         child[s] the child in slot s.  Parents are (position, type); R normalised per child."""
         cfg, p = self.cfg, self.params
         n, S, C, H = V.shape
-        beta_u, beta_a = p[name + ".beta_u"], p[name + ".beta_a"]
+        beta_u, beta_a = p[name + ".beta_u"], p[name + ".lambda_beta_a"] / cfg.em_lambda  # learned as λβ_a
         iters, eps = cfg.routing_iters, 1e-6
         n_children = int(child.max()) + 1
         slots = torch.zeros(n_children, dtype=V.dtype, device=V.device).index_add_(0, child, torch.ones_like(child, dtype=V.dtype))

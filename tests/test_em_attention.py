@@ -25,7 +25,7 @@ def test_em_layers_finite_differences():
     assert {r.layer for r in results} >= {"PrimaryMatrixCaps", "ConvMatrixCaps 3x3/2 routing=full",
                                           "ConvMatrixCaps 3x3/2 routing=final", "ClassMatrixCaps routing=full",
                                           "ClassMatrixCaps routing=final", "SpreadLoss"}
-    assert {r.tensor for r in results} >= {"input0", "input1", "W", "beta_u", "beta_a"}
+    assert {r.tensor for r in results} >= {"input0", "input1", "W", "beta_u", "lambda_beta_a"}
     _assert_all_pass(results)
 
 
@@ -42,7 +42,7 @@ def test_whole_loss_finite_differences(routing, mode):
     names = {r.tensor for r in results}
     assert "input" in names and "decoder3.W" in names
     if routing == "em":
-        assert names >= {"primary.W", "convcaps1.W", "convcaps2.beta_u", "classcaps.beta_a"}
+        assert names >= {"primary.W", "convcaps1.W", "convcaps2.beta_u", "classcaps.lambda_beta_a"}
     else:
         assert "classcaps.bias" in names
     _assert_all_pass(results)
@@ -64,7 +64,7 @@ def test_the_check_catches_a_wrong_em_backward(monkeypatch):
 
     monkeypatch.setattr("pycapsnet.matrix_capsules.em_backward", wrong)
     results = gradcheck.em_layer_checks(B64, samples=5)
-    assert any(not r.passed and r.tensor == "beta_a" for r in results)
+    assert any(not r.passed and r.tensor == "lambda_beta_a" for r in results)
 
 
 # ---- the autograd oracle --------------------------------------------------------------------------
@@ -307,6 +307,33 @@ def test_train_resume_evaluate_and_inspect(routing, tmp_path):
         assert len(c.files) == CapsNetConfig(routing="em").routing_iters
         for name in c.files:
             np.testing.assert_allclose(c[name].sum(1), 1.0, rtol=1e-5)
+
+
+def test_a_checkpoint_that_holds_beta_a_itself_loads_as_lambda_beta_a(tmp_path):
+    """EM checkpoints written before β_a was learned as λβ_a hold β_a (and Adam's moments of its
+    gradient): they load as the same network, the optimizer's state converted with it."""
+    from pycapsnet import checkpoint, trainer
+
+    out = str(tmp_path / "run")
+    assert trainer.main("numpy", ["--routing", "em", *SMALL_EM_FLAGS, *QUICK_DATA, "--epochs", "1", "--out", out]) == 0
+    now = checkpoint.load(out)
+    lam = now["header"]["config"]["em_lambda"]
+    with np.load(f"{out}/checkpoint.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    before = {}
+    for k, v in arrays.items():  # what the earlier layout wrote: β_a, and moments of dL/dβ_a
+        if k.endswith(".lambda_beta_a"):
+            slot = k.split("/")[-2]  # param/NAME, optim/m/NAME, optim/v/NAME
+            v = v / lam if slot == "param" else v * lam ** (2 if slot == "v" else 1)
+            assert np.abs(v).max() > 0, k  # a trained β_a, and its moments
+        before[k.replace(".lambda_beta_a", ".beta_a")] = v
+    np.savez(str(tmp_path / "before.npz"), **before)
+    old = checkpoint.load(str(tmp_path / "before.npz"))
+    for part in ("params", "optim"):
+        assert sorted(old[part]) == sorted(now[part])
+        for k in now[part]:
+            np.testing.assert_allclose(old[part][k], now[part][k], rtol=1e-6, err_msg=k)
+    assert trainer.main("numpy", ["--no-progress", "--epochs", "2", "--resume", str(tmp_path / "before.npz")]) == 0
 
 
 def test_a_checkpoint_of_another_routing_is_refused_on_resume(tmp_path, capsys):
