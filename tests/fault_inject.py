@@ -25,6 +25,10 @@ FILES = {"saving": "checkpoint.npz", "checkpoint": "checkpoint.npz", "metrics": 
 
 def main():
     point, n, sig = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3])
+    if sig == signal.SIGINT:
+        # Ctrl-C as a terminal delivers it, to a process that listens: one started as a background job
+        # (``nohup pytest &``, a CI runner) inherits SIGINT ignored, and would never see the stop.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     flags = sys.argv[sys.argv.index("--") + 1:]
     seen = {"count": 0}
 
