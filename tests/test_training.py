@@ -252,15 +252,16 @@ def test_checkpoints_without_a_recipe_still_give_their_optimizer_and_seed(tmp_pa
 
 
 @pytest.mark.parametrize("routing, given, expected", [
-    ("em", {}, (1e-2, 16, 20)), ("em", {"lr": 3e-3, "epochs": 3}, (3e-3, 16, 3)), ("dynamic", {}, (2e-3, 32, 12)),
-    ("attention", {"batch_size": 8}, (2e-3, 8, 12))])
+    ("em", {}, (1e-2, 16, 20, 1)), ("em", {"lr": 3e-3, "epochs": 3}, (3e-3, 16, 3, 1)),
+    ("em", {"shift": 2}, (1e-2, 16, 20, 2)), ("dynamic", {}, (2e-3, 32, 12, 2)),
+    ("attention", {"batch_size": 8}, (2e-3, 8, 12, 2))])
 def test_a_routing_brings_its_own_recipe_where_flags_leave_it_out(routing, given, expected):
     args = argparse.Namespace(**dict.fromkeys({**trainer.RECIPE, **trainer.ARCHITECTURE, "epochs": None}))
     args.routing = routing
     for k, v in given.items():
         setattr(args, k, v)
     trainer.settle(args, None)
-    assert (args.lr, args.batch_size, args.epochs) == expected
+    assert (args.lr, args.batch_size, args.epochs, args.shift) == expected
 
 
 def test_a_fresh_run_never_overwrites_a_trained_checkpoint(tmp_path, capsys):
