@@ -129,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                         f"testing, seeded (default: {d['test_fraction']})")
     p.add_argument("--shift", type=nonnegative_int,
                    help=f"random shift augmentation in pixels, 0 = off (default: {d['shift']}; --routing em: "
-                        f"{ROUTING_RECIPE['em']['shift']})")
+                        f"{em['shift']})")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N training images (quick runs)")
     add_limit_test(p)
     routing_default = lambda k: ", ".join(f"{v[k]} ({r})" for r, v in ROUTING_DEFAULTS.items())
