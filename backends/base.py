@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -251,6 +252,42 @@ class Backend(abc.ABC):
     def _sum_last(self, x):
         """Σ over the last axis (sum_entries' h)."""
         return self.xp.sum(x, axis=-1)
+
+    def moments_backward(self, d, w, dmu, dvar, dV):
+        """The votes' side of the backward of the M-step's weighted moments, μ_jh = Σ_i w_ij V_ijh and
+        σ²_jh = Σ_i w_ij d²_ijh with d = V - μ, given dμ and dσ² (N, P, C, H):
+            dV_ijh += w_ij (2 dσ²_jh d_ijh + dμ_jh),   returns Σ_h d_ijh (dσ²_jh d_ijh + dμ_jh) (N, P, I, C).
+        (The return is dL/dw_ij less Σ_h dμ_jh μ_jh, which em_backward adds in closed form.)  Overwrites d."""
+        dw = self.sum_entries(d, d, dvar) + self.sum_entries(d, dmu)
+        d *= (2 * dvar)[:, :, None]
+        d += dmu[:, :, None]
+        d *= w[..., None]
+        dV += d
+        return dw
+
+    # ---- the slots of a convolutional capsule layer (pycapsnet/matrix_capsules.py, WindowGroup) -----
+    # x (N, P, I): one value per slot of K x K windows (stride s) over an (N, H, W, T) grid of children,
+    # P = OH*OW window positions, I = (kernel row, kernel column, type).  Both hand every slot a value
+    # over all the slots that hold the same child.
+    def window_sum(self, x, grid, k, stride):
+        """Every slot gets the sum of x over its child's slots: col2im (the adjoint of the im2col gather
+        that made the slots), then im2col."""
+        image = self.col2im(self.xp.reshape(x, (-1, x.shape[-1])), grid, k, k, stride)
+        return self.xp.reshape(self.im2col(image, k, k, stride), tuple(x.shape))
+
+    def window_max(self, x, grid, k, stride):
+        """Every slot gets the maximum of x over its child's slots: the scatter of window_sum with the
+        maximum instead of the sum, one strided slice per kernel offset."""
+        xp = self.xp
+        n, h, w, t = grid
+        oh, ow = (h - k) // stride + 1, (w - k) // stride + 1
+        x6 = xp.reshape(x, (n, oh, ow, k, k, t))
+        top = self.zeros(tuple(grid), dtype=self.dtype_name(x)) - math.inf  # pixels no window covers stay -inf
+        for r in range(k):
+            for c in range(k):
+                rows, cols = slice(r, r + stride * oh, stride), slice(c, c + stride * ow, stride)
+                top[:, rows, cols, :] = xp.maximum(top[:, rows, cols, :], x6[:, :, :, r, c, :])
+        return xp.reshape(self.im2col(top, k, k, stride), tuple(x.shape))
 
     def all_finite(self, x) -> bool:
         """Whether every entry of ``x`` is finite; a host NumPy array is checked where it is."""

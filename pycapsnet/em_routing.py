@@ -15,7 +15,8 @@ Every child's assignments sum to 1 over *all* the parents that receive it -- the
 position whose window holds it -- so parents at different positions compete for a child as parents
 of different types do.  ``group`` says which slots are the same child: group.sum(x) adds x over the
 slots of each child and hands every slot its child's total (identity for a class layer);
-group.max(x) likewise with the maximum.  R^0 is uniform: 1 / (C x the number of slots of the child).
+group.max(x) likewise with the maximum; group.copies() is the number of slots of each slot's child.
+R^0 is uniform: 1 / (C x the number of slots of the child).
 
 Forward, for t = 0 .. T-1, at inverse temperature λ_t:
   M-step   R'_ij = R_ij a_i,   r_j = sum_i R'_ij,   w_ij = R'_ij / (r_j + ε)
@@ -74,6 +75,10 @@ class Identity:
     def part(sl, n):
         return Identity
 
+    @staticmethod
+    def copies():
+        return 1
+
 
 def inverse_temperatures(lam: float, iters: int):
     """λ_t = λ (t + 1) / T: the activations sharpen linearly to λ at the last M-step.  Early
@@ -117,7 +122,7 @@ def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fi
     """Returns (mu, a, trace); trace[t] = (R^t, mu^t, var^t, r^t, z^t, a^t) for the backward and for
     inspection.  ``fixed_assignments``: use this R in the last M-step (the function "final" differentiates)."""
     n, p, i, c, _ = V.shape
-    R = 1 / (c * group.sum(B.zeros((n, p, i)) + 1))[..., None] + B.zeros((n, p, i, c))
+    R = B.zeros((n, p, i, c)) + 1 / (c * group.copies())
     trace = []
     for t, lam in enumerate(lambdas):
         if t == len(lambdas) - 1 and fixed_assignments is not None:
@@ -175,11 +180,7 @@ def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Ide
         dmu_t = dmu_t - 2 * dvar * mu * (eps / (r + eps))[..., None]
         # with g = dσ² d + dμ:  dV += w (2 dσ² d + dμ) = w (2g - dμ),  and, as V = d + μ,
         # dw_ij = sum_h (dσ² d² + dμ V) = sum_h d g + k_j  with  k_j = sum_h dμ_jh μ_jh
-        dw = B.sum_entries(d, d, dvar) + B.sum_entries(d, dmu_t)             # sum_h d g = dw - k_j (N, P, I, C)
-        d *= (2 * dvar)[:, :, None]
-        d += dmu_t[:, :, None]                                                # 2g - dμ, in d's memory
-        d *= w[..., None]
-        dV += d
+        dw = B.moments_backward(d, w, dmu_t, dvar, dV)                       # sum_h d g = dw - k_j (N, P, I, C)
         del d
         # k_j, the same for every i, would cancel in dw - sum_i' dw w but for sum_i' w = r/(r + ε):
         # its share is added in closed form, k_j ε / (r_j + ε)², rather than added and taken away

@@ -25,39 +25,34 @@ class WindowGroup:
     """Which slots of a convolutional capsule layer are the same child (em_routing's ``group``).
 
     Slot (p, i), i = (kernel row, kernel column, child type), of an (N, P, I) array is the child that
-    window p covers at that offset.  sum: add over the slots of each child (col2im, the adjoint of the
-    im2col gather that made the slots) and gather the totals back into every slot (im2col)."""
+    window p covers at that offset.  sum / max: over the slots of each child, handed back to every
+    slot (the backend's window_sum and window_max).  copies: how many slots hold each slot's child,
+    (1, P, I, 1), to broadcast against assignments (N, P, I, C)."""
 
-    def __init__(self, B, in_shape, kernel, stride):
+    def __init__(self, B, in_shape, kernel, stride, copies=None):
         self.B, self.shape, self.k, self.s = B, tuple(in_shape), kernel, stride  # in_shape (N, H, W, T)
         n, h, w, _ = self.shape
         self.oh, self.ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
+        self._copies = copies  # the same for every sample: made once, shared with the parts
 
     def part(self, sl, n):
         """The group of samples ``sl`` of a batch of n."""
         size = len(range(*sl.indices(n)))
-        return self if size == self.shape[0] else WindowGroup(self.B, (size, *self.shape[1:]), self.k, self.s)
-
-    def _slots(self, image):
-        n = self.shape[0]
-        return self.B.xp.reshape(self.B.im2col(image, self.k, self.k, self.s), (n, self.oh * self.ow, -1))
+        return self if size == self.shape[0] else WindowGroup(self.B, (size, *self.shape[1:]), self.k, self.s,
+                                                              self.copies())
 
     def sum(self, x):
-        n = self.shape[0]
-        cols = self.B.xp.reshape(x, (n * self.oh * self.ow, -1))
-        return self._slots(self.B.col2im(cols, self.shape, self.k, self.k, self.s))
+        return self.B.window_sum(x, self.shape, self.k, self.s)
 
     def max(self, x):
-        """The same scatter as ``sum`` with the maximum instead of the sum, one strided slice per offset."""
-        xp, k, s = self.B.xp, self.k, self.s
-        n, _, _, t = self.shape
-        x6 = xp.reshape(x, (n, self.oh, self.ow, k, k, t))
-        top = self.B.zeros(self.shape, dtype=self.B.dtype_name(x)) - math.inf  # pixels no window covers stay -inf
-        for r in range(k):
-            for c in range(k):
-                rows, cols = slice(r, r + s * self.oh, s), slice(c, c + s * self.ow, s)
-                top[:, rows, cols, :] = xp.maximum(top[:, rows, cols, :], x6[:, :, :, r, c, :])
-        return self._slots(top)
+        return self.B.window_max(x, self.shape, self.k, self.s)
+
+    def copies(self):
+        if self._copies is None:
+            _, h, w, t = self.shape
+            ones = self.B.zeros((1, self.oh * self.ow, self.k * self.k * t)) + 1
+            self._copies = self.B.window_sum(ones, (1, h, w, t), self.k, self.s)[..., None]
+        return self._copies
 
 
 class PrimaryMatrixCaps(Layer):

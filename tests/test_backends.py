@@ -153,6 +153,50 @@ def test_em_routing_sums_equal_their_einsum(backend, case):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
+def test_em_moments_backward_equals_its_einsum(backend):
+    """dV += w (2 dσ² d + dμ) and Σ_h d (dσ² d + dμ): the votes' side of the M-step's backward."""
+    from backends.base import Backend
+    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
+    fn = Backend.moments_backward.__get__(B) if backend == "default" else B.moments_backward
+    rng = np.random.default_rng(0)
+    d, w, dmu, dvar, dV = (rng.standard_normal(s) for s in (X, W, PARENT, PARENT, X))
+    dV_out = B.asarray(dV.copy())
+    dw = fn(B.asarray(d.copy()), B.asarray(w), B.asarray(dmu), B.asarray(dvar), dV_out)  # d is overwritten
+    np.testing.assert_allclose(B.to_numpy(dw), np.einsum("npich,npich,npch->npic", d, d, dvar)
+                               + np.einsum("npich,npch->npic", d, dmu), rtol=1e-12, atol=1e-12)
+    expected = dV + w[..., None] * (2 * dvar[:, :, None] * d + dmu[:, :, None])
+    np.testing.assert_allclose(B.to_numpy(dV_out), expected, rtol=1e-12, atol=1e-12)
+
+
+def window_children(grid, k, stride):
+    """For each slot (p, i) of one image, its child's flat index, by the definition: window
+    (oh, ow) at offset (r, c) holds pixel (oh s + r, ow s + c), slot i = (r, c, type)."""
+    _, h, w, t = grid
+    oh, ow = (h - k) // stride + 1, (w - k) // stride + 1
+    return np.array([[((y * stride + r) * w + x * stride + c) * t + ty for r in range(k) for c in range(k)
+                      for ty in range(t)] for y in range(oh) for x in range(ow)])
+
+
+@pytest.mark.parametrize("grid, k, stride", [((2, 6, 6, 2), 3, 1), ((2, 7, 5, 3), 3, 2), ((1, 4, 4, 1), 2, 2)])
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
+def test_window_sum_and_max_equal_their_definition(backend, grid, k, stride):
+    """Every slot gets the sum (the maximum) of x over the slots that hold its child."""
+    from backends.base import Backend
+    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
+    ops = [getattr(Backend, op).__get__(B) if backend == "default" else getattr(B, op)
+           for op in ("window_sum", "window_max")]
+    child = window_children(grid, k, stride)                          # (P, I)
+    x = np.random.default_rng(0).standard_normal((grid[0], *child.shape))
+    total, top = np.zeros((grid[0], np.prod(grid[1:]))), np.full((grid[0], np.prod(grid[1:])), -np.inf)
+    for n in range(grid[0]):
+        np.add.at(total[n], child, x[n])
+        np.maximum.at(top[n], child, x[n])
+    for op, per_child in zip(ops, (total, top)):
+        out = B.to_numpy(op(B.asarray(x), grid, k, stride))
+        np.testing.assert_allclose(out, per_child[:, child], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
 def test_matrix_capsule_votes_and_their_backward_equal_their_einsum(backend):
     """V_ij = M_i W_ij, dW_ij = sum_{n,p} M_i^T dV_ij, dM_i = sum_j dV_ij W_ij^T, with 4x4 poses kept flat."""
     from backends.base import Backend
