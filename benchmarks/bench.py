@@ -39,10 +39,13 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):  # run by path: the repository root, for benchmarks.distributed_step
+    sys.path.insert(0, ROOT)
 
 from backends import NAMES
 from backends.base import FLOAT_DTYPES
 from backends.torch_backend import is_torch_device  # (imports no torch)
+from benchmarks.distributed_step import cpu_model
 from pycapsnet.argtypes import nonnegative_int, positive_int, writable_file
 from pycapsnet.capsules import PrimaryCaps
 from pycapsnet.cli import format_table
@@ -382,6 +385,18 @@ def torch_device(text: str) -> str:
 COMPILED = "autograd-compiled"  # the autograd reference under torch.compile (--reference compiled)
 
 
+def _gpu_name(impls):
+    """The GPU's name where an implementation runs on one (torch's name for it), else None."""
+    if not any("cuda" in impl or impl.startswith("cupy") for impl in impls):
+        return None
+    try:
+        import torch
+
+        return torch.cuda.get_device_name()
+    except Exception as e:  # no torch, or it sees no GPU: the workers report their own errors
+        return f"unknown GPU ({type(e).__name__})"
+
+
 def _ratio(r, other):
     """Median over rounds of r's train throughput over other's, and the per-round ratios."""
     per_round = [a / b for a, b in zip(r["train_samples_per_s_rounds"], other["train_samples_per_s_rounds"])]
@@ -487,7 +502,8 @@ def main(argv=None):
                                                                    (COMPILED, ("compiled", "both")))
                                          if args.reference in kinds]
     impls = list(args.backends) + [f"{name}:{args.ref_device}" for name in refs]
-    results = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
+    results = {"machine": {"cpu": cpu_model(), "gpu": _gpu_name(impls),
+                           "platform": platform.platform(), "processor": platform.processor(),
                            "cpus": os.cpu_count(), "python": platform.python_version(),
                            # set by `import backends` (through pycapsnet.cli above); the workers inherit it
                            "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT")},
@@ -506,7 +522,9 @@ def main(argv=None):
                      for name in ("autograd", COMPILED))
     rows = [table_row(r, ref, results["floor"].get(r["impl"], {}), args, compiled) for r in results["main"]]
     cfg_txt = ("tiny model (--quick)" if args.quick else "paper MNIST CapsNet") + f", {args.routing} routing"
-    print(f"\n{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up,"
+    machine = results["machine"]
+    print(f"\n{machine['gpu'] + ', ' if machine['gpu'] else ''}{machine['cpu']} ({machine['cpus']} CPUs)")
+    print(f"{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up,"
           f" median of {args.rounds} rounds (ratio range in brackets); hand-written PrimaryCaps: {args.primary_conv}")
     print(format_table(rows, ["implementation", "train samples/s", "60k epoch s", "eval samples/s", "peak train MB",
                             "train vs autograd", "train vs compiled", "compile s", "memory vs autograd",
