@@ -10,6 +10,14 @@ The paper's CapsNet in float32 on the numpy backend (--backend torch for torch);
 medians over --steps steps after 2 warm-up steps.  Rank 0 prints one line of JSON, and appends it
 to --json FILE if given.  torchrun gives each process one thread unless OMP_NUM_THREADS says
 otherwise; the single process uses the machine's threads.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/distributed_step.py --overlap
+        # the sum started early for the gradients that are final first, against the sum at the end
+
+--overlap times gradients + sum both ways, alternating step by step: the trainer's way (one sum of
+the flat gradient after the backward) and with the gradients of ClassCaps and the decoder (the
+flat gradient's tail, final once ClassCaps' backward returns) summed asynchronously while
+PrimaryCaps and conv1 run their backward, the rest summed at the end.
 """
 from __future__ import annotations
 
@@ -96,6 +104,71 @@ def measure(backend: str, global_batch: int, steps: int, device: str | None = No
     return result
 
 
+def overlap(backend: str, global_batch: int, steps: int, device: str | None = None) -> dict:
+    """Gradients + sum per step (ms, medians), the sum at the end against the tail's sum overlapped."""
+    import torch.distributed as dist
+
+    from pycapsnet import data, distributed
+    from pycapsnet.model import CapsNet
+
+    B = backends.get(backend, device=backends.device_for_rank(device, distributed.local_rank(), backend),
+                     dtype="float32")
+    group = distributed.Group(B)
+    train, _ = data.load_embedded()
+    model = CapsNet(B)
+    sizes = [sum(int(np.prod(p.shape)) for p in layer.params.values()) for _, layer in model.layers()]
+    names = [name for name, _ in model.layers()]
+    cut = sum(sizes[:names.index("classcaps")])  # ClassCaps and the decoder lie after PrimaryCaps
+    rng = np.random.default_rng(0)
+    part = group.part(global_batch)
+    pending, mode = [], ["end"]
+    share = None
+    classcaps_backward = model.classcaps.backward
+
+    def backward_then_start_tail(*args, **kwargs):
+        out = classcaps_backward(*args, **kwargs)
+        if mode[0] == "overlap":
+            tail = model.flat_grads[cut:]
+            tail *= share
+            B.synchronize()
+            pending.append(dist.all_reduce(B.as_torch(tail), async_op=True))
+        return out
+
+    model.classcaps.backward = backward_then_start_tail
+    times = {"end": [], "overlap": []}
+    sums = {}
+    for step in range(2 * (steps + 2)):
+        mode[0] = "end" if step % 2 == 0 else "overlap"
+        if step < 2 * (steps + 1) or mode[0] == "end":  # the last two steps: the same batch both ways
+            idx = rng.integers(0, len(train), global_batch)[part]
+        share = len(idx) / global_batch
+        B.synchronize()
+        t0 = time.perf_counter()
+        model.train_step_grads(train.x[idx], train.y[idx])
+        if mode[0] == "end":
+            model.flat_grads *= share
+            group.sum_(model.flat_grads)
+        else:
+            head = model.flat_grads[:cut]
+            head *= share
+            group.sum_(head)
+            for work in pending:
+                work.wait()
+            pending.clear()
+        B.synchronize()
+        if 2 <= step < 2 * (steps + 1):
+            times[mode[0]].append(time.perf_counter() - t0)
+        sums[mode[0]] = B.to_numpy(model.flat_grads).copy()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    result = {"backend": B.label, "processes": group.world, "global_batch": global_batch, "cpu": cpu_model(),
+              "gpu": _gpu_name(B), "steps": steps, "gradients_and_sum_ms": round(1e3 * med["end"], 1),
+              "overlapped_ms": round(1e3 * med["overlap"], 1),
+              "overlapped_share_of_gradient": round(1 - cut / sum(sizes), 3),
+              "same_sum": bool(np.array_equal(sums["end"], sums["overlap"]))}  # of one batch, both ways
+    group.close()
+    return result
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="numpy", choices=backends.NAMES)
@@ -103,8 +176,12 @@ def main(argv=None):
     p.add_argument("--global-batch", type=positive_int, default=64)
     p.add_argument("--steps", type=positive_int, default=8)
     p.add_argument("--json", type=writable_file, default=None, help="append the result line to this file")
+    p.add_argument("--overlap", action="store_true", help="under torchrun: the sum at the end against the "
+                   "sum of ClassCaps' and the decoder's gradients overlapped with the rest of the backward")
     args = p.parse_args(argv)
-    result = measure(args.backend, args.global_batch, args.steps, args.device)
+    if args.overlap and "WORLD_SIZE" not in os.environ:
+        p.exit(2, f"{p.prog}: error: --overlap measures a data-parallel run: start it with torchrun\n")
+    result = (overlap if args.overlap else measure)(args.backend, args.global_batch, args.steps, args.device)
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(result))
         if args.json:

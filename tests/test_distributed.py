@@ -63,6 +63,19 @@ def test_two_processes_end_with_the_weights_of_one_with_their_global_batch(tmp_p
     assert "resuming on 1 process (the run so far used 2): the global batch is now 8, 8 per process" in more.stdout
 
 
+def test_the_overlap_benchmark_sums_what_the_trainer_sums():
+    """benchmarks/distributed_step.py --overlap: the gradient summed in two parts, the tail started
+    during the backward, is the trainer's one sum of it, on the same batch."""
+    import json
+
+    run = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(ROOT / "benchmarks" / "distributed_step.py"), "--overlap", "--global-batch", "8", "--steps", "1"])
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["same_sum"] and result["processes"] == 2
+    assert result["gradients_and_sum_ms"] > 0 and result["overlapped_ms"] > 0
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
