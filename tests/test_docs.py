@@ -30,7 +30,7 @@ LONG = {
         f"python train_numpy.py --routing em --out runs/em {QUICK_EM}",
     "python benchmarks/bench.py --routing attention":
         "python benchmarks/bench.py --routing attention --quick --rounds 1 --json bench-attention.json",
-    "python benchmarks/bench.py --routing em --batch-size 32 --rounds 3 --steps 3":
+    "python benchmarks/bench.py --routing em --batch-size 32 --rounds 5 --steps 3":
         "python benchmarks/bench.py --routing em --quick --rounds 1 --json bench-em.json",
     'pip install -e ".[cupy]"': (None, "CuPy installs on a CUDA machine only"),
     'pip install -e ".[torch]"': (None, "the test command installs torch (the [test] extra)"),
