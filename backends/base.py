@@ -164,15 +164,20 @@ class Backend(abc.ABC):
         xp = self.xp
         return self.contiguous(xp.permute_dims(xp.sum(u_hat * v[None], axis=-1), (1, 2, 0)))
 
-    def outer_sum(self, coeffs, vecs):
+    def outer_sum(self, coeffs, vecs, out=None):
         """dû_j|i = sum_q coeffs[q]_ij vecs[q]_j:  lists of (N, J, I) and (N, J, D) -> (I, N, J, D).
-        The backward of routing is such a sum of outer products (routing_backward_factors)."""
+        The backward of routing is such a sum of outer products (routing_backward_factors).  With
+        ``out`` (an (I, N, J, D) array or view) the sum is written there and returned; it may be û's
+        own memory, which the factors do not read (ClassCaps writes dû over û, its last use)."""
         xp = self.xp
-        out = None
+        du = None
         for c, v in zip(coeffs, vecs):
             term = xp.permute_dims(c, (2, 0, 1))[..., None] * v[None]      # (I, N, J, D)
-            out = term if out is None else out + term
-        return self.contiguous(out)
+            du = term if du is None else du + term
+        if out is None:
+            return self.contiguous(du)
+        out[...] = du
+        return out
 
     # ---- matrix capsules' votes (pycapsnet/matrix_capsules.py) ---------------------------------------
     def votes(self, M, W):
@@ -414,6 +419,19 @@ class Backend(abc.ABC):
         one core).  One call with slice(None) where ``sample_block`` is None (a GPU wants few, large
         launches).  fn must not care in which order the parts run."""
         self._run_parts(fn, self._sample_blocks(n, sample_size))
+
+    def over_blocks(self, fn, sizes: dict) -> None:
+        """Call fn(key, slice) over the blocks of ``elementwise_block`` elements of flat arrays of
+        ``sizes`` (key -> length; whole arrays where the block is None): the optimizers' elementwise
+        passes, whose temporaries then stay in cache.  One block after another here; NumPy spreads
+        them over its threads (each of its elementwise passes runs on one core)."""
+        for key, sl in self._element_blocks(sizes):
+            fn(key, sl)
+
+    def _element_blocks(self, sizes: dict) -> list:
+        step = self.elementwise_block
+        return [(key, slice(a, a + step) if step else slice(None))
+                for key, size in sizes.items() for a in range(0, size if step else 1, step or 1)]
 
     def _sample_blocks(self, n: int, sample_size: int) -> list:
         """Slices that split a batch of n into blocks of about ``sample_block`` elements, at least one

@@ -97,11 +97,14 @@ class CupyBackend(NumpyBackend):
             return agreement_by_matmul(self, u_hat, v)
         return self._einsum("injd,njd->nji", u_hat, v)
 
-    def outer_sum(self, coeffs, vecs):
+    def outer_sum(self, coeffs, vecs, out=None):
         C, V = self.xp.stack(coeffs), self.xp.stack(vecs)
         if self._direct_cublas is not None:
-            return outer_sum_by_matmul(self, C, V)
-        return self._einsum("qnji,qnjd->injd", C, V)
+            return outer_sum_by_matmul(self, C, V, out)
+        if out is None:
+            return self._einsum("qnji,qnjd->injd", C, V)
+        out[...] = self.lib.einsum("qnji,qnjd->injd", C, V, optimize=False)
+        return out
 
     def _einsum(self, subscripts, a, b):
         # (its result follows the operands' memory order; the layers expect C order)
@@ -195,12 +198,16 @@ def agreement_by_matmul(B, u_hat, v):
     return xp.reshape(B.matmul(u, xp.reshape(v, (n * j, d, 1))), (n, j, i))
 
 
-def outer_sum_by_matmul(B, C, V):
-    """dû[:, n, j] = C[:, n, j, :]^T (I, Q) @ V[:, n, j] (Q, D); C (Q, N, J, I), V (Q, N, J, D)."""
+def outer_sum_by_matmul(B, C, V, out=None):
+    """dû[:, n, j] = C[:, n, j, :]^T (I, Q) @ V[:, n, j] (Q, D); C (Q, N, J, I), V (Q, N, J, D);
+    laid out (I, N, J, D), in ``out`` when given."""
     xp = B.xp
     q, n, j, i = C.shape
     d = V.shape[-1]
     Cm = xp.reshape(xp.permute_dims(C, (1, 2, 3, 0)), (n * j, i, q))
     Vm = xp.reshape(xp.permute_dims(V, (1, 2, 0, 3)), (n * j, q, d))
-    du = xp.reshape(B.matmul(Cm, Vm), (n, j, i, d))
-    return B.contiguous(xp.permute_dims(du, (2, 0, 1, 3)))
+    du = xp.permute_dims(xp.reshape(B.matmul(Cm, Vm), (n, j, i, d)), (2, 0, 1, 3))
+    if out is None:
+        return B.contiguous(du)
+    out[...] = du
+    return out

@@ -57,10 +57,10 @@ class NumpyBackend(Backend):
     def quiet_float_errors(self):
         return np.errstate(over="ignore", invalid="ignore", divide="ignore")
 
-    # The routing products (see Backend), CPU only.  NumPy runs einsum and a small product on one core, so each
-    # is split over the batch n on this backend's threads, and each part writes straight into its
-    # slice of the result: s and dû as batched BLAS products on strided views (nothing copied), the
-    # agreement by einsum's loop (its sum runs along û's contiguous last axis, where the loop wins).
+    # The routing products (see Backend), CPU only.  NumPy runs a batch of small products on one core,
+    # so each is split over the batch n on this backend's threads (where ClassCaps has not already
+    # split the batch into blocks on them), and each part writes straight into its slice of the
+    # result: s, the agreement and dû as batched BLAS products on strided views (nothing copied).
     def weighted_sum(self, c, u_hat):
         n, j, _ = c.shape
         s = np.empty((n, j, u_hat.shape[-1]), dtype=np.result_type(c, u_hat))
@@ -75,16 +75,16 @@ class NumpyBackend(Backend):
         i, n, j, _ = u_hat.shape
         a = np.empty((n, j, i), dtype=np.result_type(u_hat, v))
 
-        def part(sl):
-            np.einsum("injd,njd->nji", u_hat[:, sl], v[sl], out=a[sl], optimize=False)
+        def part(sl):  # per (n, j): û[:, n, j, :] (I, D) @ v[n, j] (D, 1) into a[n, j, :]
+            np.matmul(u_hat[:, sl].transpose(1, 2, 0, 3), v[sl, :, :, None], out=a[sl, :, :, None])
 
         self._split_batch(part, n, u_hat.size)
         return a
 
-    def outer_sum(self, coeffs, vecs):
+    def outer_sum(self, coeffs, vecs, out=None):
         C, V = np.stack(coeffs), np.stack(vecs)                 # (Q, N, J, I), (Q, N, J, D)
         _, n, j, i = C.shape
-        du = np.empty((i, n, j, V.shape[-1]), dtype=np.result_type(C, V))
+        du = np.empty((i, n, j, V.shape[-1]), dtype=np.result_type(C, V)) if out is None else out
 
         def part(sl):  # per (n, j): (I, Q) @ (Q, D) into the strided slice dû[:, n, j, :]
             np.matmul(C[:, sl].transpose(1, 2, 3, 0), V[:, sl].transpose(1, 2, 0, 3),
@@ -126,6 +126,10 @@ class NumpyBackend(Backend):
         if y is None:
             return x @ lib.ones(x.shape[-1], dtype=x.dtype)
         return lib.swapaxes(lib.matmul(lib.swapaxes(x, 2, 3), y[..., None])[..., 0], 2, 3)
+
+    def over_blocks(self, fn, sizes):
+        """Backend.over_blocks on the threads: NumPy's elementwise passes run on one core each."""
+        self._run_parts(lambda block: fn(*block), self._element_blocks(sizes))
 
     def _split_batch(self, part, n, elements):
         """part(slice) over the batch, on the threads when the work (``elements`` of the biggest

@@ -106,14 +106,32 @@ class TorchBackend(Backend):
 
     # weighted_sum and agreement: Backend's broadcast forms read û in place, where torch.einsum maps
     # them to bmm after copying û into a batch-major layout.
-    def outer_sum(self, coeffs, vecs):
+    # On the CPU, routing's two sums over a block of û as batched products on views of it, one per
+    # (n, j): (1, I) @ (I, D) and (1, D) @ (D, I).  Backend's forms write the broadcast product, then
+    # sum it (over a short last axis for the agreement, slow in PyTorch).  GPUs keep Backend's forms.
+    def weighted_sum(self, c, u_hat):
+        if self._device.type != "cpu":
+            return super().weighted_sum(c, u_hat)
+        i, n, j, d = u_hat.shape
+        u = u_hat.reshape(i, n * j, d).permute(1, 0, 2)                             # (N*J, I, D), a view
+        return self.torch.bmm(c.reshape(n * j, 1, i), u).reshape(n, j, d)
+
+    def agreement(self, u_hat, v):
+        if self._device.type != "cpu":
+            return super().agreement(u_hat, v)
+        i, n, j, d = u_hat.shape
+        u = u_hat.reshape(i, n * j, d).permute(1, 2, 0)                             # (N*J, D, I), a view
+        return self.torch.bmm(v.reshape(n * j, 1, d), u).reshape(n, j, i)
+
+    def outer_sum(self, coeffs, vecs, out=None):
         """Backend.outer_sum accumulated in place, one multiply-add (addcmul_) per term, into a
-        C-ordered result (a product of permuted views would follow their memory order instead)."""
+        C-ordered result (a product of permuted views would follow their memory order instead) or
+        into ``out``."""
         def term(c, v):  # c_ij (N, J, I) and v_j (N, J, D) as broadcastable (I, N, J, 1), (1, N, J, D)
             return c.permute(2, 0, 1)[..., None], v[None]
 
         n, j, i = coeffs[0].shape
-        du = coeffs[0].new_empty((i, n, j, vecs[0].shape[-1]))
+        du = coeffs[0].new_empty((i, n, j, vecs[0].shape[-1])) if out is None else out
         self.torch.mul(*term(coeffs[0], vecs[0]), out=du)
         for c, v in zip(coeffs[1:], vecs[1:]):
             du.addcmul_(*term(c, v))

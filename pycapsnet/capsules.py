@@ -80,6 +80,7 @@ class ClassCaps(Layer):
         shape = (1 if share_spatial else positions, types, n_classes, out_dim, in_dim)
         self._add_param("W", initializers.capsule_transform(rng, shape))
         self.trace = None
+        self.fixed_coupling = None
 
     def forward(self, u):
         # u: (N, P, T, K) -> v: (N, J, D)
@@ -95,17 +96,59 @@ class ClassCaps(Layer):
         # B.matmul: P*T small products (N x K) @ (K x J*D), which a backend may split over threads
         u_hat = self.B.matmul(ut, self.B.contiguous(xp.matrix_transpose(Wm)))     # (P, T, N, J*D)
         u_hat = xp.reshape(u_hat, (self.P * self.T, n, self.J, self.D))          # û_j|i (I, N, J, D)
-        v, self.trace = self.route(u_hat)
+        v, self.trace = self._route_blocks(u_hat)
         self.cache = (ut, u_hat)
         return v
 
-    def route(self, u_hat):
-        """Dynamic routing of û: (v_j, the trace of every iteration) (routing.py)."""
-        return routing_forward(self.B, u_hat, self.iters)
+    # Every sample routes on its own.  So routing runs on blocks of the batch (B.split_batch): on the
+    # CPU each block of û is copied contiguous, small enough to stay in cache through all of routing's
+    # passes over it, and the blocks are spread over the host threads; on a GPU, one block: the batch.
+    def _route_blocks(self, u_hat):
+        """v_j (N, J, D) and the trace, per iteration the tuple ``route`` keeps, over the whole batch."""
+        B, xp = self.B, self.B.xp
+        n = u_hat.shape[1]
+        v, parts = B.empty((n, self.J, self.D)), []
 
-    def route_backward(self, u_hat, dv):
-        """dL/dv -> the factors of dL/dû (routing.py's routing_backward_factors)."""
-        return routing_backward_factors(self.B, u_hat, self.trace, dv, self.routing_grad)
+        def run(sl):
+            v[sl], trace = self.route(B.contiguous(u_hat[:, sl]), sl)
+            parts.append((sl.start or 0, trace))
+
+        B.split_batch(run, n, self.P * self.T * self.J * self.D)
+        traces = [t for _, t in sorted(parts, key=lambda part: part[0])]
+        if len(traces) == 1:
+            return v, traces[0]
+        return v, [tuple(xp.concat([t[r][k] for t in traces]) for k in range(len(traces[0][r])))
+                   for r in range(len(traces[0]))]
+
+    def _route_blocks_backward(self, u_hat, dv):
+        """dû (I, N, J, D), written over û (its last use), block by block as forward routed them;
+        adds the routing's own parameter gradients, summed in batch order whichever block ends first."""
+        B = self.B
+        n, grads = u_hat.shape[1], []
+
+        def run(sl):
+            trace = [tuple(a[sl] for a in t) for t in self.trace]
+            factors, g = self.route_backward(B.contiguous(u_hat[:, sl]), trace, dv[sl])
+            B.outer_sum(*factors, out=u_hat[:, sl])  # the factors do not read û
+            grads.append((sl.start or 0, g))
+
+        B.split_batch(run, n, self.P * self.T * self.J * self.D)
+        for _, g in sorted(grads, key=lambda part: part[0]):
+            for k, d in g.items():
+                self.grads[k] += d
+        return u_hat
+
+    def route(self, u_hat, sl):
+        """Dynamic routing of û (I, n, J, D), the samples ``sl`` of the batch: (v_j, the trace of
+        every iteration) (routing.py).  ``fixed_coupling`` (N, J, I), set by gradient checks of the
+        "final" mode: the last iteration's c_ij, held constant."""
+        fixed = None if self.fixed_coupling is None else self.fixed_coupling[sl]
+        return routing_forward(self.B, u_hat, self.iters, fixed)
+
+    def route_backward(self, u_hat, trace, dv):
+        """dL/dv and the trace of ``route`` -> (the factors of dL/dû (routing.py's
+        routing_backward_factors), the gradients of routing's own parameters: none here)."""
+        return routing_backward_factors(self.B, u_hat, trace, dv, self.routing_grad), {}
 
     def route_shared(self, ut, W):
         """Dynamic routing of u (N, T, P, K) by W (T, J, D, K) shared over positions (shared_routing.py)."""
@@ -149,9 +192,8 @@ class ClassCaps(Layer):
             return xp.permute_dims(du, (0, 2, 1, 3)) if input_grad else None
         ut, u_hat = self.cache
         self.cache = None
-        factors = self.route_backward(u_hat, dv)
-        del u_hat  # its last use: free û (as large as its gradient) before its gradient is made
-        d_u_hat = self.B.outer_sum(*factors)                                      # dû (I, N, J, D)
+        d_u_hat = self._route_blocks_backward(u_hat, dv)                          # dû (I, N, J, D)
+        del u_hat
         dh = xp.reshape(d_u_hat, (self.P, self.T, -1, self.J * self.D))          # (P, T, N, J*D)
         dW = self.B.matmul(xp.matrix_transpose(dh), ut)                           # (P, T, J*D, K)
         if self.params["W"].shape[0] == 1 < self.P:  # one W shared over the positions, û formed all the same
@@ -185,16 +227,15 @@ class AttentionCaps(ClassCaps):
         b = xp.broadcast_to(self.params["bias"], (self.P, self.T, self.J))
         return xp.matrix_transpose(xp.reshape(b, (self.P * self.T, self.J)))
 
-    def route(self, u_hat):
+    def route(self, u_hat, sl):
         v, trace = attention_forward(self.B, u_hat, self._bias_ji())
         return v, [trace]
 
-    def route_backward(self, u_hat, dv):
-        factors, dbias = attention_backward_factors(self.B, u_hat, self.trace[0], dv)   # dbias (J, I)
+    def route_backward(self, u_hat, trace, dv):
+        factors, dbias = attention_backward_factors(self.B, u_hat, trace[0], dv)   # dbias (J, I)
         xp = self.B.xp
         db = xp.reshape(xp.matrix_transpose(dbias), (self.P, self.T, self.J))
-        self.grads["bias"] += xp.sum(db, axis=0, keepdims=True) if self.share_spatial else db
-        return factors
+        return factors, {"bias": xp.sum(db, axis=0, keepdims=True) if self.share_spatial else db}
 
     @property
     def coupling(self):

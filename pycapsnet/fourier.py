@@ -41,7 +41,7 @@ The transformed weights V are 5x larger than W (52 complex frequencies x 4 phase
 when they take at most ``keep_spectrum_mb`` (128 MB by default), keeps them with the transformed
 input X for backward, which uses each chunk for dX and frees it.  That saves a third pass of the
 memory-bound kernel transform (~10% of a NumPy step).  The peak does not grow with it: backward
-frees X before making dX, and ClassCaps frees û before making dû, so the step's peak stays below
+frees X before making dX, and ClassCaps writes dû over û, so the step's peak stays below
 the autograd reference's.  Larger inputs have many more frequencies (a 64 x 64 input: 392, 822 MB
 of V); then forward keeps the kernel grid ws (as large as W) instead, and backward makes V again,
 chunk by chunk.  ``keep_spectrum_mb = 0`` always does that.

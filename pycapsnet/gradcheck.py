@@ -42,7 +42,7 @@ from .layers import Conv2d, Linear, ReLU, Sigmoid
 from .losses import MarginLoss, ReconstructionLoss, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps, _EMLayer
 from .model import CapsNet
-from .routing import routing_forward, softmax, softmax_backward
+from .routing import softmax, softmax_backward
 from .squash import squash, squash_backward, squash_exp, squash_exp_backward
 
 
@@ -106,16 +106,15 @@ def check_tensors(B, label, loss_fn, tensors, analytic, samples=20, eps=1e-5, to
 
 def _freeze_final_coupling(layer):
     """In "final" mode, hold the last coupling coefficients fixed for the perturbed evaluations: the
-    layer's routing is replaced, on this instance, by the same routing with c^{R-1} given
-    (routing_forward's ``fixed_coupling``), the function whose exact gradient that mode computes."""
+    layer routes, on this instance, with c^{R-1} given (routing_forward's ``fixed_coupling``, which
+    the layer's ``fixed_coupling`` hands it), the function whose exact gradient that mode computes."""
     if isinstance(layer, ClassCaps) and layer.routing_grad == "final":
         if layer.share_spatial:
             c = layer.shared_coupling(-1)
             layer.route_shared = lambda ut, W: shared_routing.forward(layer.B, ut, W, layer.iters, ut.shape[2],
                                                                       fixed_coupling=c)
         else:
-            c = layer.trace[-1][0]
-            layer.route = lambda u_hat: routing_forward(layer.B, u_hat, layer.iters, fixed_coupling=c)
+            layer.fixed_coupling = layer.trace[-1][0]
     if isinstance(layer, _EMLayer) and layer.routing_grad == "final":
         layer.fixed_assignments = layer.assignments[-1]  # R^{T-1}: what "final" holds constant
 

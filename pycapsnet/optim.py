@@ -106,9 +106,6 @@ class Adam(Optimizer):
         B = model.B
         self.state = {"m": {k: B.zeros(p.shape) for k, p in model.params.items()},
                       "v": {k: B.zeros(p.shape) for k, p in model.params.items()}}
-        # elements updated at a time (CPU: 4 MB of float32, so one block's temporaries stay in
-        # cache; GPU: None, whole arrays)
-        self.block = B.elementwise_block
         self._step_size, self._c2 = self._scalars(2)  # lr / (1 - b1^t) and 1 - b2^t, on the device
         self._write_scalars(0.0, 1.0)  # until the first prepare(): an apply() moves no weight
 
@@ -121,19 +118,19 @@ class Adam(Optimizer):
         self._write_scalars(self.lr / (1 - self.b1 ** t), 1 - self.b2 ** t)
 
     def apply(self):
-        xp = self.model.B.xp
-        grads = self.model.grads
-        for k, p in self.model.params.items():
-            flat = [xp.reshape(a, (-1,)) for a in (p, grads[k], self.state["m"][k], self.state["v"][k])]
-            block = self.block or flat[0].shape[0]
-            for a in range(0, flat[0].shape[0], block):
-                # views of one block of each array: the in-place updates write through to them
-                w, g, m, v = (f[a:a + block] for f in flat)
-                m *= self.b1
-                m += (1 - self.b1) * g
-                v *= self.b2
-                v += (1 - self.b2) * (g * g)
-                w -= self._step_size * m / (xp.sqrt(v / self._c2) + self.eps)
+        B, params, grads = self.model.B, self.model.params, self.model.grads
+
+        def update(k, block):
+            # views of one block of each array: the in-place updates write through to them
+            w, g, m, v = (B.xp.reshape(a, (-1,))[block] for a in (params[k], grads[k], self.state["m"][k],
+                                                                  self.state["v"][k]))
+            m *= self.b1
+            m += (1 - self.b1) * g
+            v *= self.b2
+            v += (1 - self.b2) * (g * g)
+            w -= self._step_size * m / (B.xp.sqrt(v / self._c2) + self.eps)
+
+        B.over_blocks(update, _sizes(params))
 
 
 class SGD(Optimizer):
@@ -154,12 +151,20 @@ class SGD(Optimizer):
         self._write_scalars(self.lr)
 
     def apply(self):
-        grads = self.model.grads
-        for k, p in self.model.params.items():
-            buf = self.state["buf"][k]
+        B, params, grads = self.model.B, self.model.params, self.model.grads
+
+        def update(k, block):
+            w, g, buf = (B.xp.reshape(a, (-1,))[block] for a in (params[k], grads[k], self.state["buf"][k]))
             buf *= self.momentum
-            buf += grads[k]
-            p -= self._lr * buf
+            buf += g
+            w -= self._lr * buf
+
+        B.over_blocks(update, _sizes(params))
+
+
+def _sizes(params) -> dict:
+    """Elements of each parameter: the flat arrays the optimizers update block by block."""
+    return {k: math.prod(p.shape) for k, p in params.items()}
 
 
 NAMES = ("adam", "sgd")

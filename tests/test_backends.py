@@ -127,6 +127,24 @@ def test_routing_products_equal_their_einsum_in_c_order(backend, name):
     assert contiguous, name
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
+def test_outer_sum_writes_into_a_block_of_u_hat(backend):
+    """outer_sum(..., out=): ClassCaps writes each block's dû over that block of û, a strided view
+    (I, n, J, D) of the (I, N, J, D) array; the samples outside the block stay as they were."""
+    from backends.base import Backend
+    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
+    outer_sum = (lambda *a, **k: Backend.outer_sum(B, *a, **k)) if backend == "default" else B.outer_sum
+    rng = np.random.default_rng(0)
+    coeffs, vecs = rng.standard_normal((3, 2, 4, 5)), rng.standard_normal((3, 2, 4, 6))  # (Q, n, J, I), (Q, n, J, D)
+    u_hat = rng.standard_normal((5, 7, 4, 6))                                               # (I, N, J, D)
+    held = B.asarray(u_hat)
+    returned = outer_sum(list(B.asarray(coeffs)), list(B.asarray(vecs)), out=held[:, 3:5])
+    expected = u_hat.copy()
+    expected[:, 3:5] = np.einsum("qnji,qnjd->injd", coeffs, vecs)
+    np.testing.assert_allclose(B.to_numpy(held), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(B.to_numpy(returned), expected[:, 3:5], rtol=1e-12, atol=1e-12)
+
+
 # The two sums of EM routing, each case with its einsum.  (N, P, I, C, H) = (2, 3, 5, 4, 6).
 X, W, PARENT = (2, 3, 5, 4, 6), (2, 3, 5, 4), (2, 3, 4, 6)
 EM_SUMS = {

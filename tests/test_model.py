@@ -254,3 +254,44 @@ def test_shared_routing_without_u_hat_is_the_materialised_routing(backend, mode,
         du = B.to_numpy(shared.backward(dv))
         np.testing.assert_allclose(du, du_ref, rtol=1e-12, atol=1e-14)
         np.testing.assert_allclose(B.to_numpy(shared.grads["W"]), dW_ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("layer_kind,mode", [("dynamic", "full"), ("dynamic", "final"), ("attention", "full")])
+def test_routing_in_blocks_of_the_batch_is_routing_the_whole_batch(backend, layer_kind, mode):
+    """ClassCaps and AttentionCaps route blocks of the batch (B.split_batch: on the CPU, blocks
+    small enough for the cache, spread over the threads) and write dû over û block by block.  The
+    same v, coupling coefficients, du, dW and bias gradient as one block, to 1e-12 in float64, with
+    blocks of one sample and of two (in turn and on 2 threads)."""
+    from pycapsnet.capsules import AttentionCaps, ClassCaps
+
+    B = backends.get(backend, dtype="float64")
+    rng = np.random.default_rng(0)
+    u = B.asarray(rng.standard_normal((5, 10, 2, 4)) * 0.7)              # (N, P, T, K)
+    dv = B.asarray(rng.standard_normal((5, 3, 6)))                        # (N, J, D)
+
+    def layer():
+        if layer_kind == "attention":
+            made = AttentionCaps(B, 10, 2, 4, 3, 6, rng=np.random.default_rng(1))
+            made.params["bias"][...] = B.asarray(np.random.default_rng(2).standard_normal((10, 2, 3)))
+            return made
+        return ClassCaps(B, 10, 2, 4, 3, 6, iters=3, routing_grad=mode, rng=np.random.default_rng(1))
+
+    def run(block, threads):
+        B.sample_block, B.threads = block, threads
+        made = layer()
+        v = B.to_numpy(made.forward(u))
+        coupling = [B.to_numpy(c) for c in made.coupling]
+        du = B.to_numpy(made.backward(dv))
+        return v, coupling, du, {k: B.to_numpy(g) for k, g in made.grads.items()}
+
+    sample = 10 * 2 * 3 * 6  # elements of û per sample: I * J * D
+    v_ref, c_ref, du_ref, grads_ref = run(None, 1)
+    for block, threads in [(sample, 1), (2 * sample, 1), (2 * sample, 2)]:
+        v, coupling, du, grads = run(block, threads)
+        np.testing.assert_allclose(v, v_ref, rtol=1e-12, atol=1e-15)
+        for c, ref in zip(coupling, c_ref, strict=True):
+            np.testing.assert_allclose(c, ref, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(du, du_ref, rtol=1e-12, atol=1e-14)
+        for k in grads_ref:
+            np.testing.assert_allclose(grads[k], grads_ref[k], rtol=1e-12, atol=1e-14, err_msg=k)

@@ -24,11 +24,11 @@ FAST = ARCH + DATA + ["--batch-size", "32"]
 @pytest.mark.parametrize("name", ["adam", "sgd"])
 def test_optimizer_matches_torch_optim(name):
     torch = pytest.importorskip("torch")
-    model = CapsNet(backends.get("numpy", dtype="float64"), **SMALL)
+    B = backends.get("numpy", dtype="float64")
+    B.elementwise_block, B.threads = 1000, 2  # several blocks per weight matrix, one for the biases, on 2 threads
+    model = CapsNet(B, **SMALL)
     ref = {k: torch.tensor(v.copy(), requires_grad=True) for k, v in model.state_dict().items()}
     opt = optim.make(name, model, 1e-2)
-    if name == "adam":
-        opt.block = 1000  # several blocks per weight matrix, one for the biases
     topt = torch.optim.Adam(ref.values(), lr=1e-2) if name == "adam" else torch.optim.SGD(ref.values(), lr=1e-2, momentum=0.9)
     rng = np.random.default_rng(0)
     for step in range(5):
