@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backends.base import cpu_threads
 from backends.numpy_backend import NumpyBackend
 
 from .capsules import ClassCaps
@@ -224,8 +225,11 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
         c_all = n * J * P * T * b
         trace = iters * (2 * c_all + 3 * n * J * D * b)    # c (and b) per iteration
         kept_cc = u_hat + trace
-        fwd_cc = 2 * c_all
-        bwd_cc = u_hat + 3 * c_all + s_bytes
+        # routing runs on blocks of the batch, each thread on its contiguous copy of a block of û,
+        # and writes dû over û
+        blocks = min(u_hat, cpu_threads() * NumpyBackend.sample_block * b)
+        fwd_cc = 2 * c_all + blocks
+        bwd_cc = blocks + 3 * c_all + s_bytes
     L.add(kept_cc)
     L.touch(fwd_cc, "classcaps forward")
     cc.kept, cc.work = kept_cc, max(fwd_cc, bwd_cc)
@@ -259,7 +263,8 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     L.touch(b1, "conv1 backward")
 
     # ---- optimizer -------------------------------------------------------------------------------------------
-    L.touch(3 * NumpyBackend.elementwise_block * b, "optimizer")   # a block's temporaries (Optimizer.block)
+    # a block's temporaries on each thread (B.over_blocks)
+    L.touch(3 * NumpyBackend.elementwise_block * b * cpu_threads(), "optimizer")
     return L.peak, L.at, layers, state
 
 
