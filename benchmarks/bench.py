@@ -180,7 +180,7 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     import backends
     from backends.base import process_memory, reset_process_peak
     from pycapsnet import CapsNet, optim
-    from pycapsnet.graph import CapturedStep
+    from pycapsnet.graph import CapturedEval, CapturedStep
 
     # "+eager": op by op where the trainer records the step (torch:cuda, cupy); "+graph": recorded
     # where it does not (on the CPU the recording is a re-run)
@@ -205,8 +205,14 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
             model.train_step_grads(xb, y)
             opt.step()
 
-    def evaluate():
-        model.predict(xb)
+    if graph:  # model.predict's forward, recorded too
+        recorded_eval = CapturedEval(model, batch, labels=False)
+
+        def evaluate():
+            recorded_eval(xb).predictions
+    else:
+        def evaluate():
+            model.predict(xb)
 
     on_gpu = B.device.startswith("cuda")
     recorded = ", CUDA graph" if on_gpu else ", recorded"  # on the CPU: a re-run, host transfers refused

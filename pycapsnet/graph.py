@@ -1,4 +1,5 @@
-"""A whole train step -- loss, backward and optimizer update -- recorded once and replayed.
+"""A whole train step -- loss, backward and optimizer update -- recorded once and replayed; and the
+evaluation forward likewise.
 
 On a GPU, a CapsNet step at batch 64 is some 900 small array operations.  Launching them one by one
 from Python takes longer than running them: on an H100, torch:cuda's step took 7.8 ms op by op and
@@ -18,6 +19,10 @@ corrections).  So ::
 for batches of that size.  ``out`` holds the recording's output arrays, which the next call
 overwrites: read what you need from it (``out.loss``, ``out.lengths``) before calling again.
 
+``CapturedEval`` records the evaluation of a batch the same way: ``model._loss`` (forward with the
+label mask, both losses, the predicted classes), no backward, no update.  Evaluating op by op, a GPU
+waits on the launches just as a train step does.
+
 On a backend without graphs (``backend.can_capture`` False) ``capture`` runs the step again on each
 call, with host transfers refused: the tests use that to show, on the CPU, that the recorded part
 does no host work (which a CUDA graph could not replay).
@@ -31,36 +36,81 @@ from .checks import require_batch_size
 from .model import Outputs
 
 
-class CapturedStep:
-    def __init__(self, model, optimizer, batch_size: int):
+class _Recording:
+    """``work()`` recorded once on fixed input arrays ``x`` (N, C, H, W) and ``y`` (N,); each call
+    copies a batch of that size into them and replays the recording."""
+
+    def __init__(self, model, batch_size: int):
         require_batch_size(batch_size)
         B = model.B
-        self.model, self.optimizer, self.batch_size = model, optimizer, batch_size
+        self.model, self.batch_size = model, batch_size
         # the recording reads its batch from these arrays, at these addresses, on every replay
         self.x = B.zeros((batch_size, *model.config.input_shape))          # (N, C, H, W)
         self.y = B.asarray(np.zeros(batch_size, np.int64))                  # (N,) labels
         self._out = None
+        self._replay = None
+
+    def _record(self, work):
+        def run():
+            self._out = work()
+
+        self._replay = self.model.B.capture(run)
+
+    def _before_replay(self):
+        """Host work of each call (the optimizer's scalars for this step)."""
+
+    def __call__(self, x, y=None) -> Outputs:
+        x, y = self.model.checked(x, y)
+        if x.shape[0] != self.batch_size:
+            raise CapsNetError(f"this captured {self.what} takes batches of {self.batch_size}, got {x.shape[0]}; "
+                               f"run other sizes {self.otherwise}")
+        self.x[...] = x
+        if y is not None:
+            self.y[...] = y
+        self._before_replay()
+        self._replay()
+        return self._out.renewed()  # the recording's arrays, now holding this call's values
+
+
+class CapturedStep(_Recording):
+    what, otherwise = "step", "with model.train_step_grads + optimizer.step"
+
+    def __init__(self, model, optimizer, batch_size: int):
+        super().__init__(model, batch_size)
+        B = model.B
+        self.optimizer = optimizer
 
         def step():
-            self._out = model._train_step_grads(self.x, self.y)
+            out = model._train_step_grads(self.x, self.y)
             optimizer.apply()
+            return out
 
         # Capturing runs the step (warm-up runs, or the step itself without graphs), which changes
         # the weights and the optimizer's moments: keep them on the host, put them back after.
         arrays = list(model.params.values()) + [a for slot in optimizer._slots()
                                                 for a in optimizer.state[slot].values()]
         saved = [np.array(B.to_numpy(a)) for a in arrays]  # copies (NumPy's to_numpy returns the array)
-        self._replay = B.capture(step)
+        self._record(step)
         for a, host in zip(arrays, saved):
             a[...] = B.asarray(host)
 
-    def __call__(self, x, y) -> Outputs:
-        x, y = self.model.checked(x, y)
-        if x.shape[0] != self.batch_size:
-            raise CapsNetError(f"this captured step takes batches of {self.batch_size}, got {x.shape[0]}; "
-                               "run other sizes with model.train_step_grads + optimizer.step")
-        self.x[...] = x
-        self.y[...] = y
+    def _before_replay(self):
         self.optimizer.prepare()
-        self._replay()
-        return self._out.renewed()  # the recording's arrays, now holding this step's values
+
+
+class CapturedEval(_Recording):
+    """The evaluation of a batch with its labels, ``model.loss(x, y)``, recorded: ``out.loss``,
+    ``out.parts`` and ``out.predictions`` as op by op.  With ``labels=False``, the forward that
+    ``model.predict`` runs (no decoder, no losses), called without labels: ``out.predictions``.
+    Nothing is updated, so recording changes nothing.  Like any forward, each call keeps what a
+    backward would need: ``model.release()`` after the evaluation (the recording's own arrays live
+    as long as it does)."""
+    what, otherwise = "evaluation", "with model.loss or model.predict"
+
+    def __init__(self, model, batch_size: int, labels: bool = True):
+        super().__init__(model, batch_size)
+        if labels:
+            self._record(lambda: model._loss(self.x, self.y))
+        else:
+            self._record(lambda: model._forward(self.x, None, reconstruct=False))
+        model.release()

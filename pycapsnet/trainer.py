@@ -33,7 +33,7 @@ from . import checkpoint, data, distributed, files, optim, plots
 from .argtypes import fraction, make_writable_dir, nonnegative_int, positive_float, positive_int
 from .capsules import PrimaryCaps
 from .errors import BackendError, CapsNetError
-from .graph import CapturedStep
+from .graph import CapturedEval, CapturedStep
 from .model import ROUTING_DEFAULTS, ROUTINGS, CapsNet, CapsNetConfig
 from .routing import MODES as ROUTING_MODES
 
@@ -153,8 +153,8 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help="start afresh even if --out already holds a checkpoint (it is replaced)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (per-epoch lines only)")
     p.add_argument("--no-graph", action="store_true",
-                   help="launch the step's operations one by one even where the backend can record the "
-                        "step once and replay it (a CUDA graph on torch:cuda and CuPy, which is faster)")
+                   help="launch the step's and the evaluation's operations one by one even where the backend "
+                        "can record them once and replay them (a CUDA graph on torch:cuda and CuPy, which is faster)")
 
 
 def add_limit_test(p) -> None:
@@ -267,10 +267,15 @@ def _say(msg):
         print(msg, flush=True)
 
 
-def evaluate(model: CapsNet, split: data.Split, batch_size: int = 100, progress: bool = False, group=None):
+EVAL_BATCH = 100  # images per evaluation batch
+
+
+def evaluate(model: CapsNet, split: data.Split, batch_size: int = EVAL_BATCH, progress: bool = False, group=None,
+             captured: CapturedEval | None = None):
     """(accuracy, mean loss) over a split; the loss uses the label mask, as in training.  A model
     whose outputs overflow gives a non-finite loss, without warnings: the caller checks it.  With a
-    ``group`` (data-parallel training) each process scores its shard and the sums are shared."""
+    ``group`` (data-parallel training) each process scores its shard and the sums are shared.
+    ``captured``: a recorded evaluation (graph.py), which scores the batches of its size."""
     n_all = len(split)
     if group is not None:
         split = split.take(group.part(n_all))
@@ -278,7 +283,7 @@ def evaluate(model: CapsNet, split: data.Split, batch_size: int = 100, progress:
     n_batches = (len(split) + batch_size - 1) // batch_size
     for x, y in _progress(data.batches(split, batch_size), n_batches, "eval", not progress):
         with model.B.quiet_float_errors():
-            out = model.loss(x, y)
+            out = captured(x, y) if captured is not None and len(y) == captured.batch_size else model.loss(x, y)
         correct += int((out.predictions == y).sum())
         loss_sum += out.loss * len(y)
     model.release()  # no backward follows: do not carry forward's caches into the next train step
@@ -335,17 +340,21 @@ def train(args, backend_name: str) -> dict:
     B = model.B
     # Where the backend can record a step and replay it (a CUDA graph), full batches go through
     # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
-    # (Not in a data-parallel run: the gradients' sum across processes sits inside the step.)
-    captured = None
-    if B.can_capture and not getattr(args, "no_graph", False) and len(train_set) >= args.batch_size and not group:
-        captured = CapturedStep(model, opt, args.batch_size)
+    # Evaluation likewise, in batches of EVAL_BATCH.  (Not in a data-parallel run: the gradients'
+    # sum across processes sits inside the step.)
+    captured = captured_eval = None
+    if B.can_capture and not getattr(args, "no_graph", False) and not group:
+        if len(train_set) >= args.batch_size:
+            captured = CapturedStep(model, opt, args.batch_size)
+        if len(test_set) >= EVAL_BATCH:
+            captured_eval = CapturedEval(model, EVAL_BATCH)
     last = {}
     for epoch in range(start, args.epochs):
         opt.lr = optim.exponential_lr(args.lr, args.lr_decay, epoch)
         model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
         seen, correct, loss_sum, train_time = _train_epoch(args, model, opt, captured, train_set, epoch)
         _check_finite(args, model, opt, epoch)  # the epoch's last update has not been checked yet
-        test_acc, test_loss = evaluate(model, test_set, group=group)
+        test_acc, test_loss = evaluate(model, test_set, EVAL_BATCH, group=group, captured=captured_eval)
         if not math.isfinite(test_loss):
             raise TrainingDiverged(_stopped(args, f"the test loss became {test_loss} after epoch {epoch + 1} "
                                                   "(the weights are finite, but the outputs overflow)"))

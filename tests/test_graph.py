@@ -11,7 +11,7 @@ import pytest
 import backends
 from backends import BackendError
 from pycapsnet import CapsNet, CapsNetError, optim, trainer
-from pycapsnet.graph import CapturedStep
+from pycapsnet.graph import CapturedEval, CapturedStep
 from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, SMALL
 
 
@@ -43,6 +43,55 @@ def test_captured_step_equals_the_step_op_by_op(spec, name):
     assert opt_r.step_count == opt_e.step_count == 4
     for k, p in eager.params.items():
         np.testing.assert_allclose(B.to_numpy(rec.params[k]), B.to_numpy(p), rtol=1e-10, atol=1e-14, err_msg=k)
+
+
+@pytest.mark.parametrize("spec", CPU_BACKENDS + GPU_BACKENDS)
+def test_captured_evaluation_equals_the_evaluation_op_by_op(spec):
+    """Losses, class scores and predicted classes as model.loss gives them, batch after batch, and
+    after the weights change (a train step between two evaluations); recording changes no weight."""
+    B = backends.get(spec, dtype="float64")
+    model = CapsNet(B, seed=5, **SMALL)
+    before = {k: B.to_numpy(p).copy() for k, p in model.params.items()}
+    evaluation = CapturedEval(model, batch_size=4)
+    for k, p in model.params.items():
+        np.testing.assert_array_equal(B.to_numpy(p), before[k], err_msg=k)
+    opt = optim.Adam(model, 1e-2)
+    for k, (x, y) in enumerate(_batches(3, 4, "float64", seed=1)):
+        if k == 2:
+            model.train_step_grads(x, y)
+            opt.step()
+        out_r = evaluation(x, y)
+        out_e = model.loss(x, y)
+        assert out_r.loss == pytest.approx(out_e.loss, rel=1e-12, abs=0)
+        assert out_r.parts == pytest.approx(out_e.parts, rel=1e-12)
+        np.testing.assert_array_equal(out_r.predictions, out_e.predictions)
+        np.testing.assert_allclose(B.to_numpy(out_r.lengths), B.to_numpy(out_e.lengths), rtol=1e-12)
+    with pytest.raises(CapsNetError, match="captured evaluation takes batches of 4, got 3"):
+        evaluation(*_batches(1, 3, "float64")[0])
+    prediction = CapturedEval(model, batch_size=4, labels=False)  # model.predict's forward
+    for x, _ in _batches(2, 4, "float64", seed=2):
+        np.testing.assert_array_equal(prediction(x).predictions, model.predict(x))
+
+
+def test_trainer_uses_the_recorded_evaluation_for_full_batches(tmp_path, monkeypatch):
+    """Test batches of trainer.EVAL_BATCH go through the recorded evaluation, the last, smaller one
+    op by op; the same numbers as --no-graph (torch on the CPU told it can capture, as above)."""
+    torch_backend = pytest.importorskip("backends.torch_backend")
+    monkeypatch.setattr(torch_backend.TorchBackend, "can_capture", True)
+    monkeypatch.setattr(trainer, "EVAL_BATCH", 16)
+    calls = []
+    real_call = CapturedEval.__call__
+    monkeypatch.setattr(CapturedEval, "__call__", lambda self, x, y: calls.append(len(y)) or real_call(self, x, y))
+    flags = ["--conv-channels", "16", "--primary-types", "4", "--limit", "32", "--limit-test", "40",
+             "--batch-size", "32", "--epochs", "2", "--no-progress", "--dtype", "float64"]
+    args = argparse.ArgumentParser()
+    trainer.add_arguments(args, "torch")
+    a = trainer.train(args.parse_args(flags + ["--out", str(tmp_path / "a")]), "torch")
+    assert calls == [16, 16] * 2  # 40 = 16 + 16 + 8: the 8 ran op by op
+    b = trainer.train(args.parse_args(flags + ["--out", str(tmp_path / "b"), "--no-graph"]), "torch")
+    assert len(calls) == 4
+    for k in ("train_loss", "train_acc", "test_loss", "test_acc"):
+        assert a[k] == pytest.approx(b[k], rel=1e-12), k
 
 
 def test_a_host_transfer_inside_the_recorded_step_is_refused(monkeypatch):
