@@ -113,15 +113,13 @@ class TorchBackend(Backend):
         if self._device.type != "cpu":
             return super().weighted_sum(c, u_hat)
         i, n, j, d = u_hat.shape
-        u = u_hat.reshape(i, n * j, d).permute(1, 0, 2)                             # (N*J, I, D), a view
-        return self.torch.bmm(c.reshape(n * j, 1, i), u).reshape(n, j, d)
+        return self.torch.bmm(c.reshape(n * j, 1, i), _per_parent(u_hat, (1, 0, 2))).reshape(n, j, d)
 
     def agreement(self, u_hat, v):
         if self._device.type != "cpu":
             return super().agreement(u_hat, v)
         i, n, j, d = u_hat.shape
-        u = u_hat.reshape(i, n * j, d).permute(1, 2, 0)                             # (N*J, D, I), a view
-        return self.torch.bmm(v.reshape(n * j, 1, d), u).reshape(n, j, i)
+        return self.torch.bmm(v.reshape(n * j, 1, d), _per_parent(u_hat, (1, 2, 0))).reshape(n, j, i)
 
     def outer_sum(self, coeffs, vecs, out=None):
         """Backend.outer_sum accumulated in place, one multiply-add (addcmul_) per term, into a
@@ -231,3 +229,10 @@ class TorchBackend(Backend):
             self.torch.cuda.reset_peak_memory_stats(self._device)
         else:
             super().reset_peak_memory()
+
+
+def _per_parent(u_hat, order):
+    """û (I, N, J, D) as one matrix per (n, j), a view: (N*J, I, D) with order (1, 0, 2), or
+    transposed, (N*J, D, I), with (1, 2, 0)."""
+    i, n, j, d = u_hat.shape
+    return u_hat.reshape(i, n * j, d).permute(*order)

@@ -73,27 +73,6 @@ def test_captured_evaluation_equals_the_evaluation_op_by_op(spec):
         np.testing.assert_array_equal(prediction(x).predictions, model.predict(x))
 
 
-def test_trainer_uses_the_recorded_evaluation_for_full_batches(tmp_path, monkeypatch):
-    """Test batches of trainer.EVAL_BATCH go through the recorded evaluation, the last, smaller one
-    op by op; the same numbers as --no-graph (torch on the CPU told it can capture, as above)."""
-    torch_backend = pytest.importorskip("backends.torch_backend")
-    monkeypatch.setattr(torch_backend.TorchBackend, "can_capture", True)
-    monkeypatch.setattr(trainer, "EVAL_BATCH", 16)
-    calls = []
-    real_call = CapturedEval.__call__
-    monkeypatch.setattr(CapturedEval, "__call__", lambda self, x, y: calls.append(len(y)) or real_call(self, x, y))
-    flags = ["--conv-channels", "16", "--primary-types", "4", "--limit", "32", "--limit-test", "40",
-             "--batch-size", "32", "--epochs", "2", "--no-progress", "--dtype", "float64"]
-    args = argparse.ArgumentParser()
-    trainer.add_arguments(args, "torch")
-    a = trainer.train(args.parse_args(flags + ["--out", str(tmp_path / "a")]), "torch")
-    assert calls == [16, 16] * 2  # 40 = 16 + 16 + 8: the 8 ran op by op
-    b = trainer.train(args.parse_args(flags + ["--out", str(tmp_path / "b"), "--no-graph"]), "torch")
-    assert len(calls) == 4
-    for k in ("train_loss", "train_acc", "test_loss", "test_acc"):
-        assert a[k] == pytest.approx(b[k], rel=1e-12), k
-
-
 def test_a_host_transfer_inside_the_recorded_step_is_refused(monkeypatch):
     pytest.importorskip("torch")
     B = backends.get("torch", dtype="float64")
@@ -122,23 +101,29 @@ def test_captured_step_takes_only_its_batch_size():
             CapturedStep(model, optim.Adam(model), batch_size=bad)
 
 
-def test_trainer_uses_the_recording_for_full_batches(tmp_path, monkeypatch):
-    """With a backend that can capture, the trainer records the step; the last, smaller batch runs
-    op by op.  Same numbers as --no-graph.  (torch on the CPU, told it can capture: the recording is
-    then a re-run with host transfers refused, so this checks the trainer's bookkeeping.)"""
+@pytest.mark.parametrize("recording, limit, expected", [
+    (CapturedStep, 80, [32, 32] * 2),   # batches of 32: 80 = 32 + 32 + 16, the 16 ran op by op
+    (CapturedEval, 32, [16, 16] * 2),   # test batches of 16 here: 40 = 16 + 16 + 8
+], ids=["step", "evaluation"])
+def test_trainer_uses_the_recordings_for_full_batches(tmp_path, monkeypatch, recording, limit, expected):
+    """With a backend that can capture, the trainer records the step and the evaluation (in batches
+    of trainer.EVAL_BATCH); the last, smaller batch of each runs op by op.  Same numbers as
+    --no-graph.  (torch on the CPU, told it can capture: the recording is then a re-run with host
+    transfers refused, so this checks the trainer's bookkeeping.)"""
     torch_backend = pytest.importorskip("backends.torch_backend")
     monkeypatch.setattr(torch_backend.TorchBackend, "can_capture", True)
+    monkeypatch.setattr(trainer, "EVAL_BATCH", 16)
     calls = []
-    real_call = CapturedStep.__call__
-    monkeypatch.setattr(CapturedStep, "__call__", lambda self, x, y: calls.append(len(y)) or real_call(self, x, y))
-    flags = ["--conv-channels", "16", "--primary-types", "4", "--limit", "80", "--limit-test", "40",
+    real_call = recording.__call__
+    monkeypatch.setattr(recording, "__call__", lambda self, x, y: calls.append(len(y)) or real_call(self, x, y))
+    flags = ["--conv-channels", "16", "--primary-types", "4", "--limit", str(limit), "--limit-test", "40",
              "--batch-size", "32", "--epochs", "2", "--no-progress", "--dtype", "float64"]
     args = argparse.ArgumentParser()
     trainer.add_arguments(args, "torch")
     a = trainer.train(args.parse_args(flags + ["--out", str(tmp_path / "a")]), "torch")
-    assert calls == [32, 32] * 2  # 80 = 32 + 32 + 16: the 16 ran op by op
+    assert calls == expected
     b = trainer.train(args.parse_args(flags + ["--out", str(tmp_path / "b"), "--no-graph"]), "torch")
-    assert len(calls) == 4
+    assert len(calls) == len(expected)
     for k in ("train_loss", "train_acc", "test_loss", "test_acc"):
         assert a[k] == pytest.approx(b[k], rel=1e-12), k
 
