@@ -49,6 +49,7 @@ class _Recording:
         self.y = B.asarray(np.zeros(batch_size, np.int64))                  # (N,) labels
         self._out = None
         self._replay = None
+        self.needs_labels = True
 
     def _record(self, work):
         def run():
@@ -64,6 +65,8 @@ class _Recording:
         if x.shape[0] != self.batch_size:
             raise CapsNetError(f"this captured {self.what} takes batches of {self.batch_size}, got {x.shape[0]}; "
                                f"run other sizes {self.otherwise}")
+        if y is None and self.needs_labels:
+            raise CapsNetError(f"this captured {self.what} takes labels y with the images")
         self.x[...] = x
         if y is not None:
             self.y[...] = y
@@ -109,6 +112,7 @@ class CapturedEval(_Recording):
 
     def __init__(self, model, batch_size: int, labels: bool = True):
         super().__init__(model, batch_size)
+        self.needs_labels = labels
         if labels:
             self._record(lambda: model._loss(self.x, self.y))
         else:

@@ -68,6 +68,8 @@ def test_captured_evaluation_equals_the_evaluation_op_by_op(spec):
         np.testing.assert_allclose(B.to_numpy(out_r.lengths), B.to_numpy(out_e.lengths), rtol=1e-12)
     with pytest.raises(CapsNetError, match="captured evaluation takes batches of 4, got 3"):
         evaluation(*_batches(1, 3, "float64")[0])
+    with pytest.raises(CapsNetError, match="takes labels y with the images"):
+        evaluation(_batches(1, 4, "float64")[0][0])
     prediction = CapturedEval(model, batch_size=4, labels=False)  # model.predict's forward
     for x, _ in _batches(2, 4, "float64", seed=2):
         np.testing.assert_array_equal(prediction(x).predictions, model.predict(x))
