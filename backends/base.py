@@ -174,9 +174,13 @@ class Backend(abc.ABC):
         for c, v in zip(coeffs, vecs):
             term = xp.permute_dims(c, (2, 0, 1))[..., None] * v[None]      # (I, N, J, D)
             du = term if du is None else du + term
+        return self._into(du, out)
+
+    def _into(self, result, out=None):
+        """``result`` C-ordered (the layers reshape it), or copied into ``out`` when given."""
         if out is None:
-            return self.contiguous(du)
-        out[...] = du
+            return self.contiguous(result)
+        out[...] = result
         return out
 
     # ---- matrix capsules' votes (pycapsnet/matrix_capsules.py) ---------------------------------------
@@ -430,8 +434,9 @@ class Backend(abc.ABC):
 
     def _element_blocks(self, sizes: dict) -> list:
         step = self.elementwise_block
-        return [(key, slice(a, a + step) if step else slice(None))
-                for key, size in sizes.items() for a in range(0, size if step else 1, step or 1)]
+        if not step:
+            return [(key, slice(None)) for key in sizes]
+        return [(key, slice(a, a + step)) for key, size in sizes.items() for a in range(0, size, step)]
 
     def _sample_blocks(self, n: int, sample_size: int) -> list:
         """Slices that split a batch of n into blocks of about ``sample_block`` elements, at least one

@@ -101,10 +101,7 @@ class CupyBackend(NumpyBackend):
         C, V = self.xp.stack(coeffs), self.xp.stack(vecs)
         if self._direct_cublas is not None:
             return outer_sum_by_matmul(self, C, V, out)
-        if out is None:
-            return self._einsum("qnji,qnjd->injd", C, V)
-        out[...] = self.lib.einsum("qnji,qnjd->injd", C, V, optimize=False)
-        return out
+        return self._into(self.lib.einsum("qnji,qnjd->injd", C, V, optimize=False), out)
 
     def _einsum(self, subscripts, a, b):
         # (its result follows the operands' memory order; the layers expect C order)
@@ -206,8 +203,4 @@ def outer_sum_by_matmul(B, C, V, out=None):
     d = V.shape[-1]
     Cm = xp.reshape(xp.permute_dims(C, (1, 2, 3, 0)), (n * j, i, q))
     Vm = xp.reshape(xp.permute_dims(V, (1, 2, 0, 3)), (n * j, q, d))
-    du = xp.permute_dims(xp.reshape(B.matmul(Cm, Vm), (n, j, i, d)), (2, 0, 1, 3))
-    if out is None:
-        return B.contiguous(du)
-    out[...] = du
-    return out
+    return B._into(xp.permute_dims(xp.reshape(B.matmul(Cm, Vm), (n, j, i, d)), (2, 0, 1, 3)), out)

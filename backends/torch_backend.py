@@ -104,11 +104,10 @@ class TorchBackend(Backend):
             fn()
         return graph.replay
 
-    # weighted_sum and agreement: Backend's broadcast forms read û in place, where torch.einsum maps
-    # them to bmm after copying û into a batch-major layout.
-    # On the CPU, routing's two sums over a block of û as batched products on views of it, one per
-    # (n, j): (1, I) @ (I, D) and (1, D) @ (D, I).  Backend's forms write the broadcast product, then
-    # sum it (over a short last axis for the agreement, slow in PyTorch).  GPUs keep Backend's forms.
+    # weighted_sum and agreement.  On the CPU, batched products on views of û, one per (n, j):
+    # (1, I) @ (I, D) and (1, D) @ (D, I); Backend's forms write the broadcast product, then sum it
+    # (over a short last axis for the agreement, slow in PyTorch).  GPUs keep Backend's forms, which
+    # read û in place, where torch.einsum maps them to bmm after copying û into a batch-major layout.
     def weighted_sum(self, c, u_hat):
         if self._device.type != "cpu":
             return super().weighted_sum(c, u_hat)
