@@ -335,12 +335,15 @@ class FourierConv2d(Conv2d):
         frequencies, real and imaginary rows alike."""
         xp, mm, F = self.B.xp, self.B.matmul, g.F
         n = dY.shape[2]
-        dYT = self.B.empty((F, 2, self.c_out, 2, n), dtype=self.B.dtype_name(dY))
-        dYT[:, 0] = xp.permute_dims(dY, (0, 3, 1, 2))                          # [dY_r^T  dY_i^T]
-        dYT[:, 1, :, 0] = xp.matrix_transpose(dY[:, 1])                        # [dY_i^T  -dY_r^T]
-        dYT[:, 1, :, 1] = xp.matrix_transpose(dY[:, 0])
-        dYT[:, 1, :, 1] *= -1                                                  # in place: no temporary
-        dYT = xp.reshape(dYT, (F, 2 * self.c_out, 2 * n))
+        # the left factor is the transpose of [dY_r  dY_i; dY_i  -dY_r] (2N, 2 C_out), which is
+        # assembled from dY's (N, C_out) blocks as they are (a transposed copy is slow on the CPU)
+        # and handed to the product as a transposed view
+        M = self.B.empty((F, 2, n, 2, self.c_out), dtype=self.B.dtype_name(dY))
+        M[:, :, :, 0] = dY                                                     # [dY_r; dY_i]
+        M[:, 0, :, 1] = dY[:, 1]                                               # [dY_i; -dY_r]
+        M[:, 1, :, 1] = dY[:, 0]
+        M[:, 1, :, 1] *= -1                                                    # in place: no temporary
+        dYT = xp.matrix_transpose(xp.reshape(M, (F, 2 * n, 2 * self.c_out)))  # (F, 2 C_out, 2N)
         for cs in g.blocks:
             dVT = xp.reshape(mm(dYT, X[:, :, cs]), (2 * F, -1))               # rows (f, re|im), cols (o, c')
             self._add_grid_to_kernel(mm(g.FwT, dVT), cs, g)
