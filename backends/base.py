@@ -148,6 +148,19 @@ class Backend(abc.ABC):
             return x.dtype.kind == "f"
         return self.xp.isdtype(x.dtype, "real floating")
 
+    # ---- ClassCaps' predictions û_j|i and routing's blocks of them (pycapsnet/capsules.py) -------------
+    def predictions(self, ut, W_t):
+        """û_j|i = W_ij u_i for every input capsule i = (p, t):  ut (P, T, N, K) and the transposed
+        transforms W_t (P|1, T, K, J*D) -> (P, T, N, J*D), P*T small products (N x K) @ (K x J*D).
+        C-ordered here (a backend may store it otherwise: NumPy, sample-major)."""
+        return self.matmul(ut, W_t)
+
+    def route_block(self, u_hat, sl):
+        """The samples ``sl`` of û (I, N, J, D), for routing them as one block (B.split_batch): a
+        C-ordered copy, which stays in cache through routing's passes over it (no copy where sl is
+        the whole batch, as on a GPU)."""
+        return self.contiguous(u_hat[:, sl])
+
     # ---- the three products of dynamic routing -------------------------------------------------
     # Shapes: û (I, N, J, D); c, b and their gradients (N, J, I); s, v and their gradients (N, J, D).
     # These defaults write the math as it reads, with broadcasting; a backend overrides one where

@@ -140,14 +140,15 @@ class NumpyBackend(Backend):
         _warn_if_blas_spins()
         self._over_batch(part, n)
 
-    def matmul(self, a, b):
+    def matmul(self, a, b, out=None):
+        """``a @ b``, into ``out`` (any strides) where given."""
         if (self.lib is not np or self.threads <= 1 or a.ndim < 3 or a.ndim != b.ndim
                 or a.shape[-2] * a.shape[-1] * b.shape[-1] >= _BLAS_THREADED_PRODUCT
                 or max(a.size, b.size) < self.parallel_min_elements):
-            return a @ b
+            return a @ b if out is None else self.lib.matmul(a, b, out=out)
         # A batch of small products: OpenBLAS runs each on one thread, so split the batch instead.
         lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        res = np.empty((*lead, a.shape[-2], b.shape[-1]), dtype=np.result_type(a, b))
+        res = np.empty((*lead, a.shape[-2], b.shape[-1]), dtype=np.result_type(a, b)) if out is None else out
 
         def part(sl):
             # an operand broadcast along the first batch axis (size 1 there) is used whole
@@ -156,6 +157,23 @@ class NumpyBackend(Backend):
         _warn_if_blas_spins()
         self._over_batch(part, lead[0])
         return res
+
+    # ClassCaps' û stored sample-major: (N, I, J, D) in memory, handed on as its permuted view
+    # (I, N, J, D).  The products write into it through strided views, and every block of samples
+    # that routing runs on (split_batch) is then one contiguous piece of memory that routing reads where
+    # it lies: no copy of each block in forward, and again in backward.
+    def predictions(self, ut, W_t):
+        if self.lib is not np:
+            return super().predictions(ut, W_t)
+        p, t, n, _ = ut.shape
+        u_hat = np.empty((n, p, t, W_t.shape[-1]), dtype=np.result_type(ut, W_t))
+        self.matmul(ut, W_t, out=u_hat.transpose(1, 2, 0, 3))
+        return u_hat.transpose(1, 2, 0, 3)                                   # (P, T, N, J*D), a view
+
+    def route_block(self, u_hat, sl):
+        if self.lib is not np:
+            return super().route_block(u_hat, sl)
+        return u_hat[:, sl]  # sample-major (predictions): already one contiguous piece
 
     def contiguous(self, x):
         return self.lib.ascontiguousarray(x)

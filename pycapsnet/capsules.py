@@ -93,16 +93,17 @@ class ClassCaps(Layer):
             return v
         ut = xp.permute_dims(u, (1, 2, 0, 3))                                   # (P, T, N, K)
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))  # (P|1, T, J*D, K)
-        # B.matmul: P*T small products (N x K) @ (K x J*D), which a backend may split over threads
-        u_hat = self.B.matmul(ut, self.B.contiguous(xp.matrix_transpose(Wm)))     # (P, T, N, J*D)
+        # P*T small products (N x K) @ (K x J*D), laid out as the backend wants (B.predictions)
+        u_hat = self.B.predictions(ut, self.B.contiguous(xp.matrix_transpose(Wm)))  # (P, T, N, J*D)
         u_hat = xp.reshape(u_hat, (self.P * self.T, n, self.J, self.D))          # û_j|i (I, N, J, D)
         v, self.trace = self._route_blocks(u_hat)
         self.cache = (ut, u_hat)
         return v
 
     # Every sample routes on its own.  So routing runs on blocks of the batch (B.split_batch): on the
-    # CPU each block of û is copied contiguous, small enough to stay in cache through all of routing's
-    # passes over it, and the blocks are spread over the host threads; on a GPU, one block: the batch.
+    # CPU each block of û is one contiguous piece (B.route_block), small enough to stay in cache through
+    # all of routing's passes over it, and the blocks are spread over the host threads; on a GPU, one
+    # block: the batch.
     def _route_blocks(self, u_hat):
         """v_j (N, J, D) and the trace, per iteration the tuple ``route`` keeps, over the whole batch."""
         B, xp = self.B, self.B.xp
@@ -110,7 +111,7 @@ class ClassCaps(Layer):
         v, parts = B.empty((n, self.J, self.D)), []
 
         def run(sl):
-            v[sl], trace = self.route(B.contiguous(u_hat[:, sl]), sl)
+            v[sl], trace = self.route(B.route_block(u_hat, sl), sl)
             parts.append((sl.start or 0, trace))
 
         B.split_batch(run, n, self.P * self.T * self.J * self.D)
@@ -128,7 +129,7 @@ class ClassCaps(Layer):
 
         def run(sl):
             trace = [tuple(a[sl] for a in t) for t in self.trace]
-            factors, g = self.route_backward(B.contiguous(u_hat[:, sl]), trace, dv[sl])
+            factors, g = self.route_backward(B.route_block(u_hat, sl), trace, dv[sl])
             B.outer_sum(*factors, out=u_hat[:, sl])  # the factors do not read û
             grads.append((sl.start or 0, g))
 

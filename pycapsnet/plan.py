@@ -225,11 +225,10 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
         c_all = n * J * P * T * b
         trace = iters * (2 * c_all + 3 * n * J * D * b)    # c (and b) per iteration
         kept_cc = u_hat + trace
-        # routing runs on blocks of the batch, each thread on its contiguous copy of a block of û,
-        # and writes dû over û
-        blocks = min(u_hat, cpu_threads() * NumpyBackend.sample_block * b)
-        fwd_cc = 2 * c_all + blocks
-        bwd_cc = blocks + 3 * c_all + s_bytes
+        # routing runs on blocks of the batch, each read in place (NumPy stores û sample-major,
+        # B.predictions), and writes dû over û
+        fwd_cc = 2 * c_all
+        bwd_cc = 3 * c_all + s_bytes
     L.add(kept_cc)
     L.touch(fwd_cc, "classcaps forward")
     cc.kept, cc.work = kept_cc, max(fwd_cc, bwd_cc)

@@ -145,6 +145,33 @@ def test_outer_sum_writes_into_a_block_of_u_hat(backend):
     np.testing.assert_allclose(B.to_numpy(returned), expected[:, 3:5], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shared", [False, True], ids=["per position", "shared over positions"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
+def test_predictions_and_their_blocks_are_u_hat(backend, shared, threads):
+    """B.predictions is û = W u (P*T products, W broadcast over positions when shared), whatever
+    layout the backend stores it in; B.route_block gives a block of its samples.  On NumPy û is
+    sample-major, so a block is read in place (no copy), and the products are split over threads
+    (forced here for small shapes)."""
+    from backends.base import Backend
+    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
+    B.threads, B.parallel_min_elements = threads, 0
+    ops = (Backend.predictions, Backend.route_block) if backend == "default" else (None, None)
+    predictions = (lambda *a: ops[0](B, *a)) if ops[0] else B.predictions
+    route_block = (lambda *a: ops[1](B, *a)) if ops[1] else B.route_block
+    rng = np.random.default_rng(0)
+    P, T, N, K, J, D = 3, 2, 7, 4, 5, 3
+    ut, W_t = rng.standard_normal((P, T, N, K)), rng.standard_normal((1 if shared else P, T, K, J * D))
+    u_hat = predictions(B.asarray(ut), B.asarray(W_t))                       # (P, T, N, J*D)
+    expected = np.einsum("ptnk,ptkm->ptnm", ut, np.broadcast_to(W_t, (P, T, K, J * D)))
+    np.testing.assert_allclose(B.to_numpy(u_hat), expected, rtol=1e-12, atol=1e-12)
+    u_hat = B.xp.reshape(u_hat, (P * T, N, J, D))                            # as ClassCaps hands it on
+    block = route_block(u_hat, slice(2, 5))
+    np.testing.assert_allclose(B.to_numpy(block), expected.reshape(P * T, N, J, D)[:, 2:5], rtol=1e-12, atol=1e-12)
+    if backend == "numpy":
+        assert np.shares_memory(block, u_hat) and block.transpose(1, 0, 2, 3).flags["C_CONTIGUOUS"]
+
+
 # The two sums of EM routing, each case with its einsum.  (N, P, I, C, H) = (2, 3, 5, 4, 6).
 X, W, PARENT = (2, 3, 5, 4, 6), (2, 3, 5, 4), (2, 3, 4, 6)
 EM_SUMS = {
