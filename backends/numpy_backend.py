@@ -175,8 +175,21 @@ class NumpyBackend(Backend):
             return super().route_block(u_hat, sl)
         return u_hat[:, sl]  # sample-major (predictions): already one contiguous piece
 
+    # a copy from this size up (elements) is split over the threads: NumPy copies on one core, and one
+    # core does not use all of the memory bandwidth (the Fourier layer's layout passes)
+    parallel_copy_elements = 1 << 22
+
     def contiguous(self, x):
-        return self.lib.ascontiguousarray(x)
+        if (self.lib is not np or x.flags["C_CONTIGUOUS"] or x.size < self.parallel_copy_elements
+                or x.ndim == 0):
+            return self.lib.ascontiguousarray(x)
+        out = np.empty(x.shape, dtype=x.dtype)
+
+        def part(sl):
+            out[sl] = x[sl]
+
+        self._over_batch(part, x.shape[0])
+        return out
 
     def windows(self, x, kh, kw, stride):
         # (N, H, W, C) -> (N, OH, OW, kh, kw, C), a view: window (oh, ow) starts at pixel

@@ -172,6 +172,19 @@ def test_predictions_and_their_blocks_are_u_hat(backend, shared, threads):
         assert np.shares_memory(block, u_hat) and block.transpose(1, 0, 2, 3).flags["C_CONTIGUOUS"]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_numpy_contiguous_copies_split_over_threads(threads):
+    """NumPy's contiguous splits a large copy over its threads (forced here for a small array): the
+    same values, C-ordered, a new array; C-ordered input comes back as it is."""
+    B = backends.get("numpy", dtype="float64")
+    B.threads, B.parallel_copy_elements = threads, 0
+    x = np.random.default_rng(0).standard_normal((7, 3, 4, 5)).transpose(2, 0, 3, 1)[:, 1:]
+    y = B.contiguous(x)
+    assert y.flags["C_CONTIGUOUS"] and not np.shares_memory(x, y)
+    np.testing.assert_array_equal(y, x)
+    assert B.contiguous(y) is y
+
+
 # The two sums of EM routing, each case with its einsum.  (N, P, I, C, H) = (2, 3, 5, 4, 6).
 X, W, PARENT = (2, 3, 5, 4, 6), (2, 3, 5, 4), (2, 3, 4, 6)
 EM_SUMS = {
