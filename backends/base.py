@@ -148,6 +148,16 @@ class Backend(abc.ABC):
             return x.dtype.kind == "f"
         return self.xp.isdtype(x.dtype, "real floating")
 
+    # ---- ReLU (pycapsnet/layers.py) ----------------------------------------------------------------
+    def relu(self, x):
+        """y = max(x, 0).  clip with a scalar bound: maximum(x, 0) would first make the 0 an array
+        (on a GPU, a host-to-device copy per call, which a captured step cannot replay)."""
+        return self.xp.clip(x, min=0.0)
+
+    def relu_backward(self, dy, y):
+        """dx = dy [y > 0], from y = relu(x): a multiply by the 0/1 mask (faster than where() on NumPy)."""
+        return dy * (y > 0)
+
     # ---- ClassCaps' predictions û_j|i and routing's blocks of them (pycapsnet/capsules.py) -------------
     def predictions(self, ut, W_t):
         """û_j|i = W_ij u_i for every input capsule i = (p, t):  ut (P, T, N, K) and the transposed

@@ -175,21 +175,32 @@ class NumpyBackend(Backend):
             return super().route_block(u_hat, sl)
         return u_hat[:, sl]  # sample-major (predictions): already one contiguous piece
 
-    # a copy from this size up (elements) is split over the threads: NumPy copies on one core, and one
-    # core does not use all of the memory bandwidth (the Fourier layer's layout passes)
-    parallel_copy_elements = 1 << 22
+    # A memory-bound pass (a copy, ReLU) from this size up (elements) is split over the threads: NumPy
+    # runs it on one core, and one core does not use all of the memory bandwidth.
+    parallel_pass_elements = 1 << 22
+
+    def _over_rows(self, fn, x):
+        """A new array like x, written by fn(slice, out) over slices of x's first axis on the threads,
+        or None where x is too small for that to pay (the caller then makes it at once)."""
+        if self.lib is not np or x.ndim == 0 or x.size < self.parallel_pass_elements:
+            return None
+        out = np.empty(x.shape, dtype=x.dtype)
+        self._over_batch(lambda sl: fn(sl, out), x.shape[0])
+        return out
 
     def contiguous(self, x):
-        if (self.lib is not np or x.flags["C_CONTIGUOUS"] or x.size < self.parallel_copy_elements
-                or x.ndim == 0):
-            return self.lib.ascontiguousarray(x)
-        out = np.empty(x.shape, dtype=x.dtype)
+        if self.lib is np and x.flags["C_CONTIGUOUS"]:
+            return x
+        out = self._over_rows(lambda sl, out: out.__setitem__(sl, x[sl]), x)
+        return self.lib.ascontiguousarray(x) if out is None else out
 
-        def part(sl):
-            out[sl] = x[sl]
+    def relu(self, x):
+        y = self._over_rows(lambda sl, y: np.maximum(x[sl], 0, out=y[sl]), x)
+        return super().relu(x) if y is None else y
 
-        self._over_batch(part, x.shape[0])
-        return out
+    def relu_backward(self, dy, y):
+        dx = self._over_rows(lambda sl, dx: np.multiply(dy[sl], y[sl] > 0, out=dx[sl]), dy)
+        return super().relu_backward(dy, y) if dx is None else dx
 
     def windows(self, x, kh, kw, stride):
         # (N, H, W, C) -> (N, OH, OW, kh, kw, C), a view: window (oh, ow) starts at pixel

@@ -208,6 +208,11 @@ class TorchBackend(Backend):
     def contiguous(self, x):
         return x.contiguous()
 
+    def relu_backward(self, dy, y):
+        """dy where y > 0, else 0, in one pass (PyTorch's own ReLU backward, a plain op here: nothing
+        requires grad); dy * (y > 0) takes two and converts the mask."""
+        return self.torch.ops.aten.threshold_backward(dy, y, 0)
+
     def windows(self, x, kh, kw, stride):
         # unfold(dim, size, step) appends the window axis: (N, OH, OW, C, kh, kw) -> (N, OH, OW, kh, kw, C)
         return x.unfold(1, kh, stride).unfold(2, kw, stride).permute(0, 1, 2, 4, 5, 3)

@@ -177,12 +177,30 @@ def test_numpy_contiguous_copies_split_over_threads(threads):
     """NumPy's contiguous splits a large copy over its threads (forced here for a small array): the
     same values, C-ordered, a new array; C-ordered input comes back as it is."""
     B = backends.get("numpy", dtype="float64")
-    B.threads, B.parallel_copy_elements = threads, 0
+    B.threads, B.parallel_pass_elements = threads, 0
     x = np.random.default_rng(0).standard_normal((7, 3, 4, 5)).transpose(2, 0, 3, 1)[:, 1:]
     y = B.contiguous(x)
     assert y.flags["C_CONTIGUOUS"] and not np.shares_memory(x, y)
     np.testing.assert_array_equal(y, x)
     assert B.contiguous(y) is y
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
+def test_relu_and_its_backward_equal_their_definition(backend, threads):
+    """B.relu = max(x, 0) and B.relu_backward = dy [y > 0] on every backend, NumPy's split over its
+    threads (forced here for a small array); zeros and negative zeros stay off the mask."""
+    from backends.base import Backend
+    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
+    B.threads, B.parallel_pass_elements = threads, 0
+    relu, relu_backward = ((lambda x: Backend.relu(B, x)), (lambda dy, y: Backend.relu_backward(B, dy, y))) \
+        if backend == "default" else (B.relu, B.relu_backward)
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((5, 3, 4)), rng.standard_normal((5, 3, 4))
+    x[0, 0, :2] = 0.0, -0.0
+    y = relu(B.asarray(x))
+    np.testing.assert_array_equal(B.to_numpy(y), np.maximum(x, 0))
+    np.testing.assert_array_equal(B.to_numpy(relu_backward(B.asarray(dy), y)), np.where(x > 0, dy, 0.0))
 
 
 # The two sums of EM routing, each case with its einsum.  (N, P, I, C, H) = (2, 3, 5, 4, 6).
