@@ -447,6 +447,13 @@ class Backend(abc.ABC):
         launches).  fn must not care in which order the parts run."""
         self._run_parts(fn, self._sample_blocks(n, sample_size))
 
+    def adam(self, update, sizes: dict, arrays: tuple, lr: float, betas: tuple, eps: float, step: int) -> None:
+        """One Adam step over every parameter: here optim.Adam's own ``update(key, block)`` over
+        ``over_blocks``, which reads the step's scalars from the device (so a recorded step replays
+        it with each step's).  A backend may instead run a fused kernel on ``arrays`` (the dicts w,
+        g, m, v), from the host's lr, betas, eps and step count."""
+        self.over_blocks(update, sizes)
+
     def over_blocks(self, fn, sizes: dict) -> None:
         """Call fn(key, slice) over the blocks of ``elementwise_block`` elements of flat arrays of
         ``sizes`` (key -> length; whole arrays where the block is None): the optimizers' elementwise

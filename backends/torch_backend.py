@@ -208,6 +208,26 @@ class TorchBackend(Backend):
     def contiguous(self, x):
         return x.contiguous()
 
+    def adam(self, update, sizes, arrays, lr, betas, eps, step):
+        """On the CPU, PyTorch's fused Adam: one kernel per parameter for the whole update, where
+        optim.Adam's form takes a dozen passes (the same update to rounding: tests compare both, and
+        torch.optim.Adam).  A CUDA device keeps Backend's form, which a recorded step replays with each
+        step's scalars; so does step 0 (an apply() before any prepare(), which moves no weight) and a
+        PyTorch without the CPU kernel (before 2.4)."""
+        fused = getattr(self.torch, "_fused_adam_", None) if self._fused_adam else None
+        if self._device.type != "cpu" or fused is None or step < 1:
+            return super().adam(update, sizes, arrays, lr, betas, eps, step)
+        w, g, m, v = ([a[k] for k in sizes] for a in arrays)
+        steps = [self.torch.tensor(float(step))] * len(w)  # read only: the bias corrections 1 - beta^step
+        try:
+            fused(w, g, m, v, [], steps, lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=0.0, eps=eps,
+                  amsgrad=False, maximize=False)
+        except (NotImplementedError, RuntimeError):  # no CPU kernel in this PyTorch: it refuses before writing
+            self._fused_adam = False
+            super().adam(update, sizes, arrays, lr, betas, eps, step)
+
+    _fused_adam = True
+
     def relu_backward(self, dy, y):
         """dy where y > 0, else 0, in one pass (PyTorch's own ReLU backward, a plain op here: nothing
         requires grad); dy * (y > 0) takes two and converts the mask."""

@@ -130,7 +130,9 @@ class Adam(Optimizer):
             v += (1 - self.b2) * (g * g)
             w -= self._step_size * m / (B.xp.sqrt(v / self._c2) + self.eps)
 
-        B.over_blocks(update, _sizes(params))
+        # update() over blocks, or a backend's fused kernel for the same step (B.adam)
+        B.adam(update, _sizes(params), (params, grads, self.state["m"], self.state["v"]), self.lr,
+               (self.b1, self.b2), self.eps, self.step_count)
 
 
 class SGD(Optimizer):

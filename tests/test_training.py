@@ -21,10 +21,13 @@ ARCH = ["--conv-channels", "16", "--primary-types", "4"]
 FAST = ARCH + DATA + ["--batch-size", "32"]
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("name", ["adam", "sgd"])
-def test_optimizer_matches_torch_optim(name):
+def test_optimizer_matches_torch_optim(name, backend):
+    """Against torch.optim on the same gradients: NumPy's blocks on 2 threads, and on PyTorch's CPU
+    Adam's fused kernel (B.adam) and SGD's blocks."""
     torch = pytest.importorskip("torch")
-    B = backends.get("numpy", dtype="float64")
+    B = backends.get(backend, dtype="float64")
     B.elementwise_block, B.threads = 1000, 2  # several blocks per weight matrix, one for the biases, on 2 threads
     model = CapsNet(B, **SMALL)
     ref = {k: torch.tensor(v.copy(), requires_grad=True) for k, v in model.state_dict().items()}
@@ -36,11 +39,41 @@ def test_optimizer_matches_torch_optim(name):
         y = rng.integers(0, 4, 3)
         model.train_step_grads(x, y)
         for k, t in ref.items():  # torch gets exactly the same gradients
-            t.grad = torch.tensor(model.grads[k].copy())
+            t.grad = torch.tensor(B.to_numpy(model.grads[k]).copy())
         opt.step()
         topt.step()
     for k, t in ref.items():
-        np.testing.assert_allclose(model.params[k], t.detach().numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(B.to_numpy(model.params[k]), t.detach().numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 1e-6)])
+def test_torch_fused_adam_is_the_blockwise_update(dtype, tol):
+    """PyTorch's CPU runs Adam as its fused kernel (B.adam): the same weights and moments as
+    optim.Adam's own update (Backend.adam) over several steps; an apply() before any prepare() moves
+    no weight on either."""
+    pytest.importorskip("torch")
+    from backends.base import Backend
+    B = backends.get("torch", dtype=dtype)
+    models = [CapsNet(B, **SMALL) for _ in range(2)]
+    opts = [optim.Adam(m, lr=1e-2) for m in models]
+    type(B).adam, fused = Backend.adam, type(B).adam          # the second model's steps: Backend's form
+    rng = np.random.default_rng(0)
+    try:
+        for step in range(4):
+            grads = {k: rng.standard_normal(tuple(g.shape)) for k, g in models[0].grads.items()}
+            for k, (model, opt) in enumerate(zip(models, opts)):
+                type(B).adam = fused if k == 0 else Backend.adam
+                for name, g in grads.items():
+                    model.grads[name][...] = B.asarray(g)
+                opt.apply() if step == 0 else opt.step()
+    finally:
+        type(B).adam = fused
+    start = CapsNet(B, **SMALL).state_dict()
+    for k in models[0].params:
+        a, b = (B.to_numpy(m.params[k]) for m in models)
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=k)
+        np.testing.assert_allclose(B.to_numpy(opts[0].state["v"][k]), B.to_numpy(opts[1].state["v"][k]), rtol=tol, atol=tol)
+        assert not np.array_equal(a, start[k]), k
 
 
 def test_adam_keeps_its_moments_between_steps():
