@@ -46,10 +46,10 @@ the autograd reference's.  Larger inputs have many more frequencies (a 64 x 64 i
 of V); then forward keeps the kernel grid ws (as large as W) instead, and backward makes V again,
 chunk by chunk.  ``keep_spectrum_mb = 0`` always does that.
 The weight-gradient spectrum dV is made ``channel_block`` phase channels at a time (fewer on large
-inputs, to stay within ``weight_grad_mb``) for all frequencies, transposed (dV_r^T and dV_i^T from
-one product per frequency, ``_weight_grad``), and turned back into dW at once (dws = Fw^T dV sums
-over all 52 frequencies and both parts in one product), so neither it nor a running sum over
-frequency chunks ever exists in full.
+inputs, to stay within ``weight_grad_mb``, and at small batches, to stay within X's size) for all
+frequencies, transposed (dV_r^T and dV_i^T from one product per frequency, ``_weight_grad``), and
+turned back into dW at once (dws = Fw^T dV sums over all 52 frequencies and both parts in one
+product), so neither it nor a running sum over frequency chunks ever exists in full.
 
 When it does not pay.  The kernel is transformed once per step whatever the batch (three passes
 over 5x W), so at small batches the transforms outweigh the saved products: for PrimaryCaps on
@@ -147,7 +147,6 @@ class Plan:
     Fy: object         # (oh*ow, 2F) real part of the inverse DFT
     FwT: object        # (kq*kq, 2F) adjoint of the kernel's DFT
     chunks: list       # (frequency slice, its rows of the kernel's DFT) pairs
-    blocks: list       # slices of phase channels for the weight gradient
 
 
 class FourierConv2d(Conv2d):
@@ -166,7 +165,7 @@ class FourierConv2d(Conv2d):
     def _plan(self, h, w):
         """Geometry and transforms for an (h, w) input, made once per input size."""
         itemsize = np.dtype(self.B.dtype).itemsize
-        key = (h, w, self.freq_chunk, self.channel_block, self.weight_grad_mb, itemsize)
+        key = (h, w, self.freq_chunk, itemsize)
         if key not in self._plans:
             p, s = self.padding, self.stride
             oh, ow, kq, n_h, n_w = phase_grid(h, w, self.k, s, p)
@@ -174,23 +173,24 @@ class FourierConv2d(Conv2d):
             F = Fx.shape[0] // 2
             Fw_r, Fw_i = Fw[0::2], Fw[1::2]                                    # V_r = Fw_r ws, V_i = Fw_i ws
             chunks = [slice(a, min(a + self.freq_chunk, F)) for a in range(0, F, self.freq_chunk)]
-            c_phase = s * s * self.c_in
-            block = self.weight_grad_block(F, itemsize)
-            blocks = [slice(a, min(a + block, c_phase)) for a in range(0, c_phase, block)]
             # per chunk of frequencies, the real rows then the imaginary rows: one product per chunk
             # reads the kq^2 x C'C_out kernel grid once for both parts
             Fw_chunks = [self.B.asarray(np.concatenate([Fw_r[fs], Fw_i[fs]])) for fs in chunks]
             self._plans[key] = Plan(oh=oh, ow=ow, kq=kq, n_h=n_h, n_w=n_w, padded=(h + 2 * p, w + 2 * p),
                                     F=F, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy), FwT=self.B.asarray(Fw.T),
-                                    chunks=list(zip(chunks, Fw_chunks)), blocks=blocks)
+                                    chunks=list(zip(chunks, Fw_chunks)))
         return self._plans[key]
 
-    def weight_grad_block(self, n_freqs: int, itemsize: int) -> int:
+    def weight_grad_block(self, n_freqs: int, itemsize: int, batch: int) -> int:
         """Phase channels per block of the weight-gradient spectrum dV^T, (F, 2 C_out, block):
         ``channel_block``, or fewer where that would exceed ``weight_grad_mb`` (large images have
-        many frequencies: 6,272 at 224 x 224, where 256 channels would take 3.3 GB)."""
+        many frequencies: 6,272 at 224 x 224, where 256 channels would take 3.3 GB), and no more
+        than makes the block as large as the transformed input X, (F, 2N, C'): block <= N C'/C_out.
+        dV's size does not depend on the batch, so at small batches it would otherwise be the
+        step's largest temporary (at batch 16, 256 channels of PrimaryCaps' dV take 4x X)."""
         per_channel = n_freqs * 2 * self.c_out * itemsize
-        return max(1, min(self.channel_block, int(self.weight_grad_mb * 2**20) // per_channel))
+        as_large_as_X = batch * self.stride ** 2 * self.c_in // self.c_out
+        return max(1, min(self.channel_block, as_large_as_X, int(self.weight_grad_mb * 2**20) // per_channel))
 
     # ---- step 1: stride to channels, and back -----------------------------------------------------
     def _fit(self, x, rows, cols):
@@ -344,7 +344,9 @@ class FourierConv2d(Conv2d):
         M[:, 1, :, 1] = dY[:, 0]
         M[:, 1, :, 1] *= -1                                                    # in place: no temporary
         dYT = xp.matrix_transpose(xp.reshape(M, (F, 2 * n, 2 * self.c_out)))  # (F, 2 C_out, 2N)
-        for cs in g.blocks:
+        c_phase = X.shape[-1]
+        block = self.weight_grad_block(F, X.dtype.itemsize, n)
+        for cs in (slice(a, min(a + block, c_phase)) for a in range(0, c_phase, block)):
             dVT = xp.reshape(mm(dYT, X[:, :, cs]), (2 * F, -1))               # rows (f, re|im), cols (o, c')
             self._add_grid_to_kernel(mm(g.FwT, dVT), cs, g)
             del dVT  # before the next block's is made: the peak holds one block of dV

@@ -63,6 +63,19 @@ def test_fourier_conv_in_several_frequency_chunks_and_channel_blocks(backend, ge
              keep_spectrum=keep_spectrum)
 
 
+@pytest.mark.parametrize("batch,block", [(1, 4), (16, 64), (32, 128), (64, 256), (256, 256)])
+def test_weight_gradient_block_is_no_larger_than_the_transformed_input(batch, block):
+    """PrimaryCaps' shape (256 -> 256 channels, stride 2: C' = 1024 phase channels): dV's block
+    (F, 2 C_out, block) holds at most as many numbers as X (F, 2N, C'), so 4N channels, up to
+    channel_block (256); on a 224 x 224 input (6,272 frequencies) weight_grad_mb bounds it instead.
+    (At batch 3, the tests above already run several such blocks where C' > C_out.)"""
+    conv = FourierConv2d.__new__(FourierConv2d)  # the geometry alone: no 21 MB of weights
+    conv.c_in, conv.c_out, conv.stride = 256, 256, 2
+    assert conv.weight_grad_block(52, 4, batch) == block
+    assert conv.weight_grad_block(6272, 4, 256) == 256 * 2**20 // (6272 * 2 * 256 * 4)
+    assert conv.weight_grad_block(6272, 4, 2) == 8
+
+
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
 @pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS)
 def test_im2col_conv_in_bands_of_rows_equals_one_chunk(backend, geometry):
