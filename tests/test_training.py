@@ -47,7 +47,7 @@ def test_optimizer_matches_torch_optim(name, backend):
 
 
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 1e-6)])
-def test_torch_fused_adam_is_the_blockwise_update(dtype, tol):
+def test_torch_fused_adam_is_the_blockwise_update(dtype, tol, monkeypatch):
     """PyTorch's CPU runs Adam as its fused kernel (B.adam): the same weights and moments as
     optim.Adam's own update (Backend.adam) over several steps; an apply() before any prepare() moves
     no weight on either."""
@@ -56,18 +56,15 @@ def test_torch_fused_adam_is_the_blockwise_update(dtype, tol):
     B = backends.get("torch", dtype=dtype)
     models = [CapsNet(B, **SMALL) for _ in range(2)]
     opts = [optim.Adam(m, lr=1e-2) for m in models]
-    type(B).adam, fused = Backend.adam, type(B).adam          # the second model's steps: Backend's form
+    forms = (type(B).adam, Backend.adam)          # the first model's steps: the fused kernel; the second's: Backend's
     rng = np.random.default_rng(0)
-    try:
-        for step in range(4):
-            grads = {k: rng.standard_normal(tuple(g.shape)) for k, g in models[0].grads.items()}
-            for k, (model, opt) in enumerate(zip(models, opts)):
-                type(B).adam = fused if k == 0 else Backend.adam
-                for name, g in grads.items():
-                    model.grads[name][...] = B.asarray(g)
-                opt.apply() if step == 0 else opt.step()
-    finally:
-        type(B).adam = fused
+    for step in range(4):
+        grads = {k: rng.standard_normal(tuple(g.shape)) for k, g in models[0].grads.items()}
+        for model, opt, adam in zip(models, opts, forms):
+            monkeypatch.setattr(type(B), "adam", adam)
+            for name, g in grads.items():
+                model.grads[name][...] = B.asarray(g)
+            opt.apply() if step == 0 else opt.step()
     start = CapsNet(B, **SMALL).state_dict()
     for k in models[0].params:
         a, b = (B.to_numpy(m.params[k]) for m in models)
