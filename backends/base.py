@@ -60,6 +60,18 @@ def cpu_threads(most: int = 4) -> int:
     return max(1, min(most, asked or available))
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor as Linux names it ('AuthenticAMD', 'GenuineIntel'), or '' where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 class BackendError(RuntimeError):
     """A backend cannot be created: unknown name, missing library, missing device, bad dtype."""
 

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from .base import Backend, BackendError, cpu_threads, keep_freed_memory
+from .base import Backend, BackendError, cpu_threads, cpu_vendor, keep_freed_memory
 
 
 def is_torch_device(name: str) -> bool:
@@ -51,10 +51,29 @@ class TorchBackend(Backend):
             self.elementwise_block = 1 << 20  # as NumPy's: a block's temporaries stay in cache
             self.sample_block = 1 << 20       # EM routing's blocks of the batch, likewise
             keep_freed_memory()  # PyTorch's CPU allocator is glibc's malloc: same reasoning as NumPy
+            if _numpy_blas_is_faster():
+                from .numpy_backend import NumpyBackend
+
+                self._numpy = NumpyBackend(self.dtype)
         else:
             # A step is hundreds of small kernels: on a GPU, launching them costs more than running
             # them.  A CUDA graph launches them all at once (docs/performance.md, GPU).
             self.can_capture = True
+
+    # Matrix products.  PyTorch's CPU wheels multiply through MKL, which on AMD CPUs runs the step's
+    # skinny products (the Fourier transforms: inner dimension 25 or 100, hundreds of thousands of
+    # columns) and its batches of small ones (ClassCaps' û = W u) at half OpenBLAS's speed or less
+    # (docs/performance.md).  There the CPU backend hands them to NumPy's OpenBLAS: NumPy views the
+    # tensors' memory as it is (Tensor.numpy() copies nothing) and writes into a new tensor.
+    _numpy = None  # a NumpyBackend whose products run this backend's (None: PyTorch's own)
+
+    def matmul(self, a, b):
+        if self._numpy is None or a.ndim < 2 or b.ndim < 2:
+            return a @ b
+        lead = self.torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        out = a.new_empty((*lead, a.shape[-2], b.shape[-1]))
+        self._numpy.matmul(a.numpy(), b.numpy(), out=out.numpy())
+        return out
 
     @property
     def collective_backend(self):
@@ -253,6 +272,21 @@ class TorchBackend(Backend):
             self.torch.cuda.reset_peak_memory_stats(self._device)
         else:
             super().reset_peak_memory()
+
+
+def _numpy_blas_is_faster() -> bool:
+    """Whether this CPU backend's products go to NumPy's BLAS: ``PYCAPSNET_TORCH_CPU_MATMUL`` =
+    ``numpy`` or ``torch`` where set, else where NumPy's BLAS is OpenBLAS and the CPU is an AMD one
+    (where PyTorch's MKL is the slower of the two; on Intel CPUs MKL is PyTorch's own choice)."""
+    choice = os.environ.get("PYCAPSNET_TORCH_CPU_MATMUL", "").strip().lower()
+    if choice in ("numpy", "torch"):
+        return choice == "numpy"
+    if choice:
+        raise BackendError(f"PYCAPSNET_TORCH_CPU_MATMUL={choice!r}: use 'numpy' (NumPy's BLAS) or 'torch' "
+                           "(PyTorch's own), or unset it to choose by CPU")
+    from .numpy_backend import _blas_name
+
+    return cpu_vendor() == "AuthenticAMD" and "openblas" in _blas_name()
 
 
 def _per_parent(u_hat, order):

@@ -363,6 +363,49 @@ def test_numpy_matmul_leaves_large_products_to_blas(split_numpy):
     assert split_numpy.splits == []
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_torch_cpu_products_by_numpys_blas_equal_torchs(dtype, monkeypatch):
+    """The products that PyTorch's CPU backend hands to NumPy's BLAS (on AMD CPUs) on views of
+    the tensors' memory: plain, batched, broadcast, transposed and sliced operands, as the layers
+    pass them, give torch's own products and a new C-ordered tensor."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("PYCAPSNET_TORCH_CPU_MATMUL", "numpy")
+    B = backends.get("torch", dtype=dtype)
+    assert B._numpy is not None
+    rng = np.random.default_rng(0)
+    t = lambda *s: torch.as_tensor(rng.standard_normal(s)).to(getattr(torch, dtype))
+    X = t(5, 6, 9)
+    cases = [(t(7, 4), t(4, 300)),                              # a transform: skinny, wide
+             (t(6, 3, 4, 8), t(6, 3, 8, 5)),                    # û = u W, one product per (p, t)
+             (t(6, 3, 4, 8), t(1, 3, 8, 5)),                    # W broadcast over positions
+             (t(5, 6, 4).transpose(1, 2), X[:, :, 2:7]),        # a transposed left factor, a channel slice
+             (t(7, 4).T, t(7, 30))]
+    for a, b in cases:
+        out = B.matmul(a, b)
+        assert out.is_contiguous() and out.dtype == a.dtype
+        np.testing.assert_allclose(out.numpy(), (a @ b).numpy(), rtol=1e-12 if dtype == "float64" else 1e-5,
+                                   atol=1e-12 if dtype == "float64" else 1e-5)
+    v = t(4)
+    np.testing.assert_array_equal(B.matmul(t(3, 4), v).shape, (3,))  # a vector operand: torch's own
+
+
+def test_torch_cpu_products_choose_by_cpu_unless_told(monkeypatch):
+    pytest.importorskip("torch")
+    from backends import torch_backend
+
+    monkeypatch.delenv("PYCAPSNET_TORCH_CPU_MATMUL", raising=False)
+    monkeypatch.setattr(torch_backend, "cpu_vendor", lambda: "AuthenticAMD")
+    assert torch_backend._numpy_blas_is_faster() == ("openblas" in _blas_name())
+    monkeypatch.setattr(torch_backend, "cpu_vendor", lambda: "GenuineIntel")
+    assert not torch_backend._numpy_blas_is_faster()
+    for told, expected in (("numpy", True), ("torch", False), (" Torch ", False)):
+        monkeypatch.setenv("PYCAPSNET_TORCH_CPU_MATMUL", told)
+        assert torch_backend._numpy_blas_is_faster() is expected
+    monkeypatch.setenv("PYCAPSNET_TORCH_CPU_MATMUL", "mkl")
+    with pytest.raises(backends.BackendError, match="PYCAPSNET_TORCH_CPU_MATMUL='mkl': use 'numpy'"):
+        backends.get("torch")
+
+
 def _env_without_blas_timeout():
     """This environment without OPENBLAS_THREAD_TIMEOUT: a child process sets it itself, or not."""
     return {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}

@@ -34,9 +34,13 @@ def _compare(a, b, dtype):
         assert_close(a[k], b[k], RTOL[dtype], what=k)
 
 
+@pytest.mark.parametrize("products", ["torch", "numpy"], ids=["torch's products", "NumPy's BLAS"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("mode", ["full", "final"])
-def test_numpy_vs_torch(dtype, mode):
+def test_numpy_vs_torch(dtype, mode, products, monkeypatch):
+    """PyTorch's CPU backend with its products by PyTorch itself and by NumPy's BLAS (its choice
+    on AMD CPUs, backends/torch_backend.py): both, whatever this machine's CPU."""
+    monkeypatch.setenv("PYCAPSNET_TORCH_CPU_MATMUL", products)
     _compare(_run("torch", dtype, mode), _run("numpy", dtype, mode), dtype)
 
 
