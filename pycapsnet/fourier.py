@@ -37,9 +37,10 @@ Three steps, each a real linear map, so each backward is the transposed map:
    Stacking [X_r; X_i] as the rows of one matrix makes each a product of twice the height.
 
 The transformed weights V are 5x larger than W (52 complex frequencies x 4 phases against 81 taps:
-109 MB for PrimaryCaps on MNIST).  Forward makes them ``freq_chunk`` frequencies at a time and,
-when they take at most ``keep_spectrum_mb`` (128 MB by default), keeps them with the transformed
-input X for backward, which uses each chunk for dX and frees it.  That saves a third pass of the
+109 MB for PrimaryCaps on MNIST).  When they take at most ``keep_spectrum_mb`` (128 MB by default),
+forward makes them in one product (one read of the kernel grid) and keeps them with the transformed
+input X for backward, which uses them ``freq_chunk`` frequencies at a time for dX; otherwise
+forward makes them a chunk at a time.  That saves a third pass of the
 memory-bound kernel transform (~10% of a NumPy step).  The peak does not grow with it: backward
 frees X before making dX, and ClassCaps writes dû over û, so the step's peak stays below
 the autograd reference's.  Larger inputs have many more frequencies (a 64 x 64 input: 392, 822 MB
@@ -145,8 +146,9 @@ class Plan:
     F: int             # frequencies kept (half the spectrum)
     Fx: object         # (2F, n_h*n_w) DFT of the input grid
     Fy: object         # (oh*ow, 2F) real part of the inverse DFT
-    FwT: object        # (kq*kq, 2F) adjoint of the kernel's DFT
-    chunks: list       # (frequency slice, its rows of the kernel's DFT) pairs
+    Fw: object         # (2F, kq*kq) the kernel's DFT, per frequency chunk its real rows, then its imaginary rows
+    FwT: object        # (kq*kq, 2F) adjoint of the kernel's DFT (real and imaginary rows interleaved)
+    chunks: list       # frequency slices of freq_chunk frequencies; chunk fs is rows 2 fs.start:2 fs.stop of Fw
 
 
 class FourierConv2d(Conv2d):
@@ -174,11 +176,11 @@ class FourierConv2d(Conv2d):
             Fw_r, Fw_i = Fw[0::2], Fw[1::2]                                    # V_r = Fw_r ws, V_i = Fw_i ws
             chunks = [slice(a, min(a + self.freq_chunk, F)) for a in range(0, F, self.freq_chunk)]
             # per chunk of frequencies, the real rows then the imaginary rows: one product per chunk
-            # reads the kq^2 x C'C_out kernel grid once for both parts
-            Fw_chunks = [self.B.asarray(np.concatenate([Fw_r[fs], Fw_i[fs]])) for fs in chunks]
+            # reads the kq^2 x C'C_out kernel grid once for both parts (the whole Fw, once for all)
+            Fw_chunked = np.concatenate([np.concatenate([Fw_r[fs], Fw_i[fs]]) for fs in chunks])
+            a = self.B.asarray
             self._plans[key] = Plan(oh=oh, ow=ow, kq=kq, n_h=n_h, n_w=n_w, padded=(h + 2 * p, w + 2 * p),
-                                    F=F, Fx=self.B.asarray(Fx), Fy=self.B.asarray(Fy), FwT=self.B.asarray(Fw.T),
-                                    chunks=list(zip(chunks, Fw_chunks)))
+                                    F=F, Fx=a(Fx), Fy=a(Fy), Fw=a(Fw_chunked), FwT=a(Fw.T), chunks=chunks)
         return self._plans[key]
 
     def weight_grad_block(self, n_freqs: int, itemsize: int, batch: int) -> int:
@@ -257,9 +259,15 @@ class FourierConv2d(Conv2d):
             dW_phase = self.grads["W"][rh::s, rw::s, c]   # a view: += writes into grads["W"]
             dW_phase += xp.permute_dims(dwsT[:ta, :tb, :, at], (0, 1, 3, 2))
 
-    def _spectrum_of_kernel(self, ws, Fw, fs):
-        """V = V_r + i V_i for frequencies fs: V_r = V[0], V_i = V[1], (2, |fs|, C', C_out)."""
-        return self.B.xp.reshape(self.B.matmul(Fw, ws), (2, fs.stop - fs.start, -1, self.c_out))
+    def _spectra(self, ws, g, at_once):
+        """V = V_r + i V_i of each frequency chunk fs in turn: V_r = V[0], V_i = V[1], (2, |fs|, C',
+        C_out); from one product over all frequencies (``at_once``: V is kept whole anyway), or one
+        product per chunk (only a chunk of V exists at a time)."""
+        xp, mm = self.B.xp, self.B.matmul
+        V = mm(g.Fw, ws) if at_once else None                                  # (2F, C' C_out)
+        for fs in g.chunks:
+            rows = slice(2 * fs.start, 2 * fs.stop)
+            yield fs, xp.reshape(V[rows] if at_once else mm(g.Fw[rows], ws), (2, fs.stop - fs.start, -1, self.c_out))
 
     def keeps_spectrum(self, g, x) -> bool:
         """Whether forward keeps V for backward: when it takes at most ``keep_spectrum_mb`` MB (the
@@ -279,10 +287,9 @@ class FourierConv2d(Conv2d):
         Y = self.B.empty((F, 2, n, self.c_out), dtype=self.B.dtype_name(x))   # Y_r, Y_i per frequency
         keep = self.keeps_spectrum(g, x)
         kept = []
-        for fs, Fw in g.chunks:
-            V = self._spectrum_of_kernel(ws, Fw, fs)
+        for fs, V in self._spectra(ws, g, at_once=keep):
             if keep:
-                kept.append(V)
+                kept.append((fs, V))
             Vr, Vi = V
             XVr, XVi = mm(X[fs], Vr), mm(X[fs], Vi)       # [X_r V_r; X_i V_r], [X_r V_i; X_i V_i]
             Y[fs, 0] = XVr[:, :n] - XVi[:, n:]             # Y_r = X_r V_r - X_i V_i
@@ -310,12 +317,10 @@ class FourierConv2d(Conv2d):
         del X  # its last use: free it before dX, as large, is made
         dX = self.B.empty((F, 2, n, c_phase), dtype=dtype)
         dY_ri = xp.reshape(dY, (F, 2 * n, self.c_out))                        # [dY_r; dY_i]
-        for k, (fs, Fw) in enumerate(g.chunks):
+        spectra = enumerate(kept) if kept else enumerate(self._spectra(ws, g, at_once=False))  # else made again
+        for k, (fs, (Vr, Vi)) in spectra:
             if kept:
-                Vr, Vi = kept[k]
-                kept[k] = None  # each chunk of V is freed once used
-            else:
-                Vr, Vi = self._spectrum_of_kernel(ws, Fw, fs)  # made again (V too large to keep)
+                kept[k] = None  # V is freed once its last chunk is used
             dYVr = mm(dY_ri[fs], xp.matrix_transpose(Vr))                     # [dY_r V_r^T; dY_i V_r^T]
             dYVi = mm(dY_ri[fs], xp.matrix_transpose(Vi))                     # [dY_r V_i^T; dY_i V_i^T]
             dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                              # dX_r = dY_r V_r^T + dY_i V_i^T

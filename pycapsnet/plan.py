@@ -193,7 +193,8 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
         state += consts
         L.touch(2 * min(1024, F) * grid * 8, "primary transforms (first step)")   # float64 angles, by blocks
         fwd = max((x_grid if fit else 0) + 2 * x_grid,      # the fitted input, xs and X
-                  x_grid + kept_kernel + Y + chunk_V + 2 * min(fw.freq_chunk, F) * 2 * n * caps * b,
+                  # V kept: made whole (kept_kernel); else a chunk of it at a time
+                  x_grid + kept_kernel + Y + (0 if keep_V else chunk_V) + 2 * min(fw.freq_chunk, F) * 2 * n * caps * b,
                   x_grid + kept_kernel + Y + 2 * out)       # y = Fy Y, then with the bias
         kept_conv = x_grid + kept_kernel                    # X, and V or ws
         dY = 2 * F * n * caps * b
