@@ -35,11 +35,26 @@ from pycapsnet.argtypes import positive_int, writable_file
 
 
 def cpu_model() -> str:
+    """The CPU's name with its family, model and widest vector unit, e.g. "AMD EPYC (family 25 model
+    17, AVX-512)": a virtual machine often names only the brand, and two machines named alike can
+    differ in what decides the benchmarks (AVX-512 or not, and so which BLAS kernels run)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            info = {}
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip() and info:
+                    break  # the first processor's entry is enough
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
         return platform.processor() or "unknown CPU"
+    name = info.get("model name") or platform.processor() or "unknown CPU"
+    flags = info.get("flags", "").split()
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    detail = [f"family {info['cpu family']} model {info['model']}" if "cpu family" in info and "model" in info else None,
+              vector]
+    detail = ", ".join(d for d in detail if d)
+    return f"{name} ({detail})" if detail else name
 
 
 def _gpu_name(B):
