@@ -49,7 +49,10 @@ class TorchBackend(Backend):
             # col2im's strided adds are memory-bound and run best split over the batch
             self.threads = cpu_threads()
             self.elementwise_block = 1 << 20  # as NumPy's: a block's temporaries stay in cache
-            self.sample_block = 1 << 20       # EM routing's blocks of the batch, likewise
+            # routing's blocks of the batch (dynamic and EM): four times NumPy's.  PyTorch runs the
+            # blocks one after another (split_batch), each op on all threads with a fixed cost per
+            # call, so fewer, larger blocks pay (docs/performance.md)
+            self.sample_block = 1 << 22
             keep_freed_memory()  # PyTorch's CPU allocator is glibc's malloc: same reasoning as NumPy
             if _numpy_blas_is_faster():
                 from .numpy_backend import NumpyBackend
