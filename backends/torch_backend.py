@@ -65,9 +65,10 @@ class TorchBackend(Backend):
 
     # Matrix products.  PyTorch's CPU wheels multiply through MKL, which on AMD CPUs runs the step's
     # skinny products (the Fourier transforms: inner dimension 25 or 100, hundreds of thousands of
-    # columns) and its batches of small ones (ClassCaps' û = W u) at half OpenBLAS's speed or less
-    # (docs/performance.md).  There the CPU backend hands them to NumPy's OpenBLAS: NumPy views the
-    # tensors' memory as it is (Tensor.numpy() copies nothing) and writes into a new tensor.
+    # columns) and its batches of small ones (ClassCaps' û = W u, routing's products) at half
+    # OpenBLAS's speed or less (docs/performance.md).  There the CPU backend hands them, and the
+    # three routing products, to NumPy: NumPy views the tensors' memory as it is (Tensor.numpy()
+    # copies nothing) and writes into a new tensor (or the one given).
     _numpy = None  # a NumpyBackend whose products run this backend's (None: PyTorch's own)
 
     def matmul(self, a, b):
@@ -133,19 +134,28 @@ class TorchBackend(Backend):
     def weighted_sum(self, c, u_hat):
         if self._device.type != "cpu":
             return super().weighted_sum(c, u_hat)
+        if self._numpy is not None:  # NumPy's batched products on views, split over its threads
+            return self.torch.from_numpy(self._numpy.weighted_sum(c.numpy(), u_hat.numpy()))
         i, n, j, d = u_hat.shape
         return self.torch.bmm(c.reshape(n * j, 1, i), _per_parent(u_hat, (1, 0, 2))).reshape(n, j, d)
 
     def agreement(self, u_hat, v):
         if self._device.type != "cpu":
             return super().agreement(u_hat, v)
+        if self._numpy is not None:
+            return self.torch.from_numpy(self._numpy.agreement(u_hat.numpy(), v.numpy()))
         i, n, j, d = u_hat.shape
         return self.torch.bmm(v.reshape(n * j, 1, d), _per_parent(u_hat, (1, 2, 0))).reshape(n, j, i)
 
     def outer_sum(self, coeffs, vecs, out=None):
         """Backend.outer_sum accumulated in place, one multiply-add (addcmul_) per term, into a
         C-ordered result (a product of permuted views would follow their memory order instead) or
-        into ``out``."""
+        into ``out``.  With NumPy's BLAS (``_numpy``), NumPy's form: one batched product per (n, j)."""
+        if self._numpy is not None:
+            du = self._numpy.outer_sum([c.numpy() for c in coeffs], [v.numpy() for v in vecs],
+                                       out=None if out is None else out.numpy())
+            return self.torch.from_numpy(du) if out is None else out
+
         def term(c, v):  # c_ij (N, J, I) and v_j (N, J, D) as broadcastable (I, N, J, 1), (1, N, J, D)
             return c.permute(2, 0, 1)[..., None], v[None]
 

@@ -102,6 +102,18 @@ ROUTING_PRODUCTS = {
 }
 
 
+# PyTorch's CPU backend with its routing products by PyTorch and by NumPy's BLAS (its choice on AMD
+# CPUs, backends/torch_backend.py), both on every machine
+TORCH_BOTH = [pytest.param("torch", id="torch"), pytest.param("torch+numpy-blas", id="torch, NumPy's BLAS")]
+
+
+def _routing_backend(backend, monkeypatch):
+    if backend.startswith("torch") and ":" not in backend:
+        monkeypatch.setenv("PYCAPSNET_TORCH_CPU_MATMUL", "numpy" if backend.endswith("numpy-blas") else "torch")
+        backend = "torch"
+    return backends.get("numpy" if backend == "default" else backend, dtype="float64")
+
+
 def routing_product(B, name, a, b, fn=None):
     """B.<name> (or ``fn(B, ...)``, e.g. Backend's own form) on host operands; outer_sum takes its
     stacked operands as lists."""
@@ -111,13 +123,13 @@ def routing_product(B, name, a, b, fn=None):
 
 
 @pytest.mark.parametrize("name", ROUTING_PRODUCTS)
-@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
-def test_routing_products_equal_their_einsum_in_c_order(backend, name):
+@pytest.mark.parametrize("backend", ["numpy"] + TORCH_BOTH + GPU_BACKENDS + ["default"])
+def test_routing_products_equal_their_einsum_in_c_order(backend, name, monkeypatch):
     # "default": Backend's plain broadcast form, which a backend inherits unless it overrides it.
     # C order: the layers reshape these results (dû -> (P, T, N, J*D)); a result in another memory
     # order makes each reshape a full copy, and the next matmul leave BLAS.
     from backends.base import Backend
-    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
+    B = _routing_backend(backend, monkeypatch)
     subscripts, shapes = ROUTING_PRODUCTS[name]
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal(s) for s in shapes)
@@ -127,12 +139,12 @@ def test_routing_products_equal_their_einsum_in_c_order(backend, name):
     assert contiguous, name
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
-def test_outer_sum_writes_into_a_block_of_u_hat(backend):
+@pytest.mark.parametrize("backend", ["numpy"] + TORCH_BOTH + GPU_BACKENDS + ["default"])
+def test_outer_sum_writes_into_a_block_of_u_hat(backend, monkeypatch):
     """outer_sum(..., out=): ClassCaps writes each block's dû over that block of û, a strided view
     (I, n, J, D) of the (I, N, J, D) array; the samples outside the block stay as they were."""
     from backends.base import Backend
-    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
+    B = _routing_backend(backend, monkeypatch)
     outer_sum = (lambda *a, **k: Backend.outer_sum(B, *a, **k)) if backend == "default" else B.outer_sum
     rng = np.random.default_rng(0)
     coeffs, vecs = rng.standard_normal((3, 2, 4, 5)), rng.standard_normal((3, 2, 4, 6))  # (Q, n, J, I), (Q, n, J, D)
