@@ -60,16 +60,25 @@ def cpu_threads(most: int = 4) -> int:
     return max(1, min(most, asked or available))
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor as Linux names it ('AuthenticAMD', 'GenuineIntel'), or '' where unknown."""
+def cpu_info() -> dict:
+    """The first processor's fields in Linux's /proc/cpuinfo ('vendor_id', 'model name', 'cpu
+    family', 'model', 'flags', ...), or {} where there is none."""
+    info = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if not key.strip() and info:
+                    break  # a blank line ends the first processor's entry
+                info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return ""
+    return info
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as Linux names it ('AuthenticAMD', 'GenuineIntel'), or '' where unknown."""
+    return cpu_info().get("vendor_id", "")
 
 
 class BackendError(RuntimeError):

@@ -31,6 +31,7 @@ import time
 import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
 import numpy as np
 
+from backends.base import cpu_info
 from pycapsnet.argtypes import positive_int, writable_file
 
 
@@ -38,16 +39,7 @@ def cpu_model() -> str:
     """The CPU's name with its family, model and widest vector unit, e.g. "AMD EPYC (family 25 model
     17, AVX-512)": a virtual machine often names only the brand, and two machines named alike can
     differ in what decides the benchmarks (AVX-512 or not, and so which BLAS kernels run)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = {}
-            for line in f:
-                key, _, value = line.partition(":")
-                if not key.strip() and info:
-                    break  # the first processor's entry is enough
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or "unknown CPU"
+    info = cpu_info()
     name = info.get("model name") or platform.processor() or "unknown CPU"
     flags = info.get("flags", "").split()
     vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
