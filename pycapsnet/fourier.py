@@ -317,15 +317,13 @@ class FourierConv2d(Conv2d):
         del X  # its last use: free it before dX, as large, is made
         dX = self.B.empty((F, 2, n, c_phase), dtype=dtype)
         dY_ri = xp.reshape(dY, (F, 2 * n, self.c_out))                        # [dY_r; dY_i]
-        spectra = enumerate(kept) if kept else enumerate(self._spectra(ws, g, at_once=False))  # else made again
-        for k, (fs, (Vr, Vi)) in spectra:
-            if kept:
-                kept[k] = None  # V is freed once its last chunk is used
+        for fs, (Vr, Vi) in kept or self._spectra(ws, g, at_once=False):       # V kept, or made again
             dYVr = mm(dY_ri[fs], xp.matrix_transpose(Vr))                     # [dY_r V_r^T; dY_i V_r^T]
             dYVi = mm(dY_ri[fs], xp.matrix_transpose(Vi))                     # [dY_r V_i^T; dY_i V_i^T]
             dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                              # dX_r = dY_r V_r^T + dY_i V_i^T
             dX[fs, 1] = dYVr[:, n:] - dYVi[:, :n]                              # dX_i = dY_i V_r^T - dY_r V_i^T
             del Vr, Vi, dYVr, dYVi  # before the next chunk's are made
+        del kept  # V, if kept, is freed before the transform below makes a result as large as dX
         dX = mm(xp.matrix_transpose(g.Fx), xp.reshape(dX, (2 * F, -1)))   # (n_h*n_w, N*C'); frees the spectrum
         return self._grid_to_input(dX, n, h, w, g)
 
