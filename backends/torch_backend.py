@@ -74,7 +74,8 @@ class TorchBackend(Backend):
     def matmul(self, a, b):
         if self._numpy is None or a.ndim < 2 or b.ndim < 2:
             return a @ b
-        lead = self.torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        # NumPy's: torch.broadcast_shapes imports sympy on first use (hundreds of modules, tens of MB)
+        lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         out = a.new_empty((*lead, a.shape[-2], b.shape[-1]))
         self._numpy.matmul(a.numpy(), b.numpy(), out=out.numpy())
         return out

@@ -19,6 +19,27 @@ def test_import_pycapsnet_imports_neither_cupy_nor_torch():
     assert out.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.parametrize("products", ["numpy", "torch"])
+def test_a_train_step_imports_no_module(products):
+    """What a step imports lazily counts in its time and its peak memory: torch.broadcast_shapes,
+    once in the torch backend's products, imported sympy (some 500 modules, 34 MB) on first use.
+    In a fresh process (the tests themselves import such modules), every routing and CPU backend;
+    ``products``: whose BLAS the torch backend's products run on (PYCAPSNET_TORCH_CPU_MATMUL)."""
+    pytest.importorskip("torch")
+    code = ("import sys, numpy as np, pycapsnet, pycapsnet.optim\n"
+            "for routing in ('dynamic', 'em', 'attention'):\n"
+            "    for name in ('numpy', 'torch'):\n"
+            "        model = pycapsnet.CapsNet(name, routing=routing); opt = pycapsnet.optim.Adam(model)\n"
+            "        x, y = np.random.default_rng(0).random((2, 1, 28, 28)), np.array([1, 3])\n"
+            "        before = set(sys.modules)\n"
+            "        model.train_step_grads(x, y); opt.step()\n"
+            "        print(routing, name, sorted(set(sys.modules) - before)[:5])\n")
+    env = {**os.environ, "PYCAPSNET_TORCH_CPU_MATMUL": products}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 6 and all(line.endswith(" []") for line in lines), out.stdout
+
+
 def test_unknown_backend_names_the_choices():
     with pytest.raises(BackendError, match="unknown backend 'jax'.*numpy, cupy, torch"):
         backends.get("jax")
