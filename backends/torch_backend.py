@@ -80,6 +80,17 @@ class TorchBackend(Backend):
         self._numpy.matmul(a.numpy(), b.numpy(), out=out.numpy())
         return out
 
+    # With NumPy's products, ClassCaps' û is stored sample-major as in the NumPy backend (see
+    # NumpyBackend.predictions): each block of samples that routing runs on is then one contiguous
+    # piece, read in place, instead of a copy of the block in forward and again in backward.
+    def predictions(self, ut, W_t):
+        if self._numpy is None:
+            return super().predictions(ut, W_t)
+        return self.torch.from_numpy(self._numpy.predictions(ut.numpy(), W_t.numpy()))  # (P, T, N, J*D), a view
+
+    def route_block(self, u_hat, sl):
+        return super().route_block(u_hat, sl) if self._numpy is None else u_hat[:, sl]
+
     @property
     def collective_backend(self):
         return "nccl" if self._device.type == "cuda" else "gloo"

@@ -180,15 +180,17 @@ def test_outer_sum_writes_into_a_block_of_u_hat(backend, monkeypatch):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shared", [False, True], ids=["per position", "shared over positions"])
-@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
-def test_predictions_and_their_blocks_are_u_hat(backend, shared, threads):
+@pytest.mark.parametrize("backend", ["numpy"] + TORCH_BOTH + GPU_BACKENDS + ["default"])
+def test_predictions_and_their_blocks_are_u_hat(backend, shared, threads, monkeypatch):
     """B.predictions is û = W u (P*T products, W broadcast over positions when shared), whatever
-    layout the backend stores it in; B.route_block gives a block of its samples.  On NumPy û is
-    sample-major, so a block is read in place (no copy), and the products are split over threads
-    (forced here for small shapes)."""
+    layout the backend stores it in; B.route_block gives a block of its samples.  On NumPy, and on
+    PyTorch with NumPy's BLAS, û is sample-major, so a block is read in place (no copy), and the
+    products are split over threads (forced here for small shapes)."""
     from backends.base import Backend
-    B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
-    B.threads, B.parallel_min_elements = threads, 0
+    B = _routing_backend(backend, monkeypatch)
+    numpy_products = B if backend == "numpy" else getattr(B, "_numpy", None)
+    if numpy_products is not None:
+        numpy_products.threads, numpy_products.parallel_min_elements = threads, 0
     ops = (Backend.predictions, Backend.route_block) if backend == "default" else (None, None)
     predictions = (lambda *a: ops[0](B, *a)) if ops[0] else B.predictions
     route_block = (lambda *a: ops[1](B, *a)) if ops[1] else B.route_block
@@ -201,8 +203,10 @@ def test_predictions_and_their_blocks_are_u_hat(backend, shared, threads):
     u_hat = B.xp.reshape(u_hat, (P * T, N, J, D))                            # as ClassCaps hands it on
     block = route_block(u_hat, slice(2, 5))
     np.testing.assert_allclose(B.to_numpy(block), expected.reshape(P * T, N, J, D)[:, 2:5], rtol=1e-12, atol=1e-12)
-    if backend == "numpy":
-        assert np.shares_memory(block, u_hat) and block.transpose(1, 0, 2, 3).flags["C_CONTIGUOUS"]
+    if numpy_products is not None:  # a view of û, one contiguous piece of memory
+        as_numpy = (lambda a: a) if backend == "numpy" else (lambda a: a.numpy())
+        assert np.shares_memory(as_numpy(block), as_numpy(u_hat))
+        assert as_numpy(block).transpose(1, 0, 2, 3).flags["C_CONTIGUOUS"]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
