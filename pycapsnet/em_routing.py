@@ -56,8 +56,11 @@ MODES = ("full", "final")
 
 
 def log_sigmoid(xp, z):
-    """ln sigmoid(z) = -ln(1 + e^-z) = min(z, 0) - ln(1 + e^-|z|): finite where sigmoid(z) rounds to 0."""
-    return xp.minimum(z, 0) - xp.log1p(xp.exp(-xp.abs(z)))
+    """ln sigmoid(z) = -ln(1 + e^-z) = min(z, 0) - ln(1 + e^-|z|): finite where sigmoid(z) rounds to 0.
+
+    min(z, 0) is written (z - |z|) / 2, which is exact: xp.minimum(z, 0) makes a host tensor of the 0
+    on torch, which a CUDA graph cannot record."""
+    return (z - xp.abs(z)) / 2 - xp.log1p(xp.exp(-xp.abs(z)))
 
 
 class Identity:

@@ -174,6 +174,21 @@ CASES = ["zero activations", "identical votes", "a single child", "very large po
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS)
+def test_log_sigmoid_is_exact_and_finite(backend, dtype):
+    """ln sigmoid(z) against -ln(1 + e^-z) computed by NumPy in float64 (logaddexp), across the range
+    where sigmoid(z) rounds to 0 or 1."""
+    from pycapsnet.em_routing import log_sigmoid
+
+    B = backends.get(backend, dtype=dtype)
+    z = np.concatenate([-np.logspace(4, -6, 41), [0.0], np.logspace(-6, 4, 41)])
+    got = B.to_numpy(log_sigmoid(B.xp, B.asarray(z)))
+    expected = -np.logaddexp(0.0, -z.astype(dtype).astype(np.float64))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, expected, rtol={"float32": 1e-6, "float64": 1e-14}[dtype], atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", ["full", "final"])
 def test_em_routing_stays_finite(dtype, case, mode):
