@@ -47,8 +47,8 @@ if want tests; then
     run tests_gpu 300 8 python -m pytest -q -rs -k "cupy or cuda" tests
 fi
 if want gradcheck; then
-    run gradcheck_cupy 120 12 python -m pycapsnet.cli gradcheck --backend cupy --dtype float64
-    run gradcheck_torch_cuda 120 12 python -m pycapsnet.cli gradcheck --backend torch:cuda --dtype float64
+    run gradcheck_cupy 300 12 python -m pycapsnet.cli gradcheck --backend cupy --dtype float64
+    run gradcheck_torch_cuda 300 12 python -m pycapsnet.cli gradcheck --backend torch:cuda --dtype float64
 fi
 if want crosscheck; then
     run crosscheck_numpy_cupy 120 6 python -m pycapsnet.cli crosscheck --a numpy --b cupy --dtype float32
