@@ -46,9 +46,17 @@ def float_dtype_name(dtype) -> str | None:
 
 
 def cpu_threads(most: int = 4) -> int:
-    """Host threads a CPU backend splits its memory-bound work over: the cores this process may use,
-    or OMP_NUM_THREADS where it is set (torchrun sets it to 1 for each of its processes), at most
-    ``most``."""
+    """Host threads a CPU backend splits its memory-bound work over: ``PYCAPSNET_THREADS`` where it
+    is set (any count), else the cores this process may use, or OMP_NUM_THREADS where it is set
+    (torchrun sets it to 1 for each of its processes), at most ``most``.  The cap was chosen on
+    2-core machines and is not yet measured against on larger ones: PYCAPSNET_THREADS is the knob
+    for that (``benchmarks/bench.py --threads``)."""
+    own = os.environ.get("PYCAPSNET_THREADS", "").strip()
+    if own:
+        if not own.isdigit() or int(own) < 1:
+            raise BackendError(f"PYCAPSNET_THREADS={own!r}: give a whole number of threads, 1 or more "
+                               "(or unset it to use the cores this process may use, at most 4)")
+        return int(own)
     try:
         available = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -110,10 +110,26 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
         peak = mem_fn()
     t_eval, _ = _median_time(evaluate, 1, steps, sync)
     return {"impl": impl, "label": made["label"], "batch": batch, "dtype": dtype, "input_size": input_size,
-            "params": int(made["n_params"]), "train_step_s": t_train, "train_samples_per_s": batch / t_train,
+            "threads": _threads(made.get("backend")), "params": int(made["n_params"]), "train_step_s": t_train, "train_samples_per_s": batch / t_train,
             "train_step_all_s": all_train, "eval_samples_per_s": batch / t_eval,
             "peak_train_mem_mb": peak / 2**20, "routing_iters": made["routing_iters"],
             "share_spatial": bool(cfg.get("share_spatial", False)), "compile_s": made.get("compile_s")}
+
+
+def _threads(B):
+    """The thread counts a measurement ran with: pycapsnet's own host threads (the backend's
+    split_batch and over_blocks; None for the reference), PyTorch's intra-op threads where torch is
+    loaded, and each BLAS library's where threadpoolctl is installed."""
+    out = {"pycapsnet": getattr(B, "threads", None) if B is not None and B.device == "cpu" else None}
+    if "torch" in sys.modules:
+        out["torch"] = sys.modules["torch"].get_num_threads()
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return out
+    out["blas"] = {f"{i['internal_api']} ({os.path.basename(i['filepath'])})": i["num_threads"]
+                   for i in threadpool_info() if i.get("user_api") == "blas"}
+    return out
 
 
 def _reference_step(impl, batch, dtype, cfg, x, y):
@@ -221,6 +237,7 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     return {"train": train, "evaluate": evaluate, "mem0": mem0, "sync": B.synchronize,
             "routing_iters": model.config.routing_iters,
             "label": B.label.replace(f"/{dtype}", "") + (recorded if graph else ", op by op" if mode else ""),
+            "backend": B,
             "mem_fn": (lambda: B.memory()["peak"]) if on_gpu else None,
             "reset": (lambda: None) if graph and on_gpu else B.reset_peak_memory if on_gpu else reset_process_peak,
             "n_params": model.n_params()}
@@ -480,6 +497,10 @@ def parser():
                         "implementation of the same network (pycapsnet/reference.py)")
     p.add_argument("--routing-iters", type=positive_int, default=None,
                    help="routing iterations (default: the network's own; EM's is 2, the paper's 3)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="host threads the numpy and torch backends split their memory-bound work over "
+                        "(sets PYCAPSNET_THREADS for every run; default: the cores this process may use, "
+                        "at most 4); PyTorch's and the BLAS's own threads are left as they are")
     p.add_argument("--json", type=writable_file, default=None,
                    help="where the results go (default: benchmarks/results.json, the README's; "
                         "benchmarks/results-ROUTING.json for --routing em or attention)")
@@ -492,6 +513,8 @@ def main(argv=None):
     if args.worker:
         _run_worker(args.worker)
         return 0
+    if args.threads is not None:
+        os.environ["PYCAPSNET_THREADS"] = str(args.threads)  # the workers inherit it
     args.config = dict(QUICK) if args.quick else {}
     args.config["primary_conv"] = args.primary_conv
     if args.routing != "dynamic":
@@ -515,18 +538,23 @@ def main(argv=None):
                            "platform": platform.platform(), "processor": platform.processor(),
                            "cpus": os.cpu_count(), "python": platform.python_version(),
                            # set by `import backends` (through pycapsnet.cli above); the workers inherit it
-                           "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT")},
+                           "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+                           "PYCAPSNET_THREADS": os.environ.get("PYCAPSNET_THREADS"),
+                           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
                "settings": {k: v for k, v in vars(args).items() if k != "worker"}, "main": [], "floor": {}}
     runs = {impl: [] for impl in impls}
     for k in range(args.rounds):
         for impl in impls:
             print(f"measuring {impl} (round {k + 1} of {args.rounds}) ...", file=sys.stderr, flush=True)
             runs[impl].append(_spawn("step", impl, args))
+        # what is measured so far, in case the run is stopped (a time limit): "complete" says
+        _save(args.json, dict(results, complete=False, rounds_so_far={i: r for i, r in runs.items() if r}))
     for impl in impls:
         print(f"measuring {impl}: memory, GEMM floor ...", file=sys.stderr, flush=True)
         results["main"].append(_measure(impl, args, speed=_median_run(runs[impl])))
         # the GEMM floor models dynamic routing's products (step_products); none for the other networks
         results["floor"][impl] = _spawn("floor", impl, args) if args.routing == "dynamic" else {}
+        _save(args.json, dict(results, complete=False, rounds_so_far=runs))
     ref, compiled = (next((r for r in results["main"] if r["impl"].split(":")[0] == name and "error" not in r), None)
                      for name in ("autograd", COMPILED))
     rows = [table_row(r, ref, results["floor"].get(r["impl"], {}), args, compiled) for r in results["main"]]
@@ -535,16 +563,34 @@ def main(argv=None):
     print(f"\n{machine['gpu'] + ', ' if machine['gpu'] else ''}{machine['cpu']} ({machine['cpus']} CPUs)")
     print(f"{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up,"
           f" median of {args.rounds} rounds (ratio range in brackets); hand-written PrimaryCaps: {args.primary_conv}")
+    threads = {r["impl"]: r["threads"] for r in results["main"] if r.get("threads")}
+    if threads:
+        print("threads: " + "; ".join(f"{impl}: {_threads_text(t)}" for impl, t in threads.items()))
     print(format_table(rows, ["implementation", "train samples/s", "60k epoch s", "eval samples/s", "peak train MB",
                             "train vs autograd", "train vs compiled", "compile s", "memory vs autograd",
                             "GEMM floor s", "step / floor", "own products s", "step / own"]))
 
     if args.scaling:
         results["scaling"] = scaling(args)
-    with open(args.json, "w") as f:  # --json's directory was made and tried when the command line was read
-        json.dump(results, f, indent=1)
+    _save(args.json, dict(results, complete=True))
     print(f"\nJSON: {args.json}")
     return 0
+
+
+def _threads_text(t):
+    parts = [f"pycapsnet {t['pycapsnet']}"] if t.get("pycapsnet") else []
+    parts += [f"torch {t['torch']}"] if "torch" in t else []
+    parts += [f"{name} {n}" for name, n in t.get("blas", {}).items()]
+    return ", ".join(parts) or "-"
+
+
+def _save(path, results):
+    """Write the JSON whole or not at all (a temporary file renamed over it), so that a run stopped
+    part-way leaves the last phase's results readable."""
+    tmp = f"{path}.part"
+    with open(tmp, "w") as f:  # --json's directory was made and tried when the command line was read
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
 
 
 def scaling(args):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything this project checks on a CUDA GPU, in one run (about 9 minutes on an H100):
+# Everything this project checks on a CUDA GPU machine (on an H100: tests 1 min, gradcheck 5,
+# crosscheck 2, bench 12, profile 1, train 1, cpu 8; give a 10-minute slot one or two parts):
 #
 #     bash benchmarks/gpu_check.sh [OUTDIR [PART ...]]     # OUTDIR default: gpu-results; all parts
 #
@@ -10,9 +11,17 @@
 #  crosscheck  NumPy vs CuPy and torch CPU vs CUDA on the paper architecture, float32, and each
 #              GPU's float32 against the CPU's float64
 #  bench       CuPy and torch:cuda (hand-written; each as a CUDA graph and op by op) against PyTorch
-#              autograd on the same GPU, batch 64 and 256, each also as a picture
+#              autograd on the same GPU, eager and under torch.compile, batch 64 and 256, each also
+#              as a picture (the JSON is written after every phase: a stopped run keeps its rounds)
 #  profile     where a step's time goes, op by op (benchmarks/profile_step.py)
 #  train       two epochs per GPU backend on the embedded digits
+#  cpu         the machine's host CPU: numpy and torch against autograd at batch 64, with
+#              pycapsnet's default host threads and with one per core, and the step's profile
+#              (products and the rest, per layer) for 4, 8 and one thread per core
+#
+# Without internet, install the wheels of array_api_compat and mlxtend first (pip install -e .
+# fetches them where it can): pip install --no-deps --target /tmp/site WHEELS, and put /tmp/site
+# on PYTHONPATH.
 #
 # Each command runs under its own time limit and the script goes on after a failure; the exit code
 # is the number of commands that failed.  Logs and the benchmark's JSON go to OUTDIR.
@@ -20,7 +29,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-gpu-results}
 shift || true
-parts=${*:-tests gradcheck crosscheck bench profile train}
+parts=${*:-tests gradcheck crosscheck bench profile train cpu}
 mkdir -p "$out"
 failed=0
 export PYTHONUNBUFFERED=1
@@ -58,10 +67,10 @@ if want crosscheck; then
     run crosscheck_cuda_f32_vs_cpu_f64 120 6 python -m pycapsnet.cli crosscheck --a torch:cpu --b torch:cuda --dtype-b float32
 fi
 if want bench; then
-    run bench_b64 300 15 python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda \
-        --warmup 5 --steps 30 --json "$out/bench_b64.json"
-    run bench_b256 240 15 python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda \
-        --batch-size 256 --warmup 5 --steps 20 --rounds 2 --json "$out/bench_b256.json"
+    run bench_b64 420 16 python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda \
+        --reference both --warmup 5 --steps 30 --rounds 2 --json "$out/bench_b64.json"
+    run bench_b256 420 16 python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda \
+        --reference both --batch-size 256 --warmup 5 --steps 20 --rounds 2 --json "$out/bench_b256.json"
     for b in b64 b256; do
         [ -f "$out/bench_$b.json" ] && run "plot_$b" 60 1 python benchmarks/plot_results.py "$out/bench_$b.json" \
             --out "$out/bench_$b.png"
@@ -75,6 +84,17 @@ if want train; then
     run train_torch_cuda 120 6 python train_torch.py --device cuda --epochs 2 --batch-size 64 \
         --out "$out/run_torch_cuda" --no-progress --overwrite
     run train_cupy 120 6 python train_cupy.py --epochs 2 --batch-size 64 --out "$out/run_cupy" --no-progress --overwrite
+fi
+if want cpu; then
+    cores=$(nproc)
+    run cpu_bench 300 8 python benchmarks/bench.py --backends numpy torch --rounds 2 --steps 8 --json "$out/cpu_b64.json"
+    run cpu_bench_threads_$cores 300 8 python benchmarks/bench.py --backends numpy torch --rounds 2 --steps 8 \
+        --threads "$cores" --json "$out/cpu_b64_threads_$cores.json"
+    for t in 4 8 "$cores"; do
+        for b in numpy torch; do
+            PYCAPSNET_THREADS=$t run "cpu_profile_${b}_threads_$t" 120 12 python benchmarks/profile_step.py --backend $b --steps 6
+        done
+    done
 fi
 echo "commands failed: $failed"
 exit "$failed"

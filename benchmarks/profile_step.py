@@ -4,12 +4,16 @@
     python benchmarks/profile_step.py --backend torch --batch-size 32
 
 Times are per step, averaged over --steps steps after 2 warm-up steps.  "rest" is the step minus the
-timed parts: the decoder, the losses, masking and the glue between layers.
+timed parts: the decoder, the losses, masking and the glue between layers.  "products" is the part of
+each spent in the backend's matrix products (B.matmul and B.predictions, û = W u, called from the
+step's own thread; products inside split_batch's blocks count as the rest of their layer), so "other" is the memory-bound work
+around them: copies, the routing passes, squash, Adam.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,19 +35,39 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2):
     x, y = train.x[idx], train.y[idx]
     model = CapsNet(B)
     opt = Adam(model)
-    spent = {}
+    spent, in_products = {}, {}
+    main_thread, products = threading.main_thread(), [0.0]  # seconds in B.matmul, on the step's thread
 
     def timed(obj, method, label):
         inner = getattr(obj, method)
 
         def wrapper(*args, **kwargs):
             B.synchronize()
-            t = time.perf_counter()
+            t, p = time.perf_counter(), products[0]
             out = inner(*args, **kwargs)
             B.synchronize()
             spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+            in_products[label] = in_products.get(label, 0.0) + products[0] - p
             return out
         setattr(obj, method, wrapper)
+
+    depth = [0]  # B.predictions may call B.matmul: count the outer call only
+
+    def timed_product(inner):
+        def product(*args, **kwargs):
+            if threading.current_thread() is not main_thread or depth[0]:
+                return inner(*args, **kwargs)
+            B.synchronize()
+            t, depth[0] = time.perf_counter(), 1
+            try:
+                out = inner(*args, **kwargs)
+                B.synchronize()
+            finally:
+                depth[0] = 0
+            products[0] += time.perf_counter() - t
+            return out
+        return product
+    B.matmul, B.predictions = timed_product(B.matmul), timed_product(B.predictions)
 
     parts = [(model.conv1, "conv1"), (model.primary, "PrimaryCaps (convolution + squash)"),
              (model.classcaps, "ClassCaps (u_hat = W u, routing)")]
@@ -54,15 +78,29 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2):
     for k in range(warmup + steps):
         if k == warmup:
             spent.clear()
+            in_products.clear()
+            products[0] = 0.0
             B.synchronize()
             start = time.perf_counter()
         model.train_step_grads(x, y)
         opt.step()
     B.synchronize()
     step = (time.perf_counter() - start) / steps
-    rows = [(label, t / steps) for label, t in spent.items()]
-    rows.append(("rest (decoder, losses, glue)", step - sum(t for _, t in rows)))
+    rows = [(label, t / steps, in_products[label] / steps) for label, t in spent.items()]
+    rows.append(("rest (decoder, losses, glue)", step - sum(t for _, t, _ in rows),
+                 (products[0] - sum(in_products.values())) / steps))
     return step, rows
+
+
+def B_threads(backend):
+    """The thread counts the step ran with: the backend's own host threads (its split_batch and
+    over_blocks), and PyTorch's intra-op threads where torch is loaded."""
+    import sys
+
+    text = f"{backends.get(backend, dtype='float32').threads} host threads"
+    if "torch" in sys.modules:
+        text += f", torch {sys.modules['torch'].get_num_threads()} threads"
+    return text
 
 
 def main(argv=None):
@@ -75,9 +113,11 @@ def main(argv=None):
         step, rows = profile(args.backend, args.batch_size, args.steps)
     except backends.BackendError as e:  # unknown name, missing library or GPU
         p.exit(2, f"{p.prog}: error: {e}\n")
-    print(f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step ({args.batch_size / step:.1f} samples/s)")
-    for label, t in rows:
-        print(f"  {label:44s} {t:6.3f} s  {100 * t / step:5.1f}%")
+    print(f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step ({args.batch_size / step:.1f} samples/s),"
+          f" {B_threads(args.backend)}")
+    print(f"  {'':44s} {'time':>8s} {'share':>6s} {'products':>9s} {'other':>7s}")
+    for label, t, p in rows + [("step", step, sum(p for _, _, p in rows))]:
+        print(f"  {label:44s} {t:6.3f} s {100 * t / step:5.1f}% {p:7.3f} s {t - p:5.3f} s")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,10 @@ def test_benchmark_quick_run_writes_a_complete_table(tmp_path):
     assert "train vs autograd" in r.stdout and "step / floor" in r.stdout
     res = json.loads(out.read_text())
     impls = {m["impl"]: m for m in res["main"]}
-    assert set(impls) == {"numpy", "torch", "autograd:cpu"}
+    assert set(impls) == {"numpy", "torch", "autograd:cpu"} and res["complete"] is True
+    # the thread counts each ran with: pycapsnet's own for its backends, PyTorch's where torch is loaded
+    assert impls["numpy"]["threads"]["pycapsnet"] >= 1 and impls["autograd:cpu"]["threads"]["pycapsnet"] is None
+    assert impls["torch"]["threads"]["torch"] >= 1 and "threads: numpy: pycapsnet" in r.stdout
     for name, m in impls.items():
         assert "error" not in m, (name, m)
         assert m["train_samples_per_s"] > 0 and m["eval_samples_per_s"] > 0 and m["peak_train_mem_mb"] > 0
@@ -86,10 +89,13 @@ def test_step_profile_accounts_for_the_whole_step():
     from benchmarks.profile_step import profile
 
     step, rows = profile("numpy", batch=2, steps=1, warmup=1)
-    labels = [label for label, _ in rows]
-    assert "PrimaryCaps (convolution + squash) backward" in labels and "Adam" in labels
-    assert all(t > 0 for label, t in rows if not label.startswith("rest"))
-    assert abs(sum(t for _, t in rows) - step) < 1e-9
+    times = {label: (t, products) for label, t, products in rows}
+    assert "PrimaryCaps (convolution + squash) backward" in times and "Adam" in times
+    assert all(t > 0 for label, (t, _) in times.items() if not label.startswith("rest"))
+    assert abs(sum(t for t, _ in times.values()) - step) < 1e-9
+    # the products are part of their layer's time: PrimaryCaps' convolution is products, Adam none
+    assert all(0 <= p <= t for label, (t, p) in times.items() if not label.startswith("rest"))
+    assert times["PrimaryCaps (convolution + squash) forward"][1] > 0 and times["Adam"][1] == 0
 
 
 @pytest.mark.parametrize("script,argv,message", [
