@@ -276,7 +276,8 @@ def step_products(cfg, n, dtype):
 
     # What the step runs with primary_conv="fourier" instead of the three PrimaryCaps products
     # (pycapsnet/fourier.py): the grid transforms of input, kernel and output, and per frequency
-    # the stacked [X_r; X_i] products -- two each for forward, weight gradient and input gradient.
+    # one product of stacked real and imaginary blocks each for forward, weight gradient and input
+    # gradient.
     oh, ow, kq, n_h, n_w = phase_grid(h - k1 + 1, w - k1 + 1, k2, s2)
     F = len(half_spectrum(n_h, n_w)[1])
     Cp, O = s2 * s2 * C1, T * K
@@ -285,11 +286,9 @@ def step_products(cfg, n, dtype):
     if spectrum_mb(F, Cp, O, np.dtype(dtype).itemsize) > FourierConv2d.keep_spectrum_mb:
         mm("fourier kernel transform (again, for dX)", 2 * F, kq * kq, Cp * O)  # V not kept for dX
     mm("fourier kernel gradient transform", kq * kq, 2 * F, Cp * O)  # dws = Fw^T dV, both parts
-    mm("fourier forward", 2 * n, Cp, O, (F,))
-    mm("fourier forward im", 2 * n, Cp, O, (F,))
+    mm("fourier forward", 2 * n, Cp, 2 * O, (F,))                    # [X_r; X_i] [V_r  V_i]
     mm("fourier dW", 2 * O, 2 * n, Cp, (F,))                         # [dV_r^T; dV_i^T]
-    mm("fourier dX", 2 * n, O, Cp, (F,))
-    mm("fourier dX im", 2 * n, O, Cp, (F,))
+    mm("fourier dX", 2 * n, 2 * O, Cp, (F,))                         # [dX_r; dX_i]
     mm("fourier output transform", oh * ow, 2 * F, n * O)
     mm("fourier output transform dY", 2 * F, oh * ow, n * O)
     mm("fourier input transform dX", n_h * n_w, 2 * F, n * Cp)

@@ -34,13 +34,21 @@ Three steps, each a real linear map, so each backward is the transposed map:
    and its adjoints  dX = dY V^H,  dV = X^H dY, i.e.
        dX_r = dY_r V_r^T + dY_i V_i^T,   dX_i = dY_i V_r^T - dY_r V_i^T,
        dV_r = X_r^T dY_r + X_i^T dY_i,   dV_i = X_r^T dY_i - X_i^T dY_r.
-   Stacking [X_r; X_i] as the rows of one matrix makes each a product of twice the height.
+   Each is one real product of stacked blocks (2N rows or columns, and 2 C_out):
+
+       [V_r^T; V_i^T] [X_r^T  X_i^T] = [V_r^T X_r^T  V_r^T X_i^T; V_i^T X_r^T  V_i^T X_i^T]  (Y^T's blocks)
+       [dY_r  dY_i; dY_i  -dY_r] [V_r^T; V_i^T]             = [dX_r; dX_i]
+       [dY_r  dY_i; dY_i  -dY_r]^T [X_r; X_i]               = [dV_r^T; dV_i^T]
+
+   so the kernel spectrum is kept as [V_r^T; V_i^T] (2 C_out, C') per frequency, and the one block
+   matrix of dY serves both gradients.
 
 The transformed weights V are 5x larger than W (52 complex frequencies x 4 phases against 81 taps:
 109 MB for PrimaryCaps on MNIST).  When they take at most ``keep_spectrum_mb`` (128 MB by default),
 forward makes them in one product (one read of the kernel grid) and keeps them with the transformed
-input X for backward, which uses them ``freq_chunk`` frequencies at a time for dX; otherwise
-forward makes them a chunk at a time.  That saves a third pass of the
+input X for backward, whose dX is then one product over all frequencies (forward's products go
+``freq_chunk`` frequencies at a time, which bounds their result, as large as Y for each part);
+otherwise forward makes them a chunk at a time.  That saves a third pass of the
 memory-bound kernel transform (~10% of a NumPy step).  The peak does not grow with it: backward
 frees X before making dX, and ClassCaps writes dû over û, so the step's peak stays below
 the autograd reference's.  Larger inputs have many more frequencies (a 64 x 64 input: 392, 822 MB
@@ -146,7 +154,7 @@ class Plan:
     F: int             # frequencies kept (half the spectrum)
     Fx: object         # (2F, n_h*n_w) DFT of the input grid
     Fy: object         # (oh*ow, 2F) real part of the inverse DFT
-    Fw: object         # (2F, kq*kq) the kernel's DFT, per frequency chunk its real rows, then its imaginary rows
+    Fw: object         # (2F, kq*kq) the kernel's DFT (real and imaginary rows interleaved)
     FwT: object        # (kq*kq, 2F) adjoint of the kernel's DFT (real and imaginary rows interleaved)
     chunks: list       # frequency slices of freq_chunk frequencies; chunk fs is rows 2 fs.start:2 fs.stop of Fw
 
@@ -173,14 +181,10 @@ class FourierConv2d(Conv2d):
             oh, ow, kq, n_h, n_w = phase_grid(h, w, self.k, s, p)
             Fx, Fw, Fy = dft_matrices(n_h, n_w, kq, oh, ow, dtype=np.dtype(self.B.dtype))
             F = Fx.shape[0] // 2
-            Fw_r, Fw_i = Fw[0::2], Fw[1::2]                                    # V_r = Fw_r ws, V_i = Fw_i ws
             chunks = [slice(a, min(a + self.freq_chunk, F)) for a in range(0, F, self.freq_chunk)]
-            # per chunk of frequencies, the real rows then the imaginary rows: one product per chunk
-            # reads the kq^2 x C'C_out kernel grid once for both parts (the whole Fw, once for all)
-            Fw_chunked = np.concatenate([np.concatenate([Fw_r[fs], Fw_i[fs]]) for fs in chunks])
             a = self.B.asarray
             self._plans[key] = Plan(oh=oh, ow=ow, kq=kq, n_h=n_h, n_w=n_w, padded=(h + 2 * p, w + 2 * p),
-                                    F=F, Fx=a(Fx), Fy=a(Fy), Fw=a(Fw_chunked), FwT=a(Fw.T), chunks=chunks)
+                                    F=F, Fx=a(Fx), Fy=a(Fy), Fw=a(Fw), FwT=a(Fw.T), chunks=chunks)
         return self._plans[key]
 
     def weight_grad_block(self, n_freqs: int, itemsize: int, batch: int) -> int:
@@ -240,13 +244,15 @@ class FourierConv2d(Conv2d):
         return out
 
     def _kernel_to_grid(self, g):
-        """W (k, k, C_in, C_out) -> ws (kq*kq, C', C_out): the kernel split into its s x s phases
-        like the input, each zero-padded to kq x kq taps."""
-        kq, s, W = g.kq, self.stride, self.params["W"]
-        ws = self.B.zeros((kq, kq, s * s * self.c_in, self.c_out), dtype=self.B.dtype_name(W))
+        """W (k, k, C_in, C_out) -> wsT (kq*kq, C_out*C'): the kernel split into its s x s phases
+        like the input, each zero-padded to kq x kq taps, with its two channel axes swapped (so
+        that Fw wsT is [V_r^T; V_i^T] per frequency)."""
+        xp, kq, s, W = self.B.xp, g.kq, self.stride, self.params["W"]
+        WT = self.B.contiguous(xp.permute_dims(W, (0, 1, 3, 2)))  # (k, k, C_out, C_in): one transposing copy
+        wsT = self.B.zeros((kq, kq, self.c_out, s * s * self.c_in), dtype=self.B.dtype_name(W))
         for rh, rw, ta, tb, c, at in self._phases():
-            ws[:ta, :tb, at] = W[rh::s, rw::s, c]
-        return self.B.xp.reshape(ws, (kq * kq, -1))
+            wsT[:ta, :tb, :, at] = WT[rh::s, rw::s, :, c]
+        return xp.reshape(wsT, (kq * kq, -1))
 
     def _add_grid_to_kernel(self, dwsT, channels, g):
         """Adjoint of ``_kernel_to_grid`` for the phase channels ``channels``, added into dL/dW:
@@ -259,15 +265,13 @@ class FourierConv2d(Conv2d):
             dW_phase = self.grads["W"][rh::s, rw::s, c]   # a view: += writes into grads["W"]
             dW_phase += xp.permute_dims(dwsT[:ta, :tb, :, at], (0, 1, 3, 2))
 
-    def _spectra(self, ws, g, at_once):
-        """V = V_r + i V_i of each frequency chunk fs in turn: V_r = V[0], V_i = V[1], (2, |fs|, C',
-        C_out); from one product over all frequencies (``at_once``: V is kept whole anyway), or one
-        product per chunk (only a chunk of V exists at a time)."""
+    def _spectra(self, wsT, g):
+        """The kernel spectrum V = V_r + i V_i a frequency chunk fs at a time, each made by its own
+        product (only a chunk of V exists at a time), as VT = [V_r^T; V_i^T] (|fs|, 2 C_out, C')."""
         xp, mm = self.B.xp, self.B.matmul
-        V = mm(g.Fw, ws) if at_once else None                                  # (2F, C' C_out)
         for fs in g.chunks:
-            rows = slice(2 * fs.start, 2 * fs.stop)
-            yield fs, xp.reshape(V[rows] if at_once else mm(g.Fw[rows], ws), (2, fs.stop - fs.start, -1, self.c_out))
+            rows = slice(2 * fs.start, 2 * fs.stop)                            # (frequency, re|im) rows
+            yield fs, xp.reshape(mm(g.Fw[rows], wsT), (fs.stop - fs.start, 2 * self.c_out, -1))
 
     def keeps_spectrum(self, g, x) -> bool:
         """Whether forward keeps V for backward: when it takes at most ``keep_spectrum_mb`` MB (the
@@ -281,72 +285,76 @@ class FourierConv2d(Conv2d):
         xp, mm = self.B.xp, self.B.matmul  # products through the backend (see Backend.matmul)
         n, h, w, _ = x.shape
         g = self._plan(h, w)
-        F = g.F
+        F, C = g.F, self.c_out
         X = xp.reshape(mm(g.Fx, self._input_to_grid(x, g)), (F, 2 * n, -1))  # [X_r; X_i] (F, 2N, C')
-        ws = self._kernel_to_grid(g)
-        Y = self.B.empty((F, 2, n, self.c_out), dtype=self.B.dtype_name(x))   # Y_r, Y_i per frequency
-        keep = self.keeps_spectrum(g, x)
-        kept = []
-        for fs, V in self._spectra(ws, g, at_once=keep):
-            if keep:
-                kept.append((fs, V))
-            Vr, Vi = V
-            XVr, XVi = mm(X[fs], Vr), mm(X[fs], Vi)       # [X_r V_r; X_i V_r], [X_r V_i; X_i V_i]
-            Y[fs, 0] = XVr[:, :n] - XVi[:, n:]             # Y_r = X_r V_r - X_i V_i
-            Y[fs, 1] = XVi[:, :n] + XVr[:, n:]             # Y_i = X_r V_i + X_i V_r
-            del V, Vr, Vi, XVr, XVi  # before the next chunk's are made (V stays in ``kept`` if kept)
-        y = mm(g.Fy, xp.reshape(Y, (2 * F, n * self.c_out)))               # (OH*OW, N*C_out)
-        # for backward: X, and V (kept) or else the kernel grid ws to make V again
-        self.cache = (X, kept or None, None if keep else ws, tuple(x.shape))
-        y = xp.reshape(y, (g.oh, g.ow, n, self.c_out))
-        return xp.permute_dims(y, (2, 0, 1, 3)) + self.params["b"]
+        wsT = self._kernel_to_grid(g)
+        # Y^T: Y_r^T, Y_i^T per frequency, (C_out, N) each.  Made transposed because VT X^T, with V
+        # as kept, is the faster product on the CPU than X V through a transposed view of VT.
+        YT = self.B.empty((F, 2, C, n), dtype=self.B.dtype_name(x))
+        VT = None
+        if self.keeps_spectrum(g, x):  # [V_r^T; V_i^T] of every frequency in one product, kept for dX
+            VT = xp.reshape(mm(g.Fw, wsT), (F, 2 * C, -1))                     # (F, 2 C_out, C')
+        for fs, VTf in ((fs, VT[fs]) for fs in g.chunks) if VT is not None else self._spectra(wsT, g):
+            P = mm(VTf, xp.matrix_transpose(X[fs]))  # (X V)^T blocks: [V_r^T X_r^T  V_r^T X_i^T; V_i^T X_r^T  V_i^T X_i^T]
+            YT[fs, 0] = P[:, :C, :n] - P[:, C:, n:]   # Y_r^T = (X_r V_r - X_i V_i)^T
+            YT[fs, 1] = P[:, C:, :n] + P[:, :C, n:]   # Y_i^T = (X_r V_i + X_i V_r)^T
+            del VTf, P  # before the next chunk's are made
+        y = mm(g.Fy, xp.reshape(YT, (2 * F, C * n)))                           # (OH*OW, C_out*N)
+        # for backward: X, and V (kept) or else the kernel grid wsT to make V again
+        self.cache = (X, VT, None if VT is not None else wsT, tuple(x.shape))
+        y = xp.reshape(y, (g.oh, g.ow, C, n))
+        return xp.permute_dims(y, (3, 0, 1, 2)) + self.params["b"]
 
     def backward(self, dy, input_grad=True):
         xp, mm = self.B.xp, self.B.matmul
-        (X, kept, ws, x_shape), self.cache = self.cache, None
+        (X, VT, wsT, x_shape), self.cache = self.cache, None
         n, h, w, _ = x_shape
         g = self._plan(h, w)
         F = g.F
         self.grads["b"] += xp.sum(dy, axis=(0, 1, 2))
         dyg = xp.reshape(self.B.contiguous(xp.permute_dims(dy, (1, 2, 0, 3))), (g.oh * g.ow, -1))
         dY = xp.reshape(mm(xp.matrix_transpose(g.Fy), dyg), (F, 2, n, self.c_out))
-        self._weight_grad(X, dY, g)
+        M = self._dY_blocks(dY)                          # [dY_r  dY_i; dY_i  -dY_r] (F, 2N, 2 C_out)
+        del dY
+        self._weight_grad(X, M, g)
         if not input_grad:
             return None
         c_phase, dtype = X.shape[-1], self.B.dtype_name(X)
         del X  # its last use: free it before dX, as large, is made
-        dX = self.B.empty((F, 2, n, c_phase), dtype=dtype)
-        dY_ri = xp.reshape(dY, (F, 2 * n, self.c_out))                        # [dY_r; dY_i]
-        for fs, (Vr, Vi) in kept or self._spectra(ws, g, at_once=False):       # V kept, or made again
-            dYVr = mm(dY_ri[fs], xp.matrix_transpose(Vr))                     # [dY_r V_r^T; dY_i V_r^T]
-            dYVi = mm(dY_ri[fs], xp.matrix_transpose(Vi))                     # [dY_r V_i^T; dY_i V_i^T]
-            dX[fs, 0] = dYVr[:, :n] + dYVi[:, n:]                              # dX_r = dY_r V_r^T + dY_i V_i^T
-            dX[fs, 1] = dYVr[:, n:] - dYVi[:, :n]                              # dX_i = dY_i V_r^T - dY_r V_i^T
-            del Vr, Vi, dYVr, dYVi  # before the next chunk's are made
-        del kept  # V, if kept, is freed before the transform below makes a result as large as dX
+        if VT is not None:
+            dX = mm(M, VT)                               # [dX_r; dX_i] (F, 2N, C'), V kept
+        else:
+            dX = self.B.empty((F, 2 * n, c_phase), dtype=dtype)
+            for fs, VTf in self._spectra(wsT, g):        # V made again, a chunk at a time
+                dX[fs] = mm(M[fs], VTf)
+                del VTf
+        del M, VT  # V, if kept, is freed before the transform below makes a result as large as dX
         dX = mm(xp.matrix_transpose(g.Fx), xp.reshape(dX, (2 * F, -1)))   # (n_h*n_w, N*C'); frees the spectrum
         return self._grid_to_input(dX, n, h, w, g)
 
-    def _weight_grad(self, X, dY, g):
-        """dV = X^H dY for all frequencies, a block of phase channels at a time, made transposed so
-        that real and imaginary parts come from one product per frequency:
-
-            [dV_r^T; dV_i^T] = [dY_r^T  dY_i^T; dY_i^T  -dY_r^T] [X_r; X_i]       (2 C_out, C')
-
-        (dV_r = X_r^T dY_r + X_i^T dY_i, dV_i = X_r^T dY_i - X_i^T dY_r), and turned straight back
-        into dL/dW: the adjoint of V = Fw ws is dws = Fw^T dV, one product summing over all
-        frequencies, real and imaginary rows alike."""
-        xp, mm, F = self.B.xp, self.B.matmul, g.F
-        n = dY.shape[2]
-        # the left factor is the transpose of [dY_r  dY_i; dY_i  -dY_r] (2N, 2 C_out), which is
-        # assembled from dY's (N, C_out) blocks as they are (a transposed copy is slow on the CPU)
-        # and handed to the product as a transposed view
-        M = self.B.empty((F, 2, n, 2, self.c_out), dtype=self.B.dtype_name(dY))
+    def _dY_blocks(self, dY):
+        """dY (F, 2, N, C_out) -> M = [dY_r  dY_i; dY_i  -dY_r] (F, 2N, 2 C_out): the left factor of
+        both gradients (module docstring), assembled from dY's (N, C_out) blocks as they are."""
+        F, _, n, C = dY.shape
+        M = self.B.empty((F, 2, n, 2, C), dtype=self.B.dtype_name(dY))
         M[:, :, :, 0] = dY                                                     # [dY_r; dY_i]
         M[:, 0, :, 1] = dY[:, 1]                                               # [dY_i; -dY_r]
         M[:, 1, :, 1] = dY[:, 0]
         M[:, 1, :, 1] *= -1                                                    # in place: no temporary
-        dYT = xp.matrix_transpose(xp.reshape(M, (F, 2 * n, 2 * self.c_out)))  # (F, 2 C_out, 2N)
+        return self.B.xp.reshape(M, (F, 2 * n, 2 * C))
+
+    def _weight_grad(self, X, M, g):
+        """dV = X^H dY for all frequencies, a block of phase channels at a time, made transposed so
+        that real and imaginary parts come from one product per frequency:
+
+            [dV_r^T; dV_i^T] = M^T [X_r; X_i],   M = [dY_r  dY_i; dY_i  -dY_r]       (2 C_out, C')
+
+        (dV_r = X_r^T dY_r + X_i^T dY_i, dV_i = X_r^T dY_i - X_i^T dY_r), and turned straight back
+        into dL/dW: the adjoint of VT = Fw wsT is dwsT = Fw^T dVT, one product summing over all
+        frequencies, real and imaginary rows alike."""
+        xp, mm, F = self.B.xp, self.B.matmul, g.F
+        n = M.shape[1] // 2
+        dYT = xp.matrix_transpose(M)          # (F, 2 C_out, 2N), a transposed view (a copy is slow on the CPU)
         c_phase = X.shape[-1]
         block = self.weight_grad_block(F, X.dtype.itemsize, n)
         for cs in (slice(a, min(a + block, c_phase)) for a in range(0, c_phase, block)):

@@ -199,9 +199,10 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
         kept_conv = x_grid + kept_kernel                    # X, and V or ws
         dY = 2 * F * n * caps * b
         block = min(_conv_shape(k2, st, c1, caps, fw).weight_grad_block(F, b, n), c_phase)
-        bwd = max(out + 3 * dY + (F + kq * kq) * 2 * caps * block * b,   # dyg, dY, dY^T stacked, a block of dV^T, dws
-                  # then X is freed, and dX made (a chunk of V at a time), transformed back and cropped
-                  out + dY + (0 if keep_V else chunk_V) + 2 * min(fw.freq_chunk, F) * 2 * n * c_phase * b,
+        bwd = max(out + 3 * dY + (F + kq * kq) * 2 * caps * block * b,   # dyg, dY, its block matrix M, a block of dV^T, dws
+                  # then X is freed, and dX made (in one product, or a chunk of V and its product at a
+                  # time), transformed back and cropped
+                  out + 2 * dY + (0 if keep_V else chunk_V + min(fw.freq_chunk, F) * 2 * n * c_phase * b),
                   x_grid + (n * st * n_h * st * n_w * c1 * b if fit else 0))
     L.touch(fwd, "primary forward")
     L.add(kept_conv + squash_kept)
