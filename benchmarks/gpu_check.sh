@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA GPU machine (on an H100: tests 1 min, gradcheck 5,
-# crosscheck 2, bench 12, profile 1, train 1, cpu 8; give a 10-minute slot one or two parts):
+# crosscheck 2, bench 12, profile 1, train 1, cpu 8; give a 10-minute slot one part or a few):
 #
 #     bash benchmarks/gpu_check.sh [OUTDIR [PART ...]]     # OUTDIR default: gpu-results; all parts
 #
@@ -12,7 +12,8 @@
 #              GPU's float32 against the CPU's float64
 #  bench       CuPy and torch:cuda (hand-written; each as a CUDA graph and op by op) against PyTorch
 #              autograd on the same GPU, eager and under torch.compile, batch 64 and 256, each also
-#              as a picture (the JSON is written after every phase: a stopped run keeps its rounds)
+#              as a picture (the JSON is written after every phase: a stopped run keeps its rounds);
+#              bench64 and bench256 run one batch size each (about 6 minutes each)
 #  profile     where a step's time goes, op by op (benchmarks/profile_step.py)
 #  train       two epochs per GPU backend on the embedded digits
 #  cpu         the machine's host CPU: numpy and torch against autograd at batch 64, with
@@ -66,11 +67,15 @@ if want crosscheck; then
     run crosscheck_cupy_f32_vs_numpy_f64 120 6 python -m pycapsnet.cli crosscheck --a numpy --b cupy --dtype-b float32
     run crosscheck_cuda_f32_vs_cpu_f64 120 6 python -m pycapsnet.cli crosscheck --a torch:cpu --b torch:cuda --dtype-b float32
 fi
-if want bench; then
+if want bench || want bench64; then
     run bench_b64 420 16 python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda \
         --reference both --warmup 5 --steps 30 --rounds 2 --json "$out/bench_b64.json"
+fi
+if want bench || want bench256; then
     run bench_b256 420 16 python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda \
         --reference both --batch-size 256 --warmup 5 --steps 20 --rounds 2 --json "$out/bench_b256.json"
+fi
+if want bench || want bench64 || want bench256; then
     for b in b64 b256; do
         [ -f "$out/bench_$b.json" ] && run "plot_$b" 60 1 python benchmarks/plot_results.py "$out/bench_$b.json" \
             --out "$out/bench_$b.png"

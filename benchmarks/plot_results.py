@@ -35,6 +35,10 @@ def load(path: str) -> dict:
     if not isinstance(results, dict) or not isinstance(results.get("main"), list):
         raise NotAResult(f"{path} is not a benchmarks/bench.py result (it has no 'main' list)")
     if not any("error" not in r for r in results["main"]):
+        if results.get("complete") is False:
+            raise NotAResult(f"{path} is from a run that stopped before its first implementation was "
+                             "finished (the rounds it measured are under 'rounds_so_far'); run it again "
+                             "with a longer time limit, or fewer --rounds or --steps")
         raise NotAResult(f"{path} holds no measured implementation (every one was skipped)")
     return results
 
@@ -121,7 +125,8 @@ def plot(results: dict, path: str) -> str:
         _throughput_panel(ax, results)
     machine = results.get("machine", {})
     where = machine.get("gpu") or machine.get("cpu") or machine.get("platform", "")
-    fig.suptitle(f"pycapsnet benchmark ({where}, {machine.get('cpus', '?')} CPUs)", fontsize=9)
+    stopped = ", a run stopped part-way" if results.get("complete") is False else ""
+    fig.suptitle(f"pycapsnet benchmark ({where}, {machine.get('cpus', '?')} CPUs{stopped})", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)

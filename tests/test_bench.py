@@ -31,6 +31,27 @@ def test_rows_report_ratios_against_the_eager_and_the_compiled_reference():
     assert table_row(compiled, ref, {}, args, compiled)["compile s"] == "30"
 
 
+def test_a_stopped_benchmark_leaves_the_rounds_it_measured(tmp_path, monkeypatch):
+    """bench.py writes its JSON after every phase: stopped in the memory phase (a time limit), the
+    file holds the speed rounds, marked incomplete, and no half-written file."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench
+
+    def spawn(kind, impl, args, env_extra=None, **extra):
+        if env_extra:  # the memory run: where the time limit strikes
+            raise KeyboardInterrupt
+        return {"impl": impl, "label": impl, "train_samples_per_s": 10.0, "eval_samples_per_s": 20.0}
+
+    monkeypatch.setattr(bench, "_spawn", spawn)
+    out = tmp_path / "b.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--backends", "numpy", "--rounds", "2", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["complete"] is False and res["main"] == []
+    assert [len(r) for r in res["rounds_so_far"].values()] == [2, 2]      # numpy and the reference
+    assert os.listdir(tmp_path) == ["b.json"]
+
+
 def test_benchmark_quick_run_writes_a_complete_table(tmp_path):
     pytest.importorskip("torch", reason="the benchmark's reference is PyTorch autograd")
     out = tmp_path / "bench.json"
@@ -73,7 +94,8 @@ def test_the_results_picture_names_a_file_that_is_not_a_benchmark(tmp_path, caps
     for text, message in [(None, "does not exist; write one with python benchmarks/bench.py --json"),
                           ("{", "cannot read .* as JSON"),
                           ('{"runs": []}', "is not a benchmarks/bench.py result"),
-                          ('{"main": [{"impl": "cupy", "error": "no GPU"}]}', "holds no measured implementation")]:
+                          ('{"main": [{"impl": "cupy", "error": "no GPU"}]}', "holds no measured implementation"),
+                          ('{"main": [], "complete": false}', "stopped before its first implementation was finished")]:
         path = tmp_path / "r.json"
         if text is not None:
             path.write_text(text)
