@@ -248,10 +248,9 @@ class FourierConv2d(Conv2d):
         like the input, each zero-padded to kq x kq taps, with its two channel axes swapped (so
         that Fw wsT is [V_r^T; V_i^T] per frequency)."""
         xp, kq, s, W = self.B.xp, g.kq, self.stride, self.params["W"]
-        WT = self.B.contiguous(xp.permute_dims(W, (0, 1, 3, 2)))  # (k, k, C_out, C_in): one transposing copy
         wsT = self.B.zeros((kq, kq, self.c_out, s * s * self.c_in), dtype=self.B.dtype_name(W))
         for rh, rw, ta, tb, c, at in self._phases():
-            wsT[:ta, :tb, :, at] = WT[rh::s, rw::s, :, c]
+            wsT[:ta, :tb, :, at] = xp.permute_dims(W[rh::s, rw::s, c], (0, 1, 3, 2))
         return xp.reshape(wsT, (kq * kq, -1))
 
     def _add_grid_to_kernel(self, dwsT, channels, g):
