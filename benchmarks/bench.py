@@ -110,7 +110,8 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
         peak = mem_fn()
     t_eval, _ = _median_time(evaluate, 1, steps, sync)
     return {"impl": impl, "label": made["label"], "batch": batch, "dtype": dtype, "input_size": input_size,
-            "threads": _threads(made.get("backend")), "params": int(made["n_params"]), "train_step_s": t_train, "train_samples_per_s": batch / t_train,
+            "threads": _threads(made.get("backend")), "params": int(made["n_params"]),
+            "train_step_s": t_train, "train_samples_per_s": batch / t_train,
             "train_step_all_s": all_train, "eval_samples_per_s": batch / t_eval,
             "peak_train_mem_mb": peak / 2**20, "routing_iters": made["routing_iters"],
             "share_spatial": bool(cfg.get("share_spatial", False)), "compile_s": made.get("compile_s")}

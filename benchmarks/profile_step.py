@@ -4,10 +4,10 @@
     python benchmarks/profile_step.py --backend torch --batch-size 32
 
 Times are per step, averaged over --steps steps after 2 warm-up steps.  "rest" is the step minus the
-timed parts: the decoder, the losses, masking and the glue between layers.  "products" is the part of
-each spent in the backend's matrix products (B.matmul and B.predictions, û = W u, called from the
-step's own thread; products inside split_batch's blocks count as the rest of their layer), so "other" is the memory-bound work
-around them: copies, the routing passes, squash, Adam.
+timed parts: the decoder, the losses, masking and the glue between layers.  "products" is the part
+of each spent in the backend's matrix products (B.matmul and B.predictions, û = W u, called from the
+step's own thread; products inside split_batch's blocks count as the rest of their layer), so
+"other" is the memory-bound work around them: copies, the routing passes, squash, Adam.
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2):
     return step, rows
 
 
-def B_threads(backend):
+def thread_counts(backend):
     """The thread counts the step ran with: the backend's own host threads (its split_batch and
     over_blocks), and PyTorch's intra-op threads where torch is loaded."""
     import sys
@@ -113,8 +113,8 @@ def main(argv=None):
         step, rows = profile(args.backend, args.batch_size, args.steps)
     except backends.BackendError as e:  # unknown name, missing library or GPU
         p.exit(2, f"{p.prog}: error: {e}\n")
-    print(f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step ({args.batch_size / step:.1f} samples/s),"
-          f" {B_threads(args.backend)}")
+    print(f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step "
+          f"({args.batch_size / step:.1f} samples/s), {thread_counts(args.backend)}")
     print(f"  {'':44s} {'time':>8s} {'share':>6s} {'products':>9s} {'other':>7s}")
     for label, t, p in rows + [("step", step, sum(p for _, _, p in rows))]:
         print(f"  {label:44s} {t:6.3f} s {100 * t / step:5.1f}% {p:7.3f} s {t - p:5.3f} s")

@@ -294,7 +294,8 @@ class FourierConv2d(Conv2d):
         if self.keeps_spectrum(g, x):  # [V_r^T; V_i^T] of every frequency in one product, kept for dX
             VT = xp.reshape(mm(g.Fw, wsT), (F, 2 * C, -1))                     # (F, 2 C_out, C')
         for fs, VTf in ((fs, VT[fs]) for fs in g.chunks) if VT is not None else self._spectra(wsT, g):
-            P = mm(VTf, xp.matrix_transpose(X[fs]))  # (X V)^T blocks: [V_r^T X_r^T  V_r^T X_i^T; V_i^T X_r^T  V_i^T X_i^T]
+            # (X V)^T in blocks: [V_r^T X_r^T  V_r^T X_i^T; V_i^T X_r^T  V_i^T X_i^T]   (|fs|, 2 C_out, 2N)
+            P = mm(VTf, xp.matrix_transpose(X[fs]))
             YT[fs, 0] = P[:, :C, :n] - P[:, C:, n:]   # Y_r^T = (X_r V_r - X_i V_i)^T
             YT[fs, 1] = P[:, C:, :n] + P[:, :C, n:]   # Y_i^T = (X_r V_i + X_i V_r)^T
             del VTf, P  # before the next chunk's are made
