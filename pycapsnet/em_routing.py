@@ -60,7 +60,8 @@ def log_sigmoid(xp, z):
 
     min(z, 0) is written (z - |z|) / 2, which is exact: xp.minimum(z, 0) makes a host tensor of the 0
     on torch, which a CUDA graph cannot record."""
-    return (z - xp.abs(z)) / 2 - xp.log1p(xp.exp(-xp.abs(z)))
+    a = xp.abs(z)
+    return (z - a) / 2 - xp.log1p(xp.exp(-a))
 
 
 class Identity:
