@@ -110,14 +110,14 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
         peak = mem_fn()
     t_eval, _ = _median_time(evaluate, 1, steps, sync)
     return {"impl": impl, "label": made["label"], "batch": batch, "dtype": dtype, "input_size": input_size,
-            "threads": _threads(made.get("backend")), "params": int(made["n_params"]),
+            "threads": thread_counts(made.get("backend")), "params": int(made["n_params"]),
             "train_step_s": t_train, "train_samples_per_s": batch / t_train,
             "train_step_all_s": all_train, "eval_samples_per_s": batch / t_eval,
             "peak_train_mem_mb": peak / 2**20, "routing_iters": made["routing_iters"],
             "share_spatial": bool(cfg.get("share_spatial", False)), "compile_s": made.get("compile_s")}
 
 
-def _threads(B):
+def thread_counts(B):
     """The thread counts a measurement ran with: pycapsnet's own host threads (the backend's
     split_batch and over_blocks; None for the reference), PyTorch's intra-op threads where torch is
     loaded, and each BLAS library's where threadpoolctl is installed."""
@@ -287,7 +287,7 @@ def step_products(cfg, n, dtype):
     if spectrum_mb(F, Cp, O, np.dtype(dtype).itemsize) > FourierConv2d.keep_spectrum_mb:
         mm("fourier kernel transform (again, for dX)", 2 * F, kq * kq, Cp * O)  # V not kept for dX
     mm("fourier kernel gradient transform", kq * kq, 2 * F, Cp * O)  # dws = Fw^T dV, both parts
-    mm("fourier forward", 2 * n, Cp, 2 * O, (F,))                    # [X_r; X_i] [V_r  V_i]
+    mm("fourier forward", 2 * O, Cp, 2 * n, (F,))                    # [V_r^T; V_i^T] [X_r^T  X_i^T]
     mm("fourier dW", 2 * O, 2 * n, Cp, (F,))                         # [dV_r^T; dV_i^T]
     mm("fourier dX", 2 * n, 2 * O, Cp, (F,))                         # [dX_r; dX_i]
     mm("fourier output transform", oh * ow, 2 * F, n * O)
@@ -548,7 +548,7 @@ def main(argv=None):
             print(f"measuring {impl} (round {k + 1} of {args.rounds}) ...", file=sys.stderr, flush=True)
             runs[impl].append(_spawn("step", impl, args))
         # what is measured so far, in case the run is stopped (a time limit): "complete" says
-        _save(args.json, dict(results, complete=False, rounds_so_far={i: r for i, r in runs.items() if r}))
+        _save(args.json, dict(results, complete=False, rounds_so_far=runs))
     for impl in impls:
         print(f"measuring {impl}: memory, GEMM floor ...", file=sys.stderr, flush=True)
         results["main"].append(_measure(impl, args, speed=_median_run(runs[impl])))
@@ -565,7 +565,7 @@ def main(argv=None):
           f" median of {args.rounds} rounds (ratio range in brackets); hand-written PrimaryCaps: {args.primary_conv}")
     threads = {r["impl"]: r["threads"] for r in results["main"] if r.get("threads")}
     if threads:
-        print("threads: " + "; ".join(f"{impl}: {_threads_text(t)}" for impl, t in threads.items()))
+        print("threads: " + "; ".join(f"{impl}: {threads_text(t)}" for impl, t in threads.items()))
     print(format_table(rows, ["implementation", "train samples/s", "60k epoch s", "eval samples/s", "peak train MB",
                             "train vs autograd", "train vs compiled", "compile s", "memory vs autograd",
                             "GEMM floor s", "step / floor", "own products s", "step / own"]))
@@ -577,7 +577,8 @@ def main(argv=None):
     return 0
 
 
-def _threads_text(t):
+def threads_text(t):
+    """thread_counts' dict as one line: 'pycapsnet 4, torch 16, openblas (...) 16'."""
     parts = [f"pycapsnet {t['pycapsnet']}"] if t.get("pycapsnet") else []
     parts += [f"torch {t['torch']}"] if "torch" in t else []
     parts += [f"{name} {n}" for name, n in t.get("blas", {}).items()]

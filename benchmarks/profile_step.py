@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):  # run by path: the repository root, for benchmarks.bench
+    sys.path.insert(0, ROOT)
 
 import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
 import numpy as np
@@ -92,29 +95,21 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2):
     return step, rows
 
 
-def thread_counts(backend):
-    """The thread counts the step ran with: the backend's own host threads (its split_batch and
-    over_blocks), and PyTorch's intra-op threads where torch is loaded."""
-    import sys
-
-    text = f"{backends.get(backend, dtype='float32').threads} host threads"
-    if "torch" in sys.modules:
-        text += f", torch {sys.modules['torch'].get_num_threads()} threads"
-    return text
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="numpy", help="numpy, torch, torch:cuda or cupy")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--steps", type=positive_int, default=4)
     args = p.parse_args(argv)
+    from benchmarks.bench import thread_counts, threads_text
+
     try:
-        step, rows = profile(args.backend, args.batch_size, args.steps)
+        B = backends.get(args.backend, dtype="float32")
+        step, rows = profile(B, args.batch_size, args.steps)
     except backends.BackendError as e:  # unknown name, missing library or GPU
         p.exit(2, f"{p.prog}: error: {e}\n")
     print(f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step "
-          f"({args.batch_size / step:.1f} samples/s), {thread_counts(args.backend)}")
+          f"({args.batch_size / step:.1f} samples/s); threads: {threads_text(thread_counts(B))}")
     print(f"  {'':44s} {'time':>8s} {'share':>6s} {'products':>9s} {'other':>7s}")
     for label, t, p in rows + [("step", step, sum(p for _, _, p in rows))]:
         print(f"  {label:44s} {t:6.3f} s {100 * t / step:5.1f}% {p:7.3f} s {t - p:5.3f} s")
