@@ -18,7 +18,9 @@ from .base import Backend, PerformanceWarning, cpu_threads, keep_freed_memory
 
 class NumpyBackend(Backend):
     name = "numpy"
-    elementwise_block = 1 << 20  # 4 MB of float32: one block's temporaries stay in cache
+    # 1 MB of float32: a block of each of Adam's four arrays and its temporaries, on each thread,
+    # stay in cache between Adam's dozen passes (4 MB blocks did not)
+    elementwise_block = 1 << 18
     # the routing products and matmul split their batch over the threads only from this size up (in elements of
     # the bigger operand): below it a thread's hand-off costs more than it saves
     parallel_min_elements = 1 << 18
@@ -128,8 +130,12 @@ class NumpyBackend(Backend):
         return lib.swapaxes(lib.matmul(lib.swapaxes(x, 2, 3), y[..., None])[..., 0], 2, 3)
 
     def over_blocks(self, fn, sizes):
-        """Backend.over_blocks on the threads: NumPy's elementwise passes run on one core each."""
-        self._run_parts(lambda block: fn(*block), self._element_blocks(sizes))
+        """Backend.over_blocks on the threads: NumPy's elementwise passes run on one core each.  Each
+        thread takes every threads-th block, as one task: a task per block would hand the GIL back and
+        forth between the threads between the blocks' short passes."""
+        blocks = self._element_blocks(sizes)
+        parts = [blocks[k::self.threads] for k in range(min(self.threads, len(blocks)))]
+        self._run_parts(lambda part: [fn(*block) for block in part], parts)
 
     def _split_batch(self, part, n, elements):
         """part(slice) over the batch, on the threads when the work (``elements`` of the biggest
