@@ -58,6 +58,9 @@ class TorchBackend(Backend):
                 from .numpy_backend import NumpyBackend
 
                 self._numpy = NumpyBackend(self.dtype)
+                # routing's products are then NumPy's too, which run outside the GIL: its blocks go as
+                # NumPy's do, in NumPy's size, spread over the threads (split_batch)
+                self.sample_block = NumpyBackend.sample_block
         else:
             # A step is hundreds of small kernels: on a GPU, launching them costs more than running
             # them.  A CUDA graph launches them all at once (docs/performance.md, GPU).
@@ -245,7 +248,11 @@ class TorchBackend(Backend):
 
     def split_batch(self, fn, n, sample_size=1):
         """Backend.split_batch's blocks one after another: PyTorch threads inside each op, and its
-        ops called from several threads at once would compete for the same cores."""
+        ops called from several threads at once would compete for the same cores.  Where routing's
+        products are NumPy's (``_numpy``), they are most of a block's time, and the blocks are
+        spread over the threads as on NumPy (docs/performance.md)."""
+        if self._numpy is not None:
+            return super().split_batch(fn, n, sample_size)
         for sl in self._sample_blocks(n, sample_size):
             fn(sl)
 

@@ -44,6 +44,26 @@ def test_numpy_vs_torch(dtype, mode, products, monkeypatch):
     _compare(_run("torch", dtype, mode), _run("numpy", dtype, mode), dtype)
 
 
+@pytest.mark.parametrize("products", ["torch", "numpy"], ids=["torch's products", "NumPy's BLAS"])
+@pytest.mark.parametrize("routing", ["dynamic", "em"])
+def test_torch_routing_in_blocks_equals_numpy(products, routing, monkeypatch):
+    """PyTorch's CPU backend routes blocks of the batch one after another with its own products, and
+    spread over its threads with NumPy's (split_batch).  Either way, blocks of one sample on 2
+    threads give NumPy's step to 1e-9 in float64, and with NumPy's products the blocks do run on
+    the threads."""
+    from pycapsnet.gradcheck import SMALL_BY_ROUTING
+
+    monkeypatch.setenv("PYCAPSNET_TORCH_CPU_MATMUL", products)
+    B = backends.get("torch", dtype="float64")
+    B.sample_block, B.threads = 1, 2
+    on_threads = []
+    run_parts = B._run_parts
+    monkeypatch.setattr(B, "_run_parts", lambda fn, slices: (on_threads.append(len(slices)), run_parts(fn, slices)))
+    config = SMALL_BY_ROUTING[routing]
+    _compare(_run(B, "float64", "full", config), _run("numpy", "float64", "full", config), "float64")
+    assert (max(on_threads, default=0) == 5) == (products == "numpy"), on_threads  # 5 samples, 5 blocks
+
+
 @pytest.mark.parametrize("mode", ["full", "final"])
 def test_numpy_vs_torch_shared_transforms(mode):
     """share_spatial routes without û (shared_routing.py), a chunk of positions at a time."""
