@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA GPU machine (on an H100: tests 1 min, gradcheck 5,
-# crosscheck 2, bench 12, profile 1, train 1, cpu 8; give a 10-minute slot one part or a few):
+# crosscheck 2, bench 12, profile 1, train 1, cpu 6, cpuprofile 5; give a 10-minute slot one part or a few):
 #
 #     bash benchmarks/gpu_check.sh [OUTDIR [PART ...]]     # OUTDIR default: gpu-results; all parts
 #
@@ -17,8 +17,10 @@
 #  profile     where a step's time goes, op by op (benchmarks/profile_step.py)
 #  train       two epochs per GPU backend on the embedded digits
 #  cpu         the machine's host CPU: numpy and torch against autograd at batch 64, with
-#              pycapsnet's default host threads and with one per core, and the step's profile
-#              (products and the rest, per layer) for 4, 8 and one thread per core
+#              pycapsnet's default host threads and with one per core
+#  cpuprofile  the host CPU step's profile (products and the rest, per layer) for 4, 8 and one
+#              thread per core, and torch's with NumPy's products and routing (its choice on AMD
+#              CPUs only; PYCAPSNET_TORCH_CPU_MATMUL=numpy)
 #
 # Without internet, install the wheels of array_api_compat and mlxtend first (pip install -e .
 # fetches them where it can): pip install --no-deps --target /tmp/site WHEELS, and put /tmp/site
@@ -30,7 +32,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-gpu-results}
 shift || true
-parts=${*:-tests gradcheck crosscheck bench profile train cpu}
+parts=${*:-tests gradcheck crosscheck bench profile train cpu cpuprofile}
 mkdir -p "$out"
 failed=0
 export PYTHONUNBUFFERED=1
@@ -95,10 +97,17 @@ if want cpu; then
     run cpu_bench 300 8 python benchmarks/bench.py --backends numpy torch --rounds 2 --steps 8 --json "$out/cpu_b64.json"
     run cpu_bench_threads_$cores 300 8 python benchmarks/bench.py --backends numpy torch --rounds 2 --steps 8 \
         --threads "$cores" --json "$out/cpu_b64_threads_$cores.json"
+fi
+if want cpuprofile; then
+    cores=$(nproc)
     for t in 4 8 "$cores"; do
         for b in numpy torch; do
             PYCAPSNET_THREADS=$t run "cpu_profile_${b}_threads_$t" 120 12 python benchmarks/profile_step.py --backend $b --steps 6
         done
+    done
+    for m in torch numpy; do
+        PYCAPSNET_TORCH_CPU_MATMUL=$m run "cpu_profile_torch_products_$m" 120 12 python benchmarks/profile_step.py \
+            --backend torch --steps 6
     done
 fi
 echo "commands failed: $failed"
