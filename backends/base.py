@@ -55,7 +55,7 @@ def cpu_threads(most: int = 4) -> int:
     if own:
         if not own.isdigit() or int(own) < 1:
             raise BackendError(f"PYCAPSNET_THREADS={own!r}: give a whole number of threads, 1 or more "
-                               "(or unset it to use the cores this process may use, at most 4)")
+                               f"(or unset it to use the cores this process may use, at most {most})")
         return int(own)
     try:
         available = len(os.sched_getaffinity(0))

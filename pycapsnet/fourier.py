@@ -293,7 +293,8 @@ class FourierConv2d(Conv2d):
         VT = None
         if self.keeps_spectrum(g, x):  # [V_r^T; V_i^T] of every frequency in one product, kept for dX
             VT = xp.reshape(mm(g.Fw, wsT), (F, 2 * C, -1))                     # (F, 2 C_out, C')
-        for fs, VTf in ((fs, VT[fs]) for fs in g.chunks) if VT is not None else self._spectra(wsT, g):
+        spectra = ((fs, VT[fs]) for fs in g.chunks) if VT is not None else self._spectra(wsT, g)
+        for fs, VTf in spectra:
             # (X V)^T in blocks: [V_r^T X_r^T  V_r^T X_i^T; V_i^T X_r^T  V_i^T X_i^T]   (|fs|, 2 C_out, 2N)
             P = mm(VTf, xp.matrix_transpose(X[fs]))
             YT[fs, 0] = P[:, :C, :n] - P[:, C:, n:]   # Y_r^T = (X_r V_r - X_i V_i)^T
