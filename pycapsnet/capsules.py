@@ -105,21 +105,18 @@ class ClassCaps(Layer):
     # all of routing's passes over it, and the blocks are spread over the host threads; on a GPU, one
     # block: the batch.
     def _route_blocks(self, u_hat):
-        """v_j (N, J, D) and the trace, per iteration the tuple ``route`` keeps, over the whole batch."""
-        B, xp = self.B, self.B.xp
+        """v_j (N, J, D), and per block of the batch (its slice, the trace ``route`` keeps for it), in
+        batch order.  Backward reads each block's trace as it is (``traced`` joins them for a reader)."""
+        B = self.B
         n = u_hat.shape[1]
         v, parts = B.empty((n, self.J, self.D)), []
 
         def run(sl):
             v[sl], trace = self.route(B.route_block(u_hat, sl), sl)
-            parts.append((sl.start or 0, trace))
+            parts.append((sl, trace))
 
         B.split_batch(run, n, self.P * self.T * self.J * self.D)
-        traces = [t for _, t in sorted(parts, key=lambda part: part[0])]
-        if len(traces) == 1:
-            return v, traces[0]
-        return v, [tuple(xp.concat([t[r][k] for t in traces]) for k in range(len(traces[0][r])))
-                   for r in range(len(traces[0]))]
+        return v, sorted(parts, key=lambda part: part[0].start or 0)
 
     def _route_blocks_backward(self, u_hat, dv):
         """dû (I, N, J, D), written over û (its last use), block by block as forward routed them;
@@ -128,7 +125,7 @@ class ClassCaps(Layer):
         n, grads = u_hat.shape[1], []
 
         def run(sl):
-            trace = [tuple(a[sl] for a in t) for t in self.trace]
+            trace = next(t for s, t in self.trace if s == sl)  # the same blocks as forward's
             factors, g = self.route_backward(B.route_block(u_hat, sl), trace, dv[sl])
             B.outer_sum(*factors, out=u_hat[:, sl])  # the factors do not read û
             grads.append((sl.start or 0, g))
@@ -174,14 +171,21 @@ class ClassCaps(Layer):
             return self.B.zeros((n, self.T, P, self.J)) + 1.0 / self.J
         return shared_routing.coupling(self.B, ut, A, 0, P)
 
+    def traced(self, k):
+        """Item k of every iteration's trace over the whole batch, the blocks' parts joined: a list
+        over iterations (dynamic routing: k = 0 c_ij (N, J, I), 1 s_j, 2 |s_j|, 3 v_j)."""
+        xp = self.B.xp
+        iters = len(self.trace[0][1])
+        return [xp.concat([trace[r][k] for _, trace in self.trace]) for r in range(iters)]
+
     @property
     def coupling(self):
         """c_ij of each routing iteration of the last forward: list of (N, I, J) arrays."""
         xp = self.B.xp
-        if self.share_spatial:
+        if self.share_spatial and self.routes_shared:
             return [xp.reshape(xp.permute_dims(self.shared_coupling(r), (0, 2, 1, 3)), (-1, self.P * self.T, self.J))
                     for r in range(len(self.trace))]
-        return [xp.permute_dims(t[0], (0, 2, 1)) for t in self.trace]
+        return [xp.permute_dims(c, (0, 2, 1)) for c in self.traced(0)]
 
     def backward(self, dv, input_grad=True):
         xp = self.B.xp
@@ -241,7 +245,7 @@ class AttentionCaps(ClassCaps):
     @property
     def coupling(self):
         """The coupling coefficients with the bias, c_ij + B_ij, of the last forward: [(N, I, J)]."""
-        return [self.B.xp.permute_dims(self.trace[0][2], (0, 2, 1))]
+        return [self.B.xp.permute_dims(self.traced(2)[0], (0, 2, 1))]
 
 
 class CapsuleLength(Layer):

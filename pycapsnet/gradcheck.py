@@ -114,7 +114,7 @@ def _freeze_final_coupling(layer):
             layer.route_shared = lambda ut, W: shared_routing.forward(layer.B, ut, W, layer.iters, ut.shape[2],
                                                                       fixed_coupling=c)
         else:
-            layer.fixed_coupling = layer.trace[-1][0]
+            layer.fixed_coupling = layer.traced(0)[-1]
     if isinstance(layer, _EMLayer) and layer.routing_grad == "final":
         layer.fixed_assignments = layer.assignments[-1]  # R^{T-1}: what "final" holds constant
 
