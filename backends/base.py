@@ -491,6 +491,13 @@ class Backend(abc.ABC):
         for key, sl in self._element_blocks(sizes):
             fn(key, sl)
 
+    def over_host_threads(self, fn, n: int) -> None:
+        """fn(slice) over parts of range(n), spread over this backend's host threads where its library
+        runs a memory-bound pass on one core (NumPy); here one call, fn(slice(None)): PyTorch threads
+        inside each op, and a GPU wants one launch.  For passes such as a transposing copy, whose
+        parts write disjoint memory; fn must not care in which order its parts run."""
+        fn(slice(None))
+
     def _element_blocks(self, sizes: dict) -> list:
         step = self.elementwise_block
         if not step:

@@ -137,6 +137,9 @@ class NumpyBackend(Backend):
         parts = [blocks[k::self.threads] for k in range(min(self.threads, len(blocks)))]
         self._run_parts(lambda part: [fn(*block) for block in part], parts)
 
+    def over_host_threads(self, fn, n):
+        self._over_batch(fn, n)  # see Backend; the CuPy backend has one thread, so one call
+
     def _split_batch(self, part, n, elements):
         """part(slice) over the batch, on the threads when the work (``elements`` of the biggest
         operand) is large enough to pay for the hand-off."""

@@ -249,8 +249,14 @@ class FourierConv2d(Conv2d):
         that Fw wsT is [V_r^T; V_i^T] per frequency)."""
         xp, kq, s, W = self.B.xp, g.kq, self.stride, self.params["W"]
         wsT = self.B.zeros((kq, kq, self.c_out, s * s * self.c_in), dtype=self.B.dtype_name(W))
-        for rh, rw, ta, tb, c, at in self._phases():
-            wsT[:ta, :tb, :, at] = xp.permute_dims(W[rh::s, rw::s, c], (0, 1, 3, 2))
+
+        def rows(sl):  # taps a' in sl of every phase: kernel rows s*a' + r_h
+            for rh, rw, ta, tb, c, at in self._phases():
+                a = range(ta)[sl]
+                rows_W = slice(rh + s * a.start, rh + s * a.stop, s)
+                wsT[a.start:a.stop, :tb, :, at] = xp.permute_dims(W[rows_W, rw::s, c], (0, 1, 3, 2))
+
+        self.B.over_host_threads(rows, kq)  # a transposing copy, which NumPy makes on one core
         return xp.reshape(wsT, (kq * kq, -1))
 
     def _add_grid_to_kernel(self, dwsT, channels, g):
@@ -260,9 +266,14 @@ class FourierConv2d(Conv2d):
         columns and channels (the zero padding has no gradient)."""
         xp, s, kq = self.B.xp, self.stride, g.kq
         dwsT = xp.reshape(dwsT, (kq, kq, self.c_out, -1))
-        for rh, rw, ta, tb, c, at in self._phases(channels):
-            dW_phase = self.grads["W"][rh::s, rw::s, c]   # a view: += writes into grads["W"]
-            dW_phase += xp.permute_dims(dwsT[:ta, :tb, :, at], (0, 1, 3, 2))
+
+        def rows(sl):  # taps a' in sl of every phase
+            for rh, rw, ta, tb, c, at in self._phases(channels):
+                a = range(ta)[sl]
+                dW_phase = self.grads["W"][rh + s * a.start:rh + s * a.stop:s, rw::s, c]  # a view: += writes into grads["W"]
+                dW_phase += xp.permute_dims(dwsT[a.start:a.stop, :tb, :, at], (0, 1, 3, 2))
+
+        self.B.over_host_threads(rows, kq)
 
     def _spectra(self, wsT, g):
         """The kernel spectrum V = V_r + i V_i a frequency chunk fs at a time, each made by its own

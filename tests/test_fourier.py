@@ -108,6 +108,22 @@ def test_fourier_conv_equals_im2col_conv_float32(backend):
     _compare(backends.get(backend, dtype="float32"), GEOMETRIES[2], 1e-5)
 
 
+@pytest.mark.parametrize("geometry", [GEOMETRIES[2], GEOMETRIES[5]], ids=str)
+def test_kernel_grid_copies_split_over_host_threads(geometry):
+    """The copies between W and the kernel grid (both ways) run in parts of the tap rows on NumPy's
+    host threads (B.over_host_threads): on 2 threads, the same layer as Conv2d in float64."""
+    B = backends.get("numpy", dtype="float64")
+    B.threads = 2
+    parts, over = [], B.over_host_threads
+
+    def spy(fn, n):
+        over(lambda sl: (parts.append(sl), fn(sl)), n)
+
+    B.over_host_threads = spy
+    _compare(B, geometry, 1e-12)
+    assert len(parts) > 2 and slice(None) not in parts  # forward's copy and backward's, each in parts
+
+
 def test_gradients_accumulate_and_input_grad_can_be_skipped():
     B = backends.get("numpy", dtype="float64")
     direct, fourier, x, rng = _pair(B, GEOMETRIES[1])
