@@ -171,13 +171,6 @@ class ClassCaps(Layer):
             return self.B.zeros((n, self.T, P, self.J)) + 1.0 / self.J
         return shared_routing.coupling(self.B, ut, A, 0, P)
 
-    def traced(self, k):
-        """Item k of every iteration's trace over the whole batch, the blocks' parts joined: a list
-        over iterations (dynamic routing: k = 0 c_ij (N, J, I), 1 s_j, 2 |s_j|, 3 v_j)."""
-        xp = self.B.xp
-        iters = len(self.trace[0][1])
-        return [xp.concat([trace[r][k] for _, trace in self.trace]) for r in range(iters)]
-
     @property
     def coupling(self):
         """c_ij of each routing iteration of the last forward: list of (N, I, J) arrays."""
@@ -185,7 +178,7 @@ class ClassCaps(Layer):
         if self.share_spatial and self.routes_shared:
             return [xp.reshape(xp.permute_dims(self.shared_coupling(r), (0, 2, 1, 3)), (-1, self.P * self.T, self.J))
                     for r in range(len(self.trace))]
-        return [xp.permute_dims(c, (0, 2, 1)) for c in self.traced(0)]
+        return [xp.permute_dims(c, (0, 2, 1)) for c in self.traced(0)]  # c_ij (N, J, I), Layer.traced
 
     def backward(self, dv, input_grad=True):
         xp = self.B.xp

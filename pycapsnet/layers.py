@@ -41,6 +41,13 @@ class Layer:
     def backward(self, dy, input_grad=True):  # pragma: no cover - interface
         raise NotImplementedError
 
+    def traced(self, k):
+        """For a layer that routes in blocks of the batch and keeps ``self.trace`` as (slice, trace)
+        per block, in batch order (ClassCaps, the EM layers): item k of every iteration's trace over
+        the whole batch, the blocks' parts joined -- a list over iterations."""
+        iters = len(self.trace[0][1])
+        return [self.B.xp.concat([trace[r][k] for _, trace in self.trace]) for r in range(iters)]
+
 
 class Conv2d(Layer):
     """2-D convolution on channels-last images, as matrix products over im2col windows.

@@ -163,14 +163,12 @@ class _EMLayer(Layer):
     @property
     def assignments(self):
         """R_ij of every routing iteration of the last forward, (N, P, I, C) each."""
-        xp = self.B.xp
-        return [xp.concat([trace[t][0] for _, trace in self.trace], axis=0) for t in range(self.iters)]
+        return self.traced(0)
 
     @property
     def iteration_activations(self):
         """a_j after every iteration's M-step, (N, P, C) each."""
-        xp = self.B.xp
-        return [xp.concat([trace[t][5] for _, trace in self.trace], axis=0) for t in range(self.iters)]
+        return self.traced(5)
 
 
 class ConvMatrixCaps(_EMLayer):
