@@ -120,10 +120,29 @@ def dft_matrices(n_h: int, n_w: int, kq: int, oh: int, ow: int, dtype=np.float64
     float64 intermediates would take several times what the float32 matrices keep."""
     freqs, alpha = half_spectrum(n_h, n_w)
     F = len(freqs)
-    scale = 2 * np.pi * np.array([1.0 / n_h, 1.0 / n_w])
 
     def grid(m_h, m_w):  # every grid point (s1, s2) of an m_h x m_w block: (m_h*m_w, 2)
         return np.stack(np.meshgrid(np.arange(m_h), np.arange(m_w), indexing="ij"), -1).reshape(-1, 2)
+
+    def cos_sin(f, points):
+        """cos and sin of theta(f, s) for frequencies f (m, 2) and grid points s (q, 2): (m, q) each.
+        theta is k steps of 2 pi / (n_h n_w), k = f1 s1 n_w + f2 s2 n_h reduced modulo a turn in
+        integers; then cos and sin at quarter turns, which should be 0, come out as +-1e-16 residues,
+        and are set to 0.  Exactly: every other value is at least sin(pi / (2 n_h n_w)) in size.
+        The residues matter: the imaginary parts of the self-conjugate frequencies, which are zero,
+        would hold them (about 1e-18 in V, 1e-24 in dY), and their products are subnormal floats,
+        which x86 cores multiply in microcode, many times slower than normal ones: a whole product
+        of V with them runs several times slower (docs/performance.md)."""
+        k = np.outer(f[:, 0] * n_w, points[:, 0])
+        k += np.outer(f[:, 1] * n_h, points[:, 1])
+        k %= n_h * n_w
+        theta = k * (2 * np.pi / (n_h * n_w))
+        del k
+        c = np.cos(theta)
+        s = np.sin(theta, out=theta)
+        for t in (c, s):
+            t[np.abs(t) < 1e-12] = 0.0
+        return c, s
 
     points = {"x": grid(n_h, n_w), "w": grid(kq, kq), "y": grid(oh, ow)}
     Fx = np.empty((2 * F, n_h * n_w), dtype)
@@ -131,14 +150,13 @@ def dft_matrices(n_h: int, n_w: int, kq: int, oh: int, ow: int, dtype=np.float64
     Fy = np.empty((oh * ow, 2 * F), dtype)
     for a in range(0, F, block):
         b = min(a + block, F)
-        f = freqs[a:b] * scale
-        theta = f @ points["x"].T                                  # theta(f, s), (b - a, n_h*n_w)
-        Fx[2 * a:2 * b:2], Fx[2 * a + 1:2 * b:2] = np.cos(theta), -np.sin(theta)
-        theta = f @ points["w"].T
-        Fw[2 * a:2 * b:2], Fw[2 * a + 1:2 * b:2] = np.cos(theta), np.sin(theta)
-        theta = (f @ points["y"].T).T                              # (oh*ow, b - a)
-        Fy[:, 2 * a:2 * b:2] = alpha[a:b] * np.cos(theta) / (n_h * n_w)
-        Fy[:, 2 * a + 1:2 * b:2] = -alpha[a:b] * np.sin(theta) / (n_h * n_w)
+        c, s = cos_sin(freqs[a:b], points["x"])                                # (b - a, n_h*n_w)
+        Fx[2 * a:2 * b:2], Fx[2 * a + 1:2 * b:2] = c, -s
+        c, s = cos_sin(freqs[a:b], points["w"])
+        Fw[2 * a:2 * b:2], Fw[2 * a + 1:2 * b:2] = c, s
+        c, s = cos_sin(freqs[a:b], points["y"])                                # (b - a, oh*ow)
+        Fy[:, 2 * a:2 * b:2] = (alpha[a:b, None] * c).T / (n_h * n_w)
+        Fy[:, 2 * a + 1:2 * b:2] = -(alpha[a:b, None] * s).T / (n_h * n_w)
     return Fx, Fw, Fy
 
 

@@ -161,6 +161,25 @@ def test_transforms_invert_on_the_valid_outputs():
     np.testing.assert_allclose((Fy @ Y.ravel()).reshape(o, o), direct, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("n,kq,o", [(10, 5, 6), (7, 2, 6), (15, 5, 11)])
+def test_transforms_are_exact_where_cos_or_sin_vanishes(n, kq, o):
+    """At whole quarter turns cos and sin are exactly 0 and +-1, not 1e-16 residues: otherwise the
+    zero imaginary parts of the self-conjugate frequencies hold residues in V and dY whose products
+    are subnormal floats, which x86 CPUs multiply many times slower (fourier.dft_matrices)."""
+    Fx, Fw, Fy = dft_matrices(n, n, kq, o, o)
+    freqs, alpha = half_spectrum(n, n)
+    for name, T in (("Fx", Fx), ("Fw", Fw), ("Fy", Fy * n * n)):
+        magnitude = np.abs(T)
+        assert not np.any((magnitude > 0) & (magnitude < 1e-9)), f"{name} holds rounding residues"
+    self_conjugate = np.flatnonzero(alpha == 1)              # f = -f: the imaginary part is zero
+    assert len(self_conjugate) and not np.any(Fw[2 * self_conjugate + 1])
+    assert not np.any(Fx[2 * self_conjugate + 1]) and not np.any(Fy[:, 2 * self_conjugate + 1])
+    # and V's imaginary part for those frequencies is exactly 0 in float32 too, whatever the kernel
+    ws = np.random.default_rng(0).standard_normal((kq * kq, 8)).astype(np.float32)
+    V = dft_matrices(n, n, kq, o, o, dtype=np.float32)[1] @ ws
+    assert not np.any(V[2 * self_conjugate + 1])
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_model_with_either_convolution_gives_the_same_loss_and_gradients(backend):
     B = backends.get(backend, dtype="float64")
