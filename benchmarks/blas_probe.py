@@ -7,7 +7,10 @@ against the torch wheel's MKL).
 
 It also times a transform product from NumPy placed between two torch operations, against the
 same three steps in torch: what handing torch's products to NumPy's BLAS (zero-copy) would cost
-once both libraries' thread pools are awake.  Medians of --reps runs, milliseconds.
+once both libraries' thread pools are awake, and the Fourier input gradient's product with half
+its terms subnormal (about 1e-42) against the same product on ordinary numbers: some CPUs multiply
+subnormal floats in microcode, many times slower (docs/performance.md, "Subnormal products").
+Medians of --reps runs, milliseconds.
 
 Both run as in a train step: ``backends`` is imported before NumPy (it sets OpenBLAS's thread
 timeout) and freed memory is kept for reuse (``keep_freed_memory``, as both CPU backends ask).
@@ -76,6 +79,21 @@ def main(argv=None):
     print("\nthe input transform between two torch elementwise passes over 47 MB:")
     print(f"  torch product          {_median_ms(torch_only, args.reps):7.1f} ms")
     print(f"  NumPy product (shared) {_median_ms(numpy_between, args.reps):7.1f} ms")
+
+    # (13, 128, 512) @ (13, 512, 1024): a quarter of the dX product's frequencies. Even columns of M
+    # and even rows of V scaled so that their products (1e-24 * 1e-18) fall below float32's
+    # smallest normal number (1.2e-38), as the transforms' quarter-turn residues once made them.
+    m = rng.standard_normal((13, 128, 512), dtype=np.float32)
+    v = rng.standard_normal((13, 512, 1024), dtype=np.float32)
+    m_sub, v_sub = m.copy(), v.copy()
+    m_sub[..., ::2] *= np.float32(1e-24)
+    v_sub[:, ::2, :] *= np.float32(1e-18)
+    assert 0 < abs(float(m_sub[0, 0, 0] * v_sub[0, 0, 0])) < np.finfo(np.float32).tiny
+    t_normal = _median_ms(lambda: m @ v, args.reps)
+    t_sub = _median_ms(lambda: m_sub @ v_sub, args.reps)
+    print("\nthe dX product (13, 128, 512) @ (13, 512, 1024), NumPy:")
+    print(f"  ordinary numbers            {t_normal:7.1f} ms")
+    print(f"  half the terms subnormal    {t_sub:7.1f} ms  ({t_sub / t_normal:.2f}x)")
 
 
 if __name__ == "__main__":
