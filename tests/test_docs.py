@@ -23,6 +23,9 @@ LONG = {
     "python train_numpy.py": f"python train_numpy.py {QUICK_MODEL} --out quick-run",
     "pycapsnet train": f"pycapsnet train {QUICK_MODEL} --out quick-train",
     "python benchmarks/bench.py": "python benchmarks/bench.py --quick --no-reference --rounds 1 --json bench.json",
+    # every check, fewer entries per tensor (the default 20 is most of this test's time; tests/test_cli.py
+    # runs it at 6 and checks its table and its failure)
+    "pycapsnet gradcheck": "pycapsnet gradcheck --samples 3",
     'pip install torch==2.13.0 -e ".[test]" && python -m pytest': (None, ".ci/run runs exactly this line"),
     "python train_numpy.py --routing attention --out runs/attention":
         f"python train_numpy.py --routing attention --out runs/attention {QUICK_MODEL}",
