@@ -181,6 +181,40 @@ def test_transforms_are_exact_where_cos_or_sin_vanishes(n, kq, o):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_train_step_multiplies_no_vanishing_residues(backend):
+    """The whole step, paper geometry, float32: no matrix product gets an operand entry below 1e-20 that
+    is not exactly 0, and no gradient holds one.  Residues of a quarter turn once put values from 1e-38 to
+    1e-22 there (this step's smallest true values are near 1e-15): products of such pairs are subnormal,
+    which made the Fourier input gradient three times slower on an Intel Xeon (docs/performance.md)."""
+    from pycapsnet.data import load_embedded
+    from pycapsnet.optim import Adam
+
+    B = backends.get(backend, dtype="float32")
+    train, _ = load_embedded()
+    model = CapsNet(B, seed=0)
+    optimizer = Adam(model)
+    tiny = []
+
+    def scanned(product):
+        def wrapper(*operands, **kwargs):
+            for t in operands[:2]:
+                a = np.abs(B.to_numpy(t))
+                if np.any((a > 0) & (a < 1e-20)):
+                    tiny.append((a.shape, float(a[a > 0].min())))
+            return product(*operands, **kwargs)
+        return wrapper
+
+    B.matmul, B.predictions = scanned(B.matmul), scanned(B.predictions)
+    for _ in range(2):  # the second step multiplies weights that Adam has moved
+        model.train_step_grads(train.x[:4], train.y[:4])
+        optimizer.step()
+    assert not tiny, f"products with vanishing residues among their operands (shape, smallest): {tiny[:5]}"
+    for name, g in model.grads.items():
+        a = np.abs(B.to_numpy(g))
+        assert not np.any((a > 0) & (a < 1e-20)), f"gradient {name} holds a vanishing residue"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_model_with_either_convolution_gives_the_same_loss_and_gradients(backend):
     B = backends.get(backend, dtype="float64")
     rng = np.random.default_rng(0)
