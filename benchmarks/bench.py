@@ -23,7 +23,10 @@ make (``backends.base.keep_freed_memory``: freed blocks are reused instead of re
 The GEMM floor is the time of the step's unavoidable matrix products alone, on preallocated
 operands, with the backend's own matmul: conv1 forward and weight gradient, the PrimaryCaps
 convolution's three products (forward, weight gradient, input gradient), the routing transforms
-(û = W u, dW, du) and the decoder's (forward, dW, dX).  efficiency = floor / step time.
+(û = W u, dW, du) and the decoder's (forward, dW, dX).  efficiency = floor / step time.  Each
+speed run times the floor in its own process right after its steps, and step / own products is the
+median of those per-round ratios: on a shared machine whose speed drifts over minutes, a floor timed
+apart from the steps would move the ratio as much as the step's own work does.
 Results: a table on stdout and JSON (--json, default benchmarks/results.json).
 """
 from __future__ import annotations
@@ -85,8 +88,11 @@ def _median_time(fn, warmup, steps, sync):
     return float(np.median(times)), times
 
 
-def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
-    """Measure one implementation: 'numpy', 'torch', 'torch:cuda', 'cupy', 'autograd', 'autograd:cuda'."""
+def worker(impl, batch, dtype, warmup, steps, config, input_size=28, floor=False):
+    """Measure one implementation: 'numpy', 'torch', 'torch:cuda', 'cupy', 'autograd', 'autograd:cuda'.
+    With ``floor``, then also the GEMM floor (``gemm_floor``), in the same process right after the
+    steps: a shared machine's speed drifts over minutes, and step / own products is only a ratio of
+    the step's own work where both sides were timed together."""
     from backends.base import keep_freed_memory, process_memory
 
     keep_freed_memory()  # what the CPU backends do (backends/base.py): the reference gets it too
@@ -109,12 +115,15 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28):
     else:
         peak = mem_fn()
     t_eval, _ = _median_time(evaluate, 1, steps, sync)
-    return {"impl": impl, "label": made["label"], "batch": batch, "dtype": dtype, "input_size": input_size,
-            "threads": thread_counts(made.get("backend")), "params": int(made["n_params"]),
-            "train_step_s": t_train, "train_samples_per_s": batch / t_train,
-            "train_step_all_s": all_train, "eval_samples_per_s": batch / t_eval,
-            "peak_train_mem_mb": peak / 2**20, "routing_iters": made["routing_iters"],
-            "share_spatial": bool(cfg.get("share_spatial", False)), "compile_s": made.get("compile_s")}
+    out = {"impl": impl, "label": made["label"], "batch": batch, "dtype": dtype, "input_size": input_size,
+           "threads": thread_counts(made.get("backend")), "params": int(made["n_params"]),
+           "train_step_s": t_train, "train_samples_per_s": batch / t_train,
+           "train_step_all_s": all_train, "eval_samples_per_s": batch / t_eval,
+           "peak_train_mem_mb": peak / 2**20, "routing_iters": made["routing_iters"],
+           "share_spatial": bool(cfg.get("share_spatial", False)), "compile_s": made.get("compile_s")}
+    if floor:
+        out["floor"] = gemm_floor(impl, batch, dtype, steps, config)
+    return out
 
 
 def thread_counts(B):
@@ -365,6 +374,9 @@ def _median_run(runs):
     out["train_samples_per_s_rounds"] = [r["train_samples_per_s"] for r in runs]
     out["eval_samples_per_s"] = float(np.median([r["eval_samples_per_s"] for r in runs]))
     out["eval_samples_per_s_rounds"] = [r["eval_samples_per_s"] for r in runs]
+    if all("floor_s" in r.get("floor", {}) for r in runs):  # each round's own floor (worker), without its products
+        out["train_step_s_rounds"] = [r["train_step_s"] for r in runs]
+        out["floor_rounds"] = [{k: r["floor"][k] for k in ("floor_s", "fourier_floor_s")} for r in runs]
     return out
 
 
@@ -383,12 +395,8 @@ def _measure(impl, args, speed=None, **extra):
 
 def _run_worker(payload):
     p = json.loads(payload)
-    if p["kind"] == "floor":
-        out = gemm_floor(p["impl"], p["batch"], p["dtype"], p["steps"], p["config"])
-    else:
-        out = worker(p["impl"], p["batch"], p["dtype"], p["warmup"], p["steps"], p["config"],
-                     p.get("input_size", 28))
-    print(json.dumps(out))
+    print(json.dumps(worker(p["impl"], p["batch"], p["dtype"], p["warmup"], p["steps"], p["config"],
+                            p.get("input_size", 28), p.get("floor", False))))
 
 
 def backend_spec(text: str) -> str:
@@ -463,10 +471,14 @@ def table_row(r, ref, floor, args, compiled=None):
         # the products this step itself runs: the autograd reference and primary_conv=im2col
         # run the im2col ones; the fourier PrimaryCaps runs fewer (see step_products)
         fourier = not r["impl"].startswith("autograd") and args.primary_conv == "fourier"
-        own = floor["fourier_floor_s"] if fourier else floor["floor_s"]
-        r["own_floor_s"], r["step_over_own_floor"] = own, r["train_step_s"] / own
-        row["own products s"] = f"{own:.3f}"
-        row["step / own"] = f"{r['step_over_own_floor']:.2f}"
+        key = "fourier_floor_s" if fourier else "floor_s"
+        r["own_floor_s"] = floor[key]
+        row["own products s"] = f"{floor[key]:.3f}"
+        # per round, the step over the products timed right after it in the same process; the median
+        per_round = ([t / f[key] for t, f in zip(r["train_step_s_rounds"], r["floor_rounds"])]
+                     if "floor_rounds" in r else [r["train_step_s"] / floor[key]])
+        r["step_over_own_floor"], r["step_over_own_floor_rounds"] = float(np.median(per_round)), per_round
+        row["step / own"] = _ratio_text(r["step_over_own_floor"], per_round).replace("x", "")
     return row
 
 
@@ -546,14 +558,16 @@ def main(argv=None):
     for k in range(args.rounds):
         for impl in impls:
             print(f"measuring {impl} (round {k + 1} of {args.rounds}) ...", file=sys.stderr, flush=True)
-            runs[impl].append(_spawn("step", impl, args))
+            # the GEMM floor models dynamic routing's products (step_products); none for the other networks
+            runs[impl].append(_spawn("step", impl, args, floor=args.routing == "dynamic"))
         # what is measured so far, in case the run is stopped (a time limit): "complete" says
         _save(args.json, dict(results, complete=False, rounds_so_far=runs))
     for impl in impls:
-        print(f"measuring {impl}: memory, GEMM floor ...", file=sys.stderr, flush=True)
-        results["main"].append(_measure(impl, args, speed=_median_run(runs[impl])))
-        # the GEMM floor models dynamic routing's products (step_products); none for the other networks
-        results["floor"][impl] = _spawn("floor", impl, args) if args.routing == "dynamic" else {}
+        print(f"measuring {impl}: memory ...", file=sys.stderr, flush=True)
+        speed = _median_run(runs[impl])
+        # the floor measured in the same process as the reported step (see worker)
+        results["floor"][impl] = speed.pop("floor", None) or {}
+        results["main"].append(_measure(impl, args, speed=speed))
         _save(args.json, dict(results, complete=False, rounds_so_far=runs))
     ref, compiled = (next((r for r in results["main"] if r["impl"].split(":")[0] == name and "error" not in r), None)
                      for name in ("autograd", COMPILED))

@@ -31,6 +31,28 @@ def test_rows_report_ratios_against_the_eager_and_the_compiled_reference():
     assert table_row(compiled, ref, {}, args, compiled)["compile s"] == "30"
 
 
+def test_step_over_own_products_is_taken_per_round():
+    """Each speed run times the products right after its steps (worker): step / own products is the
+    median of those per-round ratios, not the median step over a floor timed at another moment."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench import _median_run, parser, table_row
+
+    args = parser().parse_args([])  # the Fourier PrimaryCaps: its own products are fourier_floor_s
+
+    def run(step, own):
+        return {"impl": "numpy", "label": "numpy", "train_step_s": step, "train_samples_per_s": 64 / step,
+                "eval_samples_per_s": 1.0, "peak_train_mem_mb": 100.0,
+                "floor": {"floor_s": 9.0, "fourier_floor_s": own, "gflop": 1.0, "gflop_per_s": 1.0, "products": {}}}
+
+    # the machine slowed in round 2: its step and its products both took twice as long
+    r = _median_run([run(0.30, 0.20), run(0.60, 0.40), run(0.32, 0.20)])
+    assert r["floor_rounds"][1] == {"floor_s": 9.0, "fourier_floor_s": 0.40}
+    row = table_row(r, None, r.pop("floor"), args)
+    assert r["step_over_own_floor_rounds"] == pytest.approx([1.5, 1.5, 1.6])
+    assert r["step_over_own_floor"] == pytest.approx(1.5) and row["step / own"] == "1.50 (1.50-1.60)"
+    assert r["own_floor_s"] == 0.20  # the reported step's own round (the median throughput: 0.32 s)
+
+
 def test_a_stopped_benchmark_leaves_the_rounds_it_measured(tmp_path, monkeypatch):
     """bench.py writes its JSON after every phase: stopped in the memory phase (a time limit), the
     file holds the speed rounds, marked incomplete, and no half-written file."""
@@ -76,6 +98,9 @@ def test_benchmark_quick_run_writes_a_complete_table(tmp_path):
     per_round = [a / b for a, b in zip(impls["numpy"]["train_samples_per_s_rounds"],
                                        impls["autograd:cpu"]["train_samples_per_s_rounds"])]
     assert impls["numpy"]["speedup_vs_autograd"] == pytest.approx(sum(per_round) / 2)
+    # step / own products per round, each over the floor timed in that round's process
+    own = impls["numpy"]["step_over_own_floor_rounds"]
+    assert len(own) == 2 and impls["numpy"]["step_over_own_floor"] == pytest.approx(sum(own) / 2)
     products = res["floor"]["numpy"]["products"]
     assert {"primary forward", "primary dW", "primary dX", "classcaps u_hat"} <= set(products)
     # the picture of the same JSON
