@@ -437,8 +437,9 @@ def _ratio(r, other):
     return float(np.median(per_round)), per_round
 
 
-def _ratio_text(median, per_round):
-    return f"{median:.2f}x" if len(per_round) == 1 else f"{median:.2f}x ({min(per_round):.2f}-{max(per_round):.2f})"
+def _ratio_text(median, per_round, unit="x"):
+    return (f"{median:.2f}{unit}" if len(per_round) == 1
+            else f"{median:.2f}{unit} ({min(per_round):.2f}-{max(per_round):.2f})")
 
 
 def table_row(r, ref, floor, args, compiled=None):
@@ -478,7 +479,7 @@ def table_row(r, ref, floor, args, compiled=None):
         per_round = ([t / f[key] for t, f in zip(r["train_step_s_rounds"], r["floor_rounds"])]
                      if "floor_rounds" in r else [r["train_step_s"] / floor[key]])
         r["step_over_own_floor"], r["step_over_own_floor_rounds"] = float(np.median(per_round)), per_round
-        row["step / own"] = _ratio_text(r["step_over_own_floor"], per_round).replace("x", "")
+        row["step / own"] = _ratio_text(r["step_over_own_floor"], per_round, unit="")
     return row
 
 
