@@ -24,9 +24,11 @@ The GEMM floor is the time of the step's unavoidable matrix products alone, on p
 operands, with the backend's own matmul: conv1 forward and weight gradient, the PrimaryCaps
 convolution's three products (forward, weight gradient, input gradient), the routing transforms
 (û = W u, dW, du) and the decoder's (forward, dW, dX).  efficiency = floor / step time.  Each
-speed run times the floor in its own process right after its steps, and step / own products is the
-median of those per-round ratios: on a shared machine whose speed drifts over minutes, a floor timed
-apart from the steps would move the ratio as much as the step's own work does.
+speed run times the floor in its own process right after its steps.  step / own products is taken
+in pairs (``paired_steps``): one train step, then one pass over the products that step runs, --steps
+times in each run; it is the median over every pair of every round, the range the rounds' medians.
+On a shared machine whose speed drifts within seconds, a step and a floor timed apart would move
+the ratio as much as the step's own work does; the two halves of a pair are a second apart.
 Results: a table on stdout and JSON (--json, default benchmarks/results.json).
 """
 from __future__ import annotations
@@ -122,7 +124,10 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28, floor=False
            "peak_train_mem_mb": peak / 2**20, "routing_iters": made["routing_iters"],
            "share_spatial": bool(cfg.get("share_spatial", False)), "compile_s": made.get("compile_s")}
     if floor:
-        out["floor"] = gemm_floor(impl, batch, dtype, steps, config)
+        operands = _floor_operands(impl, batch, dtype, config)
+        out["floor"] = gemm_floor(impl, batch, dtype, steps, config, operands)
+        if "error" not in operands:
+            out["pairs"] = paired_steps(train, sync, operands, _runs_fourier(impl, config), steps)
     return out
 
 
@@ -305,8 +310,9 @@ def step_products(cfg, n, dtype):
     return products, direct
 
 
-def gemm_floor(impl, batch, dtype, reps, config):
-    """Seconds of a train step's unavoidable matrix products, with the backend's own matmul."""
+def _floor_operands(impl, batch, dtype, config):
+    """The step's products (``step_products``) on preallocated random operands, and the product and
+    sync to run them with: a dict, or {'impl', 'error'} where the backend cannot run here."""
     import backends
 
     # the autograd references' products are torch's (autograd:cuda, autograd-compiled:cpu -> torch:cuda, torch:cpu)
@@ -321,13 +327,30 @@ def gemm_floor(impl, batch, dtype, reps, config):
     rng = np.random.default_rng(0)
     r = lambda *s: B.asarray(rng.standard_normal(s).astype(dtype))
     products = [(label, r(*bd, m, k), r(*bd, k, n)) for label, m, k, n, bd in shapes]  # (name, A, B): A @ B
-
+    labels = [p[0] for p in products]
+    im2col = labels[:direct]
     # the backend's products as its step runs them (B.matmul: NumPy splits batches of small products
     # over its threads, PyTorch's CPU backend may hand them to NumPy's BLAS); the references', torch's @
-    product = (lambda a, b: a @ b) if impl.startswith("autograd") else B.matmul
+    return {"product": (lambda a, b: a @ b) if impl.startswith("autograd") else B.matmul, "sync": B.synchronize,
+            "products": products, "im2col": im2col,
+            "fourier": [k for k in im2col if not k.startswith("primary")] + labels[direct:]}
+
+
+def _runs_fourier(impl, config) -> bool:
+    """Whether this implementation's step runs the Fourier PrimaryCaps' products (see step_products):
+    the autograd reference and primary_conv=im2col run the im2col ones."""
+    return not impl.startswith("autograd") and config.get("primary_conv", "fourier") == "fourier"
+
+
+def gemm_floor(impl, batch, dtype, reps, config, operands=None):
+    """Seconds of a train step's unavoidable matrix products, with the backend's own matmul."""
+    operands = operands or _floor_operands(impl, batch, dtype, config)
+    if "error" in operands:
+        return operands
+    product, products = operands["product"], operands["products"]
     per = {}
     for label, A, Bm in products:
-        t, _ = _median_time(lambda: product(A, Bm), 1, reps, B.synchronize)
+        t, _ = _median_time(lambda: product(A, Bm), 1, reps, operands["sync"])
         flops = 2 * np.prod(A.shape[:-1]) * A.shape[-1] * Bm.shape[-1]
         per[label] = {"s": t, "gflops": flops / 1e9, "gflop_per_s": flops / 1e9 / t}
 
@@ -336,13 +359,34 @@ def gemm_floor(impl, batch, dtype, reps, config):
         g = sum(per[k]["gflops"] for k in labels)
         return t, g
 
-    labels = [p[0] for p in products]
-    im2col = labels[:direct]
-    fourier = [k for k in im2col if not k.startswith("primary")] + labels[direct:]
-    total, gflop = floor(im2col)
-    f_total, f_gflop = floor(fourier)
+    total, gflop = floor(operands["im2col"])
+    f_total, f_gflop = floor(operands["fourier"])
     return {"impl": impl, "floor_s": total, "gflop": gflop, "gflop_per_s": gflop / total,
             "fourier_floor_s": f_total, "fourier_gflop": f_gflop, "products": per}
+
+
+def paired_steps(train, sync, operands, fourier: bool, pairs: int) -> list:
+    """[step s, own products s] ``pairs`` times: one train step, then one pass over the products that
+    step runs (``_floor_operands``; each called once untimed, then timed).  The two halves of a pair
+    run within about a second of each other, so a drift in the machine's speed moves both."""
+    product, psync = operands["product"], operands["sync"]
+    own = set(operands["fourier" if fourier else "im2col"])
+    out = []
+    for _ in range(pairs):
+        t = time.perf_counter()
+        train()
+        sync()
+        step, products_s = time.perf_counter() - t, 0.0
+        for label, A, Bm in operands["products"]:
+            if label in own:
+                product(A, Bm)
+                psync()
+                t = time.perf_counter()
+                product(A, Bm)
+                psync()
+                products_s += time.perf_counter() - t
+        out.append([step, products_s])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,6 +421,9 @@ def _median_run(runs):
     if all("floor_s" in r.get("floor", {}) for r in runs):  # each round's own floor (worker), without its products
         out["train_step_s_rounds"] = [r["train_step_s"] for r in runs]
         out["floor_rounds"] = [{k: r["floor"][k] for k in ("floor_s", "fourier_floor_s")} for r in runs]
+    if all("pairs" in r for r in runs):  # step / own products, in pairs (paired_steps)
+        out["pairs_rounds"] = [r["pairs"] for r in runs]
+        out.pop("pairs", None)
     return out
 
 
@@ -469,16 +516,18 @@ def table_row(r, ref, floor, args, compiled=None):
         r["step_over_floor"] = r["train_step_s"] / floor["floor_s"]
         row["GEMM floor s"] = f"{floor['floor_s']:.3f} ({floor['gflop_per_s']:.0f} GFLOP/s)"
         row["step / floor"] = f"{r['step_over_floor']:.2f}"
-        # the products this step itself runs: the autograd reference and primary_conv=im2col
-        # run the im2col ones; the fourier PrimaryCaps runs fewer (see step_products)
-        fourier = not r["impl"].startswith("autograd") and args.primary_conv == "fourier"
-        key = "fourier_floor_s" if fourier else "floor_s"
+        # the products this step itself runs (_runs_fourier)
+        key = "fourier_floor_s" if _runs_fourier(r["impl"], {"primary_conv": args.primary_conv}) else "floor_s"
         r["own_floor_s"] = floor[key]
         row["own products s"] = f"{floor[key]:.3f}"
-        # per round, the step over the products timed right after it in the same process; the median
-        per_round = ([t / f[key] for t, f in zip(r["train_step_s_rounds"], r["floor_rounds"])]
-                     if "floor_rounds" in r else [r["train_step_s"] / floor[key]])
-        r["step_over_own_floor"], r["step_over_own_floor_rounds"] = float(np.median(per_round)), per_round
+        # step / own products: the median over every pair of every round (paired_steps), each round's
+        # median for the range; without pairs, the reported step over its own round's floor
+        pairs = r.get("pairs_rounds", [])
+        per_round = ([float(np.median([s / p for s, p in round_pairs])) for round_pairs in pairs] if pairs
+                     else [r["train_step_s"] / floor[key]])
+        r["step_over_own_floor"] = (float(np.median([s / p for round_pairs in pairs for s, p in round_pairs]))
+                                    if pairs else per_round[0])
+        r["step_over_own_floor_rounds"] = per_round
         row["step / own"] = _ratio_text(r["step_over_own_floor"], per_round, unit="")
     return row
 

@@ -31,26 +31,34 @@ def test_rows_report_ratios_against_the_eager_and_the_compiled_reference():
     assert table_row(compiled, ref, {}, args, compiled)["compile s"] == "30"
 
 
-def test_step_over_own_products_is_taken_per_round():
-    """Each speed run times the products right after its steps (worker): step / own products is the
-    median of those per-round ratios, not the median step over a floor timed at another moment."""
+def test_step_over_own_products_is_taken_in_pairs():
+    """Each speed run times [step, own products] in pairs, a step and then the products it runs
+    (paired_steps): step / own products is the median over every pair of every round, so that a
+    machine that slows between a step and a product moves both halves, not the ratio."""
     sys.path.insert(0, ROOT)
     from benchmarks.bench import _median_run, parser, table_row
 
     args = parser().parse_args([])  # the Fourier PrimaryCaps: its own products are fourier_floor_s
 
-    def run(step, own):
+    def run(step, own, pairs):
         return {"impl": "numpy", "label": "numpy", "train_step_s": step, "train_samples_per_s": 64 / step,
-                "eval_samples_per_s": 1.0, "peak_train_mem_mb": 100.0,
+                "eval_samples_per_s": 1.0, "peak_train_mem_mb": 100.0, "pairs": pairs,
                 "floor": {"floor_s": 9.0, "fourier_floor_s": own, "gflop": 1.0, "gflop_per_s": 1.0, "products": {}}}
 
-    # the machine slowed in round 2: its step and its products both took twice as long
-    r = _median_run([run(0.30, 0.20), run(0.60, 0.40), run(0.32, 0.20)])
-    assert r["floor_rounds"][1] == {"floor_s": 9.0, "fourier_floor_s": 0.40}
+    # the machine slowed in round 2, and within round 3 after its first pair: both halves of a pair move
+    r = _median_run([run(0.30, 0.20, [[0.30, 0.20], [0.32, 0.20], [0.30, 0.20]]),
+                     run(0.60, 0.40, [[0.60, 0.40], [0.64, 0.40], [0.60, 0.40]]),
+                     run(0.32, 0.10, [[0.32, 0.20], [0.64, 0.40], [0.60, 0.40]])])
+    assert r["floor_rounds"][1] == {"floor_s": 9.0, "fourier_floor_s": 0.40} and "pairs" not in r
     row = table_row(r, None, r.pop("floor"), args)
     assert r["step_over_own_floor_rounds"] == pytest.approx([1.5, 1.5, 1.6])
+    # the pooled median of the nine pairs; a floor timed apart (0.10 s in round 3) would give 3.2
     assert r["step_over_own_floor"] == pytest.approx(1.5) and row["step / own"] == "1.50 (1.50-1.60)"
-    assert r["own_floor_s"] == 0.20  # the reported step's own round (the median throughput: 0.32 s)
+    assert r["own_floor_s"] == 0.10  # the reported step's own round's floor (the median throughput: 0.32 s)
+    # without pairs (a run from before them): the reported step over its floor
+    r = _median_run([{k: v for k, v in run(0.30, 0.20, []).items() if k != "pairs"}])
+    table_row(r, None, r.pop("floor"), args)
+    assert r["step_over_own_floor"] == pytest.approx(1.5) and r["step_over_own_floor_rounds"] == [pytest.approx(1.5)]
 
 
 def test_a_stopped_benchmark_leaves_the_rounds_it_measured(tmp_path, monkeypatch):
@@ -98,9 +106,12 @@ def test_benchmark_quick_run_writes_a_complete_table(tmp_path):
     per_round = [a / b for a, b in zip(impls["numpy"]["train_samples_per_s_rounds"],
                                        impls["autograd:cpu"]["train_samples_per_s_rounds"])]
     assert impls["numpy"]["speedup_vs_autograd"] == pytest.approx(sum(per_round) / 2)
-    # step / own products per round, each over the floor timed in that round's process
-    own = impls["numpy"]["step_over_own_floor_rounds"]
-    assert len(own) == 2 and impls["numpy"]["step_over_own_floor"] == pytest.approx(sum(own) / 2)
+    # step / own products in pairs: --quick's one step per round, so one pair per round
+    pairs = impls["numpy"]["pairs_rounds"]
+    assert [len(p) for p in pairs] == [1, 1] and all(s > 0 and p > 0 for s, p in sum(pairs, []))
+    ratios = [s / p for s, p in sum(pairs, [])]
+    assert impls["numpy"]["step_over_own_floor_rounds"] == pytest.approx(ratios)
+    assert impls["numpy"]["step_over_own_floor"] == pytest.approx(sum(ratios) / 2)
     products = res["floor"]["numpy"]["products"]
     assert {"primary forward", "primary dW", "primary dX", "classcaps u_hat"} <= set(products)
     # the picture of the same JSON
