@@ -28,7 +28,7 @@ speed run times the floor in its own process right after its steps.  step / own 
 in pairs (``paired_steps``): one train step, then one pass over the products that step runs, --steps
 times in each run; it is the median over every pair of every round, the range the rounds' medians.
 On a shared machine whose speed drifts within seconds, a step and a floor timed apart would move
-the ratio as much as the step's own work does; the two halves of a pair are a second apart.
+the ratio as much as the step's own work does; the two halves of a pair are seconds apart at most.
 Results: a table on stdout and JSON (--json, default benchmarks/results.json).
 """
 from __future__ import annotations
@@ -368,7 +368,7 @@ def gemm_floor(impl, batch, dtype, reps, config, operands=None):
 def paired_steps(train, sync, operands, fourier: bool, pairs: int) -> list:
     """[step s, own products s] ``pairs`` times: one train step, then one pass over the products that
     step runs (``_floor_operands``; each called once untimed, then timed).  The two halves of a pair
-    run within about a second of each other, so a drift in the machine's speed moves both."""
+    run within seconds of each other, so a drift in the machine's speed moves both."""
     product, psync = operands["product"], operands["sync"]
     own = set(operands["fourier" if fourier else "im2col"])
     out = []
