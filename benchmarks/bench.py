@@ -519,10 +519,13 @@ def table_row(r, ref, floor, args, compiled=None):
         # the products this step itself runs (_runs_fourier)
         key = "fourier_floor_s" if _runs_fourier(r["impl"], {"primary_conv": args.primary_conv}) else "floor_s"
         r["own_floor_s"] = floor[key]
-        row["own products s"] = f"{floor[key]:.3f}"
         # step / own products: the median over every pair of every round (paired_steps), each round's
-        # median for the range; without pairs, the reported step over its own round's floor
+        # median for the range; without pairs, the reported step over its own round's floor.  The
+        # column beside it shows the products' time of the same pairs (their median)
         pairs = r.get("pairs_rounds", [])
+        if pairs:
+            r["own_products_paired_s"] = float(np.median([p for round_pairs in pairs for _, p in round_pairs]))
+        row["own products s"] = f"{r.get('own_products_paired_s', floor[key]):.3f}"
         per_round = ([float(np.median([s / p for s, p in round_pairs])) for round_pairs in pairs] if pairs
                      else [r["train_step_s"] / floor[key]])
         r["step_over_own_floor"] = (float(np.median([s / p for round_pairs in pairs for s, p in round_pairs]))

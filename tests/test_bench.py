@@ -55,6 +55,7 @@ def test_step_over_own_products_is_taken_in_pairs():
     # the pooled median of the nine pairs; a floor timed apart (0.10 s in round 3) would give 3.2
     assert r["step_over_own_floor"] == pytest.approx(1.5) and row["step / own"] == "1.50 (1.50-1.60)"
     assert r["own_floor_s"] == 0.10  # the reported step's own round's floor (the median throughput: 0.32 s)
+    assert row["own products s"] == "0.400"  # what the table shows: the pairs' products (median of nine)
     # without pairs (a run from before them): the reported step over its floor
     r = _median_run([{k: v for k, v in run(0.30, 0.20, []).items() if k != "pairs"}])
     table_row(r, None, r.pop("floor"), args)
