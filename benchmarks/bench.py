@@ -92,9 +92,8 @@ def _median_time(fn, warmup, steps, sync):
 
 def worker(impl, batch, dtype, warmup, steps, config, input_size=28, floor=False):
     """Measure one implementation: 'numpy', 'torch', 'torch:cuda', 'cupy', 'autograd', 'autograd:cuda'.
-    With ``floor``, then also the GEMM floor (``gemm_floor``), in the same process right after the
-    steps: a shared machine's speed drifts over minutes, and step / own products is only a ratio of
-    the step's own work where both sides were timed together."""
+    With ``floor``, then also the GEMM floor (``gemm_floor``) and the pairs of a step and its own
+    products (``paired_steps``), in the same process right after the steps."""
     from backends.base import keep_freed_memory, process_memory
 
     keep_freed_memory()  # what the CPU backends do (backends/base.py): the reference gets it too
@@ -373,18 +372,9 @@ def paired_steps(train, sync, operands, fourier: bool, pairs: int) -> list:
     own = set(operands["fourier" if fourier else "im2col"])
     out = []
     for _ in range(pairs):
-        t = time.perf_counter()
-        train()
-        sync()
-        step, products_s = time.perf_counter() - t, 0.0
-        for label, A, Bm in operands["products"]:
-            if label in own:
-                product(A, Bm)
-                psync()
-                t = time.perf_counter()
-                product(A, Bm)
-                psync()
-                products_s += time.perf_counter() - t
+        step, _ = _median_time(train, 0, 1, sync)
+        products_s = sum(_median_time(lambda: product(A, Bm), 1, 1, psync)[0]
+                         for label, A, Bm in operands["products"] if label in own)
         out.append([step, products_s])
     return out
 
@@ -524,12 +514,14 @@ def table_row(r, ref, floor, args, compiled=None):
         # column beside it shows the products' time of the same pairs (their median)
         pairs = r.get("pairs_rounds", [])
         if pairs:
+            ratios = [[s / p for s, p in round_pairs] for round_pairs in pairs]
+            per_round = [float(np.median(round_ratios)) for round_ratios in ratios]
+            r["step_over_own_floor"] = float(np.median(sum(ratios, [])))
             r["own_products_paired_s"] = float(np.median([p for round_pairs in pairs for _, p in round_pairs]))
+        else:
+            per_round = [r["train_step_s"] / floor[key]]
+            r["step_over_own_floor"] = per_round[0]
         row["own products s"] = f"{r.get('own_products_paired_s', floor[key]):.3f}"
-        per_round = ([float(np.median([s / p for s, p in round_pairs])) for round_pairs in pairs] if pairs
-                     else [r["train_step_s"] / floor[key]])
-        r["step_over_own_floor"] = (float(np.median([s / p for round_pairs in pairs for s, p in round_pairs]))
-                                    if pairs else per_round[0])
         r["step_over_own_floor_rounds"] = per_round
         row["step / own"] = _ratio_text(r["step_over_own_floor"], per_round, unit="")
     return row
