@@ -45,8 +45,13 @@ LONG = {
 }
 
 
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def readme_blocks():
-    text = open(README, encoding="utf-8").read()
+    text = _read(README)
     return re.findall(r"```(bash|python)\n(.*?)```", text, flags=re.S)
 
 
@@ -59,7 +64,7 @@ def readme_commands():
             out.append(("python", body))
         else:
             out += [("bash", line.split("  #")[0].strip()) for line in body.splitlines() if line.strip()]
-    text = open(README, encoding="utf-8").read()
+    text = _read(README)
     for cmd in re.findall(r"`((?:python|bash|pycapsnet|pip) [^`]+)`", text):
         if ("bash", cmd) not in out:
             out.append(("bash", cmd))
@@ -99,14 +104,14 @@ def test_the_marks_name_readme_commands():
 
 
 def test_ci_runs_exactly_the_readme_test_command():
-    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    ci = _read(os.path.join(ROOT, ".ci", "run"))
     test_command = 'pip install torch==2.13.0 -e ".[test]" && python -m pytest'
     assert ("bash", test_command) in readme_commands()
     assert test_command in ci.splitlines()[-1], "the last line of .ci/run must be the README's test command"
 
 
 def test_readme_is_short():
-    assert len(open(README, encoding="utf-8").read()) <= 12_000
+    assert len(_read(README)) <= 12_000
 
 
 def test_shell_form_names_scripts_by_path():
