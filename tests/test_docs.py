@@ -9,11 +9,12 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
+README = Path(ROOT, "README.md")
 QUICK_MODEL = "--epochs 1 --limit 64 --limit-test 32 --conv-channels 16 --primary-types 4 --no-progress"
 QUICK_EM = "--epochs 1 --limit 32 --limit-test 16 --conv-channels 8 --primary-types 4 --no-progress"
 
@@ -45,13 +46,8 @@ LONG = {
 }
 
 
-def _read(path):
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
 def readme_blocks():
-    text = _read(README)
+    text = README.read_text(encoding="utf-8")
     return re.findall(r"```(bash|python)\n(.*?)```", text, flags=re.S)
 
 
@@ -64,7 +60,7 @@ def readme_commands():
             out.append(("python", body))
         else:
             out += [("bash", line.split("  #")[0].strip()) for line in body.splitlines() if line.strip()]
-    text = _read(README)
+    text = README.read_text(encoding="utf-8")
     for cmd in re.findall(r"`((?:python|bash|pycapsnet|pip) [^`]+)`", text):
         if ("bash", cmd) not in out:
             out.append(("bash", cmd))
@@ -104,14 +100,14 @@ def test_the_marks_name_readme_commands():
 
 
 def test_ci_runs_exactly_the_readme_test_command():
-    ci = _read(os.path.join(ROOT, ".ci", "run"))
+    ci = Path(ROOT, ".ci", "run").read_text(encoding="utf-8")
     test_command = 'pip install torch==2.13.0 -e ".[test]" && python -m pytest'
     assert ("bash", test_command) in readme_commands()
     assert test_command in ci.splitlines()[-1], "the last line of .ci/run must be the README's test command"
 
 
 def test_readme_is_short():
-    assert len(_read(README)) <= 12_000
+    assert len(README.read_text(encoding="utf-8")) <= 12_000
 
 
 def test_shell_form_names_scripts_by_path():
