@@ -83,9 +83,12 @@ class ClassCaps(Layer):
         self.fixed_coupling = None
 
     def forward(self, u):
-        # u: (N, P, T, K) -> v: (N, J, D)
+        # u: (N, P, T, K), or (N, T, K) from another routing layer (P = 1) -> v: (N, J, D)
         xp = self.B.xp
         n = u.shape[0]
+        self.in_shape = tuple(u.shape)
+        if len(self.in_shape) != 4:
+            u = xp.reshape(u, (n, self.P, self.T, self.K))
         if self.share_spatial and self.routes_shared:
             ut = self.B.contiguous(xp.permute_dims(u, (0, 2, 1, 3)))             # (N, T, P, K)
             v, self.trace = self.route_shared(ut, self._shared_W())
@@ -187,7 +190,7 @@ class ClassCaps(Layer):
             du, dW = shared_routing.backward(self.B, ut, self._shared_W(), self.trace, dv, self.routing_grad,
                                              self._chunk(ut.shape[0]))
             self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
-            return xp.permute_dims(du, (0, 2, 1, 3)) if input_grad else None
+            return self._as_input(xp.permute_dims(du, (0, 2, 1, 3))) if input_grad else None
         ut, u_hat = self.cache
         self.cache = None
         d_u_hat = self._route_blocks_backward(u_hat, dv)                          # dû (I, N, J, D)
@@ -201,7 +204,11 @@ class ClassCaps(Layer):
             return None
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))
         du = self.B.matmul(dh, Wm)                                                # (P, T, N, K)
-        return xp.permute_dims(du, (2, 0, 1, 3))
+        return self._as_input(xp.permute_dims(du, (2, 0, 1, 3)))
+
+    def _as_input(self, du):
+        """du (N, P, T, K) in the shape forward was given."""
+        return du if len(self.in_shape) == 4 else self.B.xp.reshape(du, self.in_shape)
 
 
 class AttentionCaps(ClassCaps):
@@ -251,7 +258,7 @@ class CapsuleLength(Layer):
         self.cache = (v, length)
         return length
 
-    def backward(self, dlength):
+    def backward(self, dlength, input_grad=True):
         xp = self.B.xp
         v, length = self.cache
         self.cache = None

@@ -45,7 +45,7 @@ class _Recording:
         B = model.B
         self.model, self.batch_size = model, batch_size
         # the recording reads its batch from these arrays, at these addresses, on every replay
-        self.x = B.zeros((batch_size, *model.config.input_shape))          # (N, C, H, W)
+        self.x = B.zeros((batch_size, *model.input_shape))          # (N, C, H, W)
         self.y = B.asarray(np.zeros(batch_size, np.int64))                  # (N,) labels
         self._out = None
         self._replay = None

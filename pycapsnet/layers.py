@@ -41,6 +41,17 @@ class Layer:
     def backward(self, dy, input_grad=True):  # pragma: no cover - interface
         raise NotImplementedError
 
+    def release(self):
+        """Drop what forward kept for a backward (and a routing layer's trace of its iterations),
+        here and in the layers this one is made of: after an evaluation, so that it is not held
+        into the next step."""
+        self.cache = None
+        if hasattr(self, "trace"):
+            self.trace = None
+        for part in vars(self).values():
+            if isinstance(part, Layer) and part is not self:
+                part.release()
+
     def traced(self, k):
         """For a layer that routes in blocks of the batch and keeps ``self.trace`` as (slice, trace)
         per block, in batch order (ClassCaps, the EM layers): item k of every iteration's trace over
@@ -156,7 +167,7 @@ class ReLU(Layer):
         self.cache = y
         return y
 
-    def backward(self, dy):
+    def backward(self, dy, input_grad=True):
         y, self.cache = self.cache, None
         return self.B.relu_backward(dy, y)  # y > 0 exactly where x > 0
 
@@ -175,7 +186,7 @@ class Sigmoid(Layer):
         self.cache = y
         return y
 
-    def backward(self, dy):
+    def backward(self, dy, input_grad=True):
         y, self.cache = self.cache, None
         return dy * y * (1 - y)
 

@@ -195,7 +195,7 @@ def test_evaluation_releases_what_forward_kept_for_backward():
 
     m = CapsNet("numpy", CapsNetConfig(conv_channels=8, primary_types=2), seed=0)
     x = np.random.default_rng(0).random((2, 1, 28, 28)).astype(np.float32)
-    layers = [m.conv1, m.relu1, m.primary, m.primary.conv, m.classcaps, m.length, *m.decoder]
+    layers = [m.conv1, m.body["relu1"], m.primary, m.primary.conv, m.classcaps, m.head.length, *m.decoder.layers]
     m.forward(x)
     assert m.primary.conv.cache is not None and m.classcaps.cache is not None
     m.predict(x)

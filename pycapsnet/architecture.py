@@ -1,0 +1,306 @@
+"""Describe a network, then build it.  A description is plain data (JSON): the input shape, the
+number of classes, the body's layers in order, the head, the class loss and the decoder.
+
+    arch = network(body=[conv2d(256, 9, name="conv1"), relu(),
+                         primary_caps(32, 8, kernel=9, stride=2, name="primary"),
+                         dynamic_caps(32, 12, name="caps1"), dynamic_caps(10, 16, name="classcaps")],
+                   input_shape=(1, 28, 28))
+    model = build(arch, backends.get("numpy"), seed=0)      # a Network (network.py)
+
+Each layer takes the shape its predecessor emits (worked out here, before anything is allocated),
+so a routing layer infers its input capsule count.  Layers that do not fit are refused at build
+time in one line naming both layers and both shapes.  Checkpoints record the description
+(``Network.architecture``): ``evaluate``, ``inspect`` and ``--resume`` rebuild the network from it.
+
+What flows between layers, per sample (``Flow``):
+    image    (H, W, C) channels-last
+    vector   capsules (P, T, K): P positions of a (H, W) grid, or no grid (P = 1) after a routing layer
+    matrix   (M (H, W, T, 16), a (H, W, T)) on a grid, or (μ (J, 16), a (J)) after class capsules
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .capsules import AttentionCaps, ClassCaps, PrimaryCaps
+from .conv_caps import ConvCaps
+from .errors import CapsNetError
+from .init import he_uniform
+from .layers import Conv2d, Linear, ReLU, Sigmoid
+from .losses import MarginLoss, ReconstructionLoss, SpreadLoss
+from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
+from .network import ActivationHead, LengthHead, MaskedDecoder, Network, Sequential
+
+
+@dataclass(frozen=True)
+class Flow:
+    """What one sample carries between two layers: kind "image" (grid (H, W), C channels),
+    "vector" (grid or None, T capsule types, K dims) or "matrix" (grid or None, T types, 4x4 poses)."""
+    kind: str
+    grid: tuple | None
+    types: int
+    dim: int = 16
+
+    def __str__(self):
+        if self.kind == "image":
+            return f"a {self.grid[0]}x{self.grid[1]} image of {self.types} channels"
+        what = f"capsule{'s' if self.grid is None else ' types'} of {self.dim}D" if self.kind == "vector" \
+            else f"matrix capsule{'s' if self.grid is None else ' types'} (4x4 poses)"
+        return f"{self.types} {what}" if self.grid is None else \
+            f"a {self.grid[0]}x{self.grid[1]} grid of {self.types} {what}"
+
+
+# ---- the parts of a description --------------------------------------------------------------------
+def _part(kind, name, **options):
+    return {"layer": kind, **({"name": name} if name else {}), **options}
+
+
+def conv2d(channels, kernel, stride=1, padding=0, name=None):
+    return _part("conv2d", name, channels=channels, kernel=kernel, stride=stride, padding=padding)
+
+
+def relu(name=None):
+    return _part("relu", name)
+
+
+def primary_caps(types, dim, kernel=9, stride=2, conv="fourier", name=None):
+    return _part("primary_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, conv=conv)
+
+
+def dynamic_caps(capsules, dim, iters=3, routing_grad="full", share_spatial=False, name=None):
+    return _part("dynamic_caps", name, capsules=capsules, dim=dim, iters=iters, routing_grad=routing_grad,
+                 share_spatial=share_spatial)
+
+
+def attention_caps(capsules, dim, share_spatial=False, name=None):
+    return _part("attention_caps", name, capsules=capsules, dim=dim, share_spatial=share_spatial)
+
+
+def conv_caps(types, dim, kernel=3, stride=1, iters=3, routing_grad="full", name=None):
+    return _part("conv_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, iters=iters,
+                 routing_grad=routing_grad)
+
+
+def primary_matrix_caps(types, name=None):
+    return _part("primary_matrix_caps", name, types=types)
+
+
+def conv_matrix_caps(types, kernel=3, stride=1, iters=2, routing_grad="full", em_lambda=1e-3, name=None):
+    return _part("conv_matrix_caps", name, types=types, kernel=kernel, stride=stride, iters=iters,
+                 routing_grad=routing_grad, em_lambda=em_lambda)
+
+
+def class_matrix_caps(capsules, iters=2, routing_grad="full", em_lambda=1e-3, name=None):
+    return _part("class_matrix_caps", name, capsules=capsules, iters=iters, routing_grad=routing_grad,
+                 em_lambda=em_lambda)
+
+
+def margin_loss(m_plus=0.9, m_minus=0.1, lam=0.5):
+    return {"loss": "margin", "m_plus": m_plus, "m_minus": m_minus, "lam": lam}
+
+
+def spread_loss():
+    return {"loss": "spread"}
+
+
+def decoder(hidden=(512, 1024), weight=0.0005):
+    return {"hidden": list(hidden), "weight": weight}
+
+
+def network(body, head="lengths", loss=None, decoder=decoder(), input_shape=None, n_classes=None):
+    """A whole description.  ``head``: "lengths" (vector capsules) or "activations" (matrix
+    capsules); ``loss`` defaults to the head's: margin for lengths, spread for activations;
+    ``decoder`` None: no reconstruction.  input_shape (C, H, W) and n_classes may be left None for
+    the trainer to take from the data."""
+    loss = loss or (margin_loss() if head == "lengths" else spread_loss())
+    return {"input_shape": None if input_shape is None else list(input_shape), "n_classes": n_classes,
+            "body": list(body), "head": head, "loss": loss, "decoder": decoder}
+
+
+# ---- building --------------------------------------------------------------------------------------
+def _conv2d(B, flow, rng, channels, kernel, stride=1, padding=0):
+    layer = Conv2d(B, _need(flow, "image").types, channels, kernel, stride, padding, rng=rng, init=he_uniform)
+    return layer, Flow("image", _fits(layer.output_hw(*flow.grid), kernel, stride), channels)
+
+
+def _relu(B, flow, rng):
+    return ReLU(B), flow
+
+
+def _primary_caps(B, flow, rng, types, dim, kernel=9, stride=2, conv="fourier"):
+    layer = PrimaryCaps(B, _need(flow, "image").types, types, dim, kernel, stride, rng=rng, conv=conv)
+    return layer, Flow("vector", _fits(layer.conv.output_hw(*flow.grid), kernel, stride), types, dim)
+
+
+def _routed_from(flow, share_spatial):
+    """(positions, types, dims) of a routing layer's input capsules."""
+    _need(flow, "vector")
+    if share_spatial and flow.grid is None:
+        raise _Misfit("share_spatial shares a transform over the positions of a grid, and this input has none")
+    return (math.prod(flow.grid) if flow.grid else 1), flow.types, flow.dim
+
+
+def _dynamic_caps(B, flow, rng, capsules, dim, iters=3, routing_grad="full", share_spatial=False):
+    layer = ClassCaps(B, *_routed_from(flow, share_spatial), capsules, dim, iters, routing_grad, share_spatial, rng=rng)
+    return layer, Flow("vector", None, capsules, dim)
+
+
+def _attention_caps(B, flow, rng, capsules, dim, share_spatial=False):
+    layer = AttentionCaps(B, *_routed_from(flow, share_spatial), capsules, dim, share_spatial=share_spatial, rng=rng)
+    return layer, Flow("vector", None, capsules, dim)
+
+
+def _conv_caps(B, flow, rng, types, dim, kernel=3, stride=1, iters=3, routing_grad="full"):
+    if _need(flow, "vector").grid is None:
+        raise _Misfit("convolutional capsules need a grid of capsules, and this input has none")
+    layer = ConvCaps(B, flow.grid, flow.types, flow.dim, types, dim, kernel, stride, iters, routing_grad, rng=rng)
+    return layer, Flow("vector", _fits((layer.oh, layer.ow), kernel, stride), types, dim)
+
+
+def _primary_matrix_caps(B, flow, rng, types):
+    return PrimaryMatrixCaps(B, _need(flow, "image").types, types, rng=rng), Flow("matrix", flow.grid, types)
+
+
+def _conv_matrix_caps(B, flow, rng, types, kernel=3, stride=1, iters=2, routing_grad="full", em_lambda=1e-3):
+    if _need(flow, "matrix").grid is None:
+        raise _Misfit("convolutional capsules need a grid of capsules, and this input has none")
+    layer = ConvMatrixCaps(B, flow.types, types, kernel, stride, iters, routing_grad, em_lambda, rng=rng)
+    h, w = flow.grid
+    return layer, Flow("matrix", _fits(((h - kernel) // stride + 1, (w - kernel) // stride + 1), kernel, stride), types)
+
+
+def _class_matrix_caps(B, flow, rng, capsules, iters=2, routing_grad="full", em_lambda=1e-3):
+    if _need(flow, "matrix").grid is None:
+        raise _Misfit("class matrix capsules take a grid of matrix capsules, and this input has none")
+    layer = ClassMatrixCaps(B, flow.grid, flow.types, capsules, iters, routing_grad, em_lambda, rng=rng)
+    return layer, Flow("matrix", None, capsules)
+
+
+LAYERS = {"conv2d": _conv2d, "relu": _relu, "primary_caps": _primary_caps, "dynamic_caps": _dynamic_caps,
+          "attention_caps": _attention_caps, "conv_caps": _conv_caps, "primary_matrix_caps": _primary_matrix_caps,
+          "conv_matrix_caps": _conv_matrix_caps, "class_matrix_caps": _class_matrix_caps}
+HEADS = {"lengths": ("vector", LengthHead), "activations": ("matrix", ActivationHead)}
+LOSSES = {"margin": MarginLoss, "spread": SpreadLoss}
+
+
+class _Misfit(Exception):
+    """A layer cannot take what its predecessor emits: the reason, completed by ``build``."""
+
+
+def _need(flow, kind):
+    if flow.kind != kind:
+        raise _Misfit(f"it takes {'an image' if kind == 'image' else kind + ' capsules'}")
+    return flow
+
+
+def _fits(grid, kernel, stride):
+    if min(grid) < 1:
+        raise _Misfit(f"its {kernel}x{kernel} windows (stride {stride}) do not fit in the input")
+    return tuple(int(d) for d in grid)
+
+
+def load(path) -> dict:
+    """A description from a JSON file; CapsNetError naming the file if it is not one."""
+    try:
+        with open(path) as f:
+            arch = json.load(f)
+    except OSError as e:
+        raise CapsNetError(f"cannot read the network description {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise CapsNetError(f"the network description {path} is not JSON ({e})") from None
+    if not isinstance(arch, dict) or not isinstance(arch.get("body"), list):
+        raise CapsNetError(f"the network description {path} must be a JSON object with a 'body' list of layers "
+                           "(docs/architecture.md, 'Describing a network')")
+    return arch
+
+
+def _options(fn, spec, label):
+    """The keyword options of ``spec`` for builder ``fn``; CapsNetError naming what is unknown or missing."""
+    options = {k: v for k, v in spec.items() if k not in ("layer", "name")}
+    allowed = list(inspect.signature(fn).parameters)[3:]
+    unknown = sorted(set(options) - set(allowed))
+    missing = [p.name for p in list(inspect.signature(fn).parameters.values())[3:]
+               if p.default is inspect.Parameter.empty and p.name not in options]
+    if unknown or missing:
+        what = "; ".join(([f"unknown option {', '.join(unknown)}"] if unknown else [])
+                         + ([f"missing {', '.join(missing)}"] if missing else []))
+        raise CapsNetError(f"{label}: {what} (its options: {', '.join(allowed) or 'none'})")
+    return options
+
+
+def build_body(B, body, input_shape, rng):
+    """(Sequential, the Flow it emits) from the body's layer descriptions."""
+    c, h, w = input_shape
+    flow, prev, layers, counts = Flow("image", (h, w), c), "the input", [], {}
+    for k, spec in enumerate(body):
+        kind = spec.get("layer") if isinstance(spec, dict) else None
+        if kind not in LAYERS:
+            raise CapsNetError(f"body layer {k + 1}: unknown layer {kind!r}; use one of {', '.join(LAYERS)}")
+        counts[kind] = counts.get(kind, 0) + 1
+        name = str(spec.get("name") or f"{kind}{counts[kind]}")
+        label = f"layer '{name}' ({kind})"
+        options = _options(LAYERS[kind], spec, label)
+        try:
+            layer, out = LAYERS[kind](B, flow, rng, **options)
+        except _Misfit as e:
+            raise CapsNetError(f"{label} cannot follow {prev}, which emits {flow}: {e}") from None
+        except (ValueError, TypeError) as e:  # a layer's own refusal of an option
+            raise CapsNetError(f"{label}: {e}") from None
+        layers.append((name, layer))
+        layer.in_flow = flow  # what it takes: for pictures of its routing (pycapsnet inspect)
+        flow, prev = out, f"'{name}' ({kind})"
+    return Sequential(B, layers), flow, prev
+
+
+def assemble(B, arch: dict, seed: int = 0) -> dict:
+    """The keyword arguments of ``Network`` for description ``arch``: its parts built on backend B,
+    initialised from ``seed`` (the body's layers in order, then the decoder's)."""
+    if arch.get("input_shape") is None or arch.get("n_classes") is None:
+        raise CapsNetError("the network description needs input_shape (C, H, W) and n_classes to be built")
+    input_shape = tuple(int(d) for d in arch["input_shape"])
+    n_classes = int(arch["n_classes"])
+    if len(input_shape) != 3 or min(input_shape) < 1 or n_classes < 2:
+        raise CapsNetError(f"input_shape must be 3 sizes (C, H, W) and n_classes at least 2, got "
+                           f"{list(input_shape)} and {n_classes}")
+    rng = np.random.default_rng(seed)
+    body, flow, last = build_body(B, arch["body"], input_shape, rng)
+    head = arch.get("head", "lengths")
+    if head not in HEADS:
+        raise CapsNetError(f"unknown head {head!r}; use one of {', '.join(HEADS)}")
+    kind, head_cls = HEADS[head]
+    if flow.kind != kind or flow.grid is not None or flow.types != n_classes:
+        raise CapsNetError(f"the head '{head}' takes {n_classes} {kind} capsules without a grid (one per class), "
+                           f"but the body's last layer {last} emits {flow}")
+    loss = dict(arch.get("loss") or (margin_loss() if head == "lengths" else spread_loss()))
+    loss_cls = LOSSES.get(loss.pop("loss", None))
+    if loss_cls is None:
+        raise CapsNetError(f"unknown loss in {arch.get('loss')}; use one of {', '.join(LOSSES)}")
+    parts = dict(body=body, head=head_cls(B), class_loss=loss_cls(B, **loss), input_shape=input_shape,
+                 n_classes=n_classes, class_dim=flow.dim, architecture=arch)
+    if arch.get("decoder"):
+        parts["decoder"], parts["recon_loss"] = _decoder(B, arch["decoder"], n_classes * flow.dim, input_shape, rng)
+    return parts
+
+
+def _decoder(B, spec, n_in, input_shape, rng):
+    """(MaskedDecoder, ReconstructionLoss): Linear + ReLU per hidden size, then Linear + Sigmoid to pixels."""
+    hidden = [int(d) for d in spec.get("hidden", ())]
+    sizes = (n_in, *hidden, math.prod(input_shape))
+    layers = []
+    for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]), start=1):
+        last = k == len(sizes) - 1
+        layers.append((f"decoder{k}", Linear(B, a, b, rng=rng, init=None if last else he_uniform)))
+        layers.append((f"decoder{k}_{'sigmoid' if last else 'relu'}", Sigmoid(B) if last else ReLU(B)))
+    return MaskedDecoder(B, layers), ReconstructionLoss(B, spec.get("weight", 0.0005))
+
+
+def build(arch: dict, backend="numpy", seed: int = 0) -> Network:
+    """The Network that ``arch`` describes, on ``backend`` (a Backend or a name)."""
+    import backends
+
+    B = backends.get(backend)
+    return Network(B, **assemble(B, arch, seed))

@@ -1,0 +1,88 @@
+"""ConvCaps: convolutional vector capsules with dynamic routing.
+
+Children u_i sit on an (H, W) grid, T types of K dims.  A parent capsule of type j at output position
+p = (oh, ow) routes from the K_s x K_s window of children under it (stride s):
+
+    i = (kernel row, kernel column, child type)   I = K_s*K_s*T children per window
+    û_j|i,p = W_ij u_(window p, i)                 W: (I, C, D, K), shared over positions p
+    v_j,p   = dynamic routing (routing.py) of û_.|.,p among the C parent types at p
+
+Which parents compete for a child: the parents at the same position.  The coupling coefficients of
+a child's copy in window p are a softmax over the C parent types at p, so they sum to 1 there; a
+child that lies in several windows (stride < kernel) sends each window an independent copy, routed
+on its own.  (ConvMatrixCaps normalises a child's assignments over every window instead.)  Every
+window of every sample is thus one routing problem: routing.py's code runs unchanged with the
+batch axis N*P, and so does its exact backward, in both gradient modes:
+
+    forward:   U = im2col(u) (N*P, I*K);   û = W U  per child slot i;   v = route(û)
+    backward:  dû = routing_backward (B.outer_sum of its factors)
+               dW_ij = sum_(n,p) dû_j|i,p u_(window p, i)^T;   dU_i = sum_j W_ij^T dû_j|i;   du = col2im(dU)
+
+(col2im, the adjoint of im2col, adds each window's gradient back onto the children it covers.)
+docs/backprop.md derives it beside the fully connected form.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import init as initializers
+from .layers import Layer
+from .routing import MODES, routing_backward_factors, routing_forward
+
+
+class ConvCaps(Layer):
+    """u (N, H*W, T, K) on an (H, W) grid -> v (N, OH*OW, C, D) on the (OH, OW) grid of windows."""
+
+    def __init__(self, backend, grid, in_types, in_dim, out_types, out_dim, kernel=3, stride=1, iters=3,
+                 routing_grad="full", rng=None):
+        super().__init__(backend)
+        if routing_grad not in MODES:
+            raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
+        if iters < 1:
+            raise ValueError(f"routing needs at least one iteration, got {iters}")
+        self.grid, self.T, self.K, self.C, self.D = tuple(grid), in_types, in_dim, out_types, out_dim
+        self.k, self.stride, self.iters, self.routing_grad = kernel, stride, iters, routing_grad
+        h, w = self.grid
+        self.oh, self.ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
+        self.I = kernel * kernel * in_types
+        rng = rng if rng is not None else np.random.default_rng(0)
+        self._add_param("W", initializers.capsule_transform(rng, (self.I, out_types, out_dim, in_dim)))
+        self.trace = None
+        self.fixed_coupling = None  # gradient checks of "final" hold c^{R-1} (N*P, C, I) here
+
+    def forward(self, u):
+        xp, B = self.B.xp, self.B
+        n, (h, w), P = u.shape[0], self.grid, self.oh * self.ow
+        cols = B.im2col(xp.reshape(u, (n, h, w, self.T * self.K)), self.k, self.k, self.stride)  # (N*P, I*K)
+        ut = xp.permute_dims(xp.reshape(cols, (n * P, self.I, self.K)), (1, 0, 2))               # (I, N*P, K)
+        Wm = xp.reshape(self.params["W"], (self.I, self.C * self.D, self.K))
+        u_hat = B.matmul(ut, xp.matrix_transpose(Wm))                                            # (I, N*P, C*D)
+        u_hat = B.contiguous(xp.reshape(u_hat, (self.I, n * P, self.C, self.D)))                 # û (I, N*P, C, D)
+        v, self.trace = routing_forward(B, u_hat, self.iters, self.fixed_coupling)               # v (N*P, C, D)
+        self.cache = (ut, u_hat, n)
+        return xp.reshape(v, (n, P, self.C, self.D))
+
+    @property
+    def coupling(self):
+        """c_ij of each routing iteration of the last forward, (N, P, I, C) arrays."""
+        xp = self.B.xp
+        return [xp.reshape(xp.permute_dims(c, (0, 2, 1)), (-1, self.oh * self.ow, self.I, self.C))
+                for c, *_ in self.trace]
+
+    def backward(self, dv, input_grad=True):
+        xp, B = self.B.xp, self.B
+        ut, u_hat, n = self.cache
+        self.cache = None
+        P = self.oh * self.ow
+        coeffs, vecs = routing_backward_factors(B, u_hat, self.trace, xp.reshape(dv, (n * P, self.C, self.D)),
+                                                self.routing_grad)
+        d_u_hat = xp.reshape(B.outer_sum(coeffs, vecs), (self.I, n * P, self.C * self.D))       # dû
+        self.grads["W"] += xp.reshape(B.matmul(xp.matrix_transpose(d_u_hat), ut), self.params["W"].shape)
+        if not input_grad:
+            return None
+        Wm = xp.reshape(self.params["W"], (self.I, self.C * self.D, self.K))
+        dut = B.matmul(d_u_hat, Wm)                                                              # (I, N*P, K)
+        dcols = xp.reshape(xp.permute_dims(dut, (1, 0, 2)), (n * P, self.I * self.K))
+        h, w = self.grid
+        du = B.col2im(dcols, (n, h, w, self.T * self.K), self.k, self.k, self.stride)
+        return xp.reshape(du, (n, h * w, self.T, self.K))

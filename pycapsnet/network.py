@@ -1,0 +1,331 @@
+"""Networks as compositions of layers: ``Sequential`` chains layers; a ``Network`` is a body (a
+Sequential from images to class capsules), a head (class scores), a class loss and, optionally, the
+masked decoder with its reconstruction loss.  The three built-in networks (model.py) and any network
+a user describes (architecture.py) are Networks; the trainer, the checks and the tools take any.
+
+    x (N, C, H, W) --channels last--> body --> z --head--> v (N, J, D), scores (N, J)
+    loss = class_loss(scores, y)  [+ decoder's reconstruction loss: |decode(v masked by y) - x|^2]
+
+Between layers flows an array, or a tuple of arrays where a layer's data is a pair (matrix
+capsules' poses and activations); a Sequential passes either along without looking inside.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .checks import check_capsules, check_images, check_labels, require_batch_size
+from .errors import CapsNetError
+from .layers import Layer
+
+
+class Sequential(Layer):
+    """Layers applied in order, under names: parameters and gradients appear as ``name.param``
+    (``name.child.param`` for nested containers).  forward chains; backward runs in reverse, and
+    only the first layer is told whether the input's gradient is wanted."""
+
+    def __init__(self, backend, layers):
+        self.B, self.cache = backend, None  # no parameters of its own: ``params`` are the children's
+        self.names, self.layers = [n for n, _ in layers], [l for _, l in layers]
+        if len(set(self.names)) != len(self.names):
+            raise CapsNetError(f"layer names must be unique, got {self.names}")
+
+    def __iter__(self):
+        return iter(zip(self.names, self.layers))
+
+    def __getitem__(self, name):
+        return self.layers[self.names.index(name)]
+
+    def named_layers(self, prefix=""):
+        """(dotted name, layer) for every layer that holds parameters of its own, in forward order."""
+        for name, layer in self:
+            if isinstance(layer, Sequential):
+                yield from layer.named_layers(f"{prefix}{name}.")
+            elif layer.params:
+                yield prefix + name, layer
+
+    @property
+    def params(self):
+        return {f"{n}.{k}": p for n, l in self.named_layers() for k, p in l.params.items()}
+
+    @property
+    def grads(self):
+        return {f"{n}.{k}": g for n, l in self.named_layers() for k, g in l.grads.items()}
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer.forward(x)
+        return x
+
+    def backward(self, dy, input_grad=True):
+        for k in reversed(range(len(self.layers))):
+            dy = self.layers[k].backward(dy, input_grad=input_grad or k > 0)
+        return dy
+
+    def release(self):
+        for layer in self.layers:
+            layer.release()
+
+
+# ---- heads: what the class scores are -------------------------------------------------------------
+class LengthHead(Layer):
+    """Vector capsules v (N, J, D) -> (v, |v_j| (N, J)): a capsule's length is its class's score."""
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        from .capsules import CapsuleLength
+
+        self.length = CapsuleLength(backend)
+
+    def forward(self, v):
+        return v, self.length.forward(v)
+
+    def backward(self, dv, dscores):
+        return dv + self.length.backward(dscores)
+
+
+class ActivationHead(Layer):
+    """Matrix capsules (μ (N, J, 16), a (N, J)) -> themselves: the activation a_j is the score."""
+
+    def forward(self, z):
+        return z
+
+    def backward(self, dv, dscores):
+        return dv, dscores
+
+
+class MaskedDecoder(Sequential):
+    """The reconstruction network of Sabour et al.: class capsules v (N, J, D), all but one per
+    sample masked to 0, flattened (N, J*D), through its layers (Linear, ReLU, ..., Sigmoid) to pixels."""
+
+    def decode(self, v, mask, image_shape):
+        """mask (N, J): one-hot rows -> reconstruction (N, *image_shape)."""
+        xp = self.B.xp
+        z = xp.reshape(v * mask[..., None], (v.shape[0], -1))           # masked capsules (N, J*D)
+        return xp.reshape(self.forward(z), (v.shape[0], *image_shape))
+
+    def decode_backward(self, d_recon, v_shape, mask):
+        """dL/d reconstruction -> dL/dv through the mask (the mask is a constant)."""
+        xp = self.B.xp
+        dz = self.backward(xp.reshape(d_recon, (v_shape[0], -1)))
+        return xp.reshape(dz, tuple(v_shape)) * mask[..., None]
+
+
+class Outputs:
+    """What ``forward`` and ``loss`` return: class capsules v_j (N, J, D), their scores (N, J) (the
+    lengths |v_j|, or EM's activations) and the reconstruction (N, C, H, W) or None, on the device.
+    After ``loss``, the loss values and the predicted classes stay on the device too until read:
+    ``loss`` (the total), ``parts`` (class loss, reconstruction) and ``predictions`` fetch all of
+    them with one transfer, so a GPU step is not held up mid-way, nor read twice."""
+
+    def __init__(self, B, v, lengths, reconstruction=None, loss_name="margin"):
+        self.v, self.lengths, self.reconstruction = v, lengths, reconstruction
+        self.loss_name = loss_name  # the class loss's: "margin", or "spread" (EM)
+        self.summary = None  # device array (3 + N,): total, class loss, reconstruction, predicted classes
+        self._B, self._host = B, None
+
+    def set_losses(self, total, margin, recon):
+        xp = self._B.xp
+        self._host = None
+        predicted = xp.astype(xp.argmax(self.lengths, axis=1), total.dtype)  # class indices, exact in floats
+        self.summary = xp.concat([xp.stack([total, margin, recon]), predicted])
+
+    def renewed(self) -> "Outputs":
+        """The same arrays with the host copy of the summary dropped: for arrays that were
+        overwritten in place (a replayed captured step), so that ``loss`` reads them again."""
+        out = Outputs(self._B, self.v, self.lengths, self.reconstruction, self.loss_name)
+        out.summary = self.summary
+        return out
+
+    def _fetch(self):
+        if self._host is None:
+            self._host = None if self.summary is None else self._B.to_numpy(self.summary).astype(np.float64)
+        return self._host
+
+    @property
+    def loss(self):
+        host = self._fetch()
+        return None if host is None else float(host[0])
+
+    @property
+    def parts(self) -> dict:
+        host = self._fetch()
+        return {} if host is None else {self.loss_name: float(host[1]), "reconstruction": float(host[2])}
+
+    @property
+    def predictions(self):
+        """The highest-scoring class of each sample: host int64 (N,)."""
+        host = self._fetch()
+        if host is None:  # a forward without losses
+            return np.argmax(self._B.to_numpy(self.lengths), axis=1)
+        return host[3:].astype(np.int64)
+
+
+class Network:
+    """A trainable composition: ``body`` (a Sequential from channels-last images to class capsules),
+    ``head`` (LengthHead or ActivationHead: the class scores), ``class_loss`` (margin or spread) and
+    an optional ``decoder`` (MaskedDecoder) whose ``recon_loss`` is added to the class loss.
+    ``architecture`` is the description it was built from (architecture.py), which checkpoints
+    record so that a run rebuilds it without the user's code.  Built by ``architecture.build``."""
+
+    def __init__(self, backend, body, head, class_loss, decoder=None, recon_loss=None, *, input_shape,
+                 n_classes, class_dim, architecture=None):
+        self.B, self.body, self.head, self.class_loss = backend, body, head, class_loss
+        self.decoder, self.recon_loss = decoder, recon_loss
+        self.input_shape, self.n_classes, self.class_dim = tuple(input_shape), n_classes, class_dim
+        self.architecture = architecture
+        self._eye = backend.asarray(np.eye(n_classes))  # row j: the one-hot mask of class j
+        self._cache = None
+        named = list(self.layers())
+        clash = sorted({n for n, _ in named if sum(m == n for m, _ in named) > 1})
+        if clash:
+            raise CapsNetError(f"layer names must be unique across the body and the decoder: {', '.join(clash)}")
+        # Every gradient is a view into one flat array: one buffer to zero, and one to sum across
+        # the processes of a data-parallel run (pycapsnet.distributed) without copying.
+        self.flat_grads = backend.zeros((self.n_params(),))
+        offset = 0
+        for _, layer in named:
+            for k, g in layer.grads.items():
+                size = int(np.prod(g.shape))
+                layer.grads[k] = backend.xp.reshape(self.flat_grads[offset:offset + size], tuple(g.shape))
+                offset += size
+
+    # ---- structure ------------------------------------------------------------------------------
+    def layers(self):
+        """(name, layer) for every layer with parameters, in forward order (body, then decoder)."""
+        yield from self.body.named_layers()
+        if self.decoder is not None:
+            yield from self.decoder.named_layers()
+
+    def routing_layers(self):
+        """(name, layer) for every layer of the body that routes (keeps a ``trace``), in order."""
+        return [(n, l) for n, l in self.body.named_layers() if hasattr(l, "trace")]
+
+    @property
+    def params(self) -> dict:
+        return {f"{n}.{k}": p for n, l in self.layers() for k, p in l.params.items()}
+
+    @property
+    def grads(self) -> dict:
+        return {f"{n}.{k}": g for n, l in self.layers() for k, g in l.grads.items()}
+
+    def n_params(self) -> int:
+        return int(sum(np.prod(p.shape) for p in self.params.values()))
+
+    def zero_grad(self):
+        self.flat_grads[...] = 0
+
+    def state_dict(self) -> dict:
+        """Parameters as host NumPy arrays (backend-neutral)."""
+        return {k: self.B.to_numpy(v) for k, v in self.params.items()}
+
+    def load_state_dict(self, state: dict):
+        """Copy host arrays into the parameters; raises CapsNetError listing every mismatch."""
+        own = self.params
+        problems = [f"missing {k} (model has {tuple(p.shape)})" for k, p in own.items() if k not in state]
+        problems += [f"unexpected {k} {tuple(np.shape(v))}" for k, v in state.items() if k not in own]
+        problems += [f"{k}: checkpoint {tuple(np.shape(state[k]))} vs model {tuple(p.shape)}"
+                     for k, p in own.items() if k in state and tuple(np.shape(state[k])) != tuple(p.shape)]
+        if problems:  # one line, as every error a command prints
+            raise CapsNetError("checkpoint does not match this architecture: " + "; ".join(problems)
+                               + "; build the model with the checkpoint's configuration")
+        for k, p in own.items():
+            p[...] = self.B.asarray(state[k])
+
+    def checked(self, x, y=None):
+        """x and y checked (checks.py) and on the device, as the underscored methods take them."""
+        x = check_images(self.B, self.input_shape, x)
+        return x, None if y is None else self.B.asarray(check_labels(self.B, self.n_classes, y, x.shape[0]))
+
+    # ---- forward / backward -----------------------------------------------------------------------
+    # The public methods check their input on the host and hand device arrays to the underscored
+    # ones, which do device work only: that part is what a captured step (pycapsnet.graph) records.
+    def forward(self, x, y=None, reconstruct=True) -> Outputs:
+        """x: (N, C, H, W) floats in [0, 1].  With labels y the decoder sees the true class capsule
+        (training); without, the highest-scoring one (evaluation).  Keeps what ``backward`` needs."""
+        return self._forward(*self.checked(x, y), reconstruct)
+
+    def _forward(self, x, y, reconstruct=True) -> Outputs:
+        xp = self.B.xp
+        v, scores = self.head.forward(self.body.forward(xp.permute_dims(x, (0, 2, 3, 1))))  # channels-last
+        out = Outputs(self.B, v, scores, loss_name=self.class_loss.name)
+        self._cache = {"x": x, "v": v, "mask": None}
+        if reconstruct:
+            chosen = y if y is not None else xp.argmax(scores, axis=1)
+            self._cache["mask"] = xp.take(self._eye, chosen, axis=0)     # (N, J), one-hot rows
+            if self.decoder is not None:
+                out.reconstruction = self.decoder.decode(v, self._cache["mask"], self.input_shape)
+        return out
+
+    def decode(self, v, classes):
+        """Reconstruction from class capsules v (N, J, D), keeping only capsule ``classes[n]`` of
+        each sample (the others masked to 0), as the decoder sees them."""
+        if self.decoder is None:
+            raise CapsNetError("this network has no decoder: it does not reconstruct its input")
+        classes = check_capsules(v, classes, self.n_classes, self.class_dim)
+        mask = self.B.xp.take(self._eye, self.B.asarray(classes), axis=0)
+        return self.decoder.decode(self.B.asarray(v), mask, self.input_shape)
+
+    def set_epoch(self, epoch: int):
+        """Tell the loss which epoch is starting (the spread loss's margin grows with it)."""
+        self.class_loss.set_epoch(epoch)
+
+    def loss(self, x, y) -> Outputs:
+        """Forward with the label mask plus the losses; ``backward()`` then fills the gradients."""
+        return self._loss(*self.checked(x, y))
+
+    def _loss(self, x, y) -> Outputs:
+        out = self._forward(x, y)
+        onehot = self._cache["mask"]  # with labels, the decoder's mask is the one-hot target
+        class_loss = self.class_loss.forward(out.lengths, onehot)
+        recon = (self.recon_loss.forward(out.reconstruction, x) if self.decoder is not None
+                 else self.B.zeros(tuple(class_loss.shape)))
+        out.set_losses(class_loss + recon, class_loss, recon)
+        return out
+
+    def backward(self, input_grad: bool = False):
+        """Gradients of the last ``loss()`` added into ``grads``; returns dL/dx (N, C, H, W) when
+        ``input_grad`` (only gradient checks need it), else None."""
+        xp = self.B.xp
+        v, mask = self._cache["v"], self._cache["mask"]
+        if self.decoder is not None:
+            d_recon = self.recon_loss.backward()                 # dL/dx_hat (N, C, H, W)
+            dv = self.decoder.decode_backward(d_recon, v.shape, mask)
+        else:
+            d_recon, dv = None, self.B.zeros(tuple(v.shape))
+        dx = self.body.backward(self.head.backward(dv, self.class_loss.backward()), input_grad)
+        self._cache = None
+        if dx is None:  # training needs no dL/dx
+            return None
+        dx = xp.permute_dims(dx, (0, 3, 1, 2))
+        # x is also the reconstruction target: L depends on it through -(x_hat - x) as well
+        return dx if d_recon is None else dx - d_recon
+
+    def train_step_grads(self, x, y) -> Outputs:
+        """zero_grad + loss + backward: the gradient of one batch, ready for an optimizer."""
+        return self._train_step_grads(*self.checked(x, y))
+
+    def _train_step_grads(self, x, y) -> Outputs:
+        self.zero_grad()
+        out = self._loss(x, y)
+        self.backward()
+        return out
+
+    def predict(self, x, batch_size: int = 256):
+        """Class indices (host int64 array) by the highest class score, ``batch_size`` images at a
+        time: a forward holds some MB per 28x28 image (û alone is I x J x D floats), so a whole
+        test set at once would hold gigabytes."""
+        require_batch_size(batch_size)
+        x = check_images(self.B, self.input_shape, x)
+        scores = []
+        for a in range(0, x.shape[0], batch_size):
+            scores.append(self.B.to_numpy(self._forward(x[a:a + batch_size], None, reconstruct=False).lengths))
+            self.release()
+        return np.argmax(np.concatenate(scores), axis=1).astype(np.int64)
+
+    def release(self):
+        """Drop what forward kept for a backward (the PrimaryCaps spectra and û alone are hundreds
+        of MB at batch 64), e.g. after an evaluation, so that it is not held into the next step."""
+        for part in (self.body, self.head, self.decoder):
+            if part is not None:
+                part.release()
+        self._cache = None
