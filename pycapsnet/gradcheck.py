@@ -34,8 +34,10 @@ import numpy as np
 
 import backends as _backends
 
+from . import architecture as arch
 from . import shared_routing
 from .capsules import AttentionCaps, CapsuleLength, ClassCaps, PrimaryCaps
+from .conv_caps import ConvCaps
 from .errors import CapsNetError
 from .fourier import FourierConv2d
 from .layers import Conv2d, Linear, ReLU, Sigmoid
@@ -115,6 +117,8 @@ def _freeze_final_coupling(layer):
                                                                       fixed_coupling=c)
         else:
             layer.fixed_coupling = layer.traced(0)[-1]
+    if isinstance(layer, ConvCaps) and layer.routing_grad == "final":
+        layer.fixed_coupling = layer.trace[-1][0]  # c^{R-1} (N*P, C, I): one routing per window
     if isinstance(layer, _EMLayer) and layer.routing_grad == "final":
         layer.fixed_assignments = layer.assignments[-1]  # R^{T-1}: what "final" holds constant
 
@@ -134,7 +138,9 @@ def check_layer(B, label, layer, x_host, samples=20, eps=1e-5, tol=1e-6, seed=0)
     and the output may be tuples of arrays (a matrix capsule layer's (M, a)); R is then one per part."""
     rng = np.random.default_rng(seed + 1)
     tuple_in = isinstance(x_host, tuple)
-    xs = tuple(B.asarray(a) for a in _parts(x_host))
+    # C-ordered: finite_difference perturbs through a flat view, which a reshape of a permuted
+    # array (a layer's output handed on as its input here) would make a copy of
+    xs = tuple(B.asarray(np.ascontiguousarray(a)) for a in _parts(x_host))
     x = xs if tuple_in else xs[0]
     y = layer.forward(x)
     R = tuple(B.asarray(rng.standard_normal(tuple(a.shape))) for a in _parts(y))
@@ -217,6 +223,14 @@ def _dynamic_layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
                            routing_grad=mode, share_spatial=share, rng=rng)
             cc.params["W"][...] = B.asarray(0.5 * r(*cc.params["W"].shape))  # away from the tiny init
             add(f"ClassCaps routing={mode}{' shared' if share else ''}", cc, 0.5 * r(3, 4, 2, 4))
+    for mode in ("full", "final"):
+        routed = ClassCaps(B, positions=1, types=4, in_dim=5, n_classes=3, out_dim=6, iters=3, routing_grad=mode, rng=rng)
+        routed.params["W"][...] = B.asarray(0.5 * r(*routed.params["W"].shape))
+        add(f"ClassCaps after routing, routing={mode}", routed, 0.5 * r(3, 4, 5))  # v (N, J, D) of a layer before
+        for k, s in ((3, 1), (3, 2)):
+            conv = ConvCaps(B, (5, 5), 2, 3, 3, 4, kernel=k, stride=s, iters=3, routing_grad=mode, rng=rng)
+            conv.params["W"][...] = B.asarray(0.5 * r(*conv.params["W"].shape))
+            add(f"ConvCaps {k}x{k}/{s} routing={mode}", conv, 0.5 * r(2, 25, 2, 3))
     add("CapsuleLength", CapsuleLength(B), r(3, 4, 5))
     onehot = B.asarray(np.eye(4)[rng.integers(0, 4, 5)])
     add("MarginLoss", _LossLayer(MarginLoss(B), onehot), rng.uniform(0.0, 1.0, (5, 4)))
@@ -284,26 +298,81 @@ SMALL_BY_ROUTING = {"dynamic": SMALL, "attention": {**SMALL, "routing": "attenti
 
 
 def model_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3, **config):
-    """Full loss (margin + reconstruction) w.r.t. every parameter tensor and the input."""
+    """A built-in network's full loss (class + reconstruction) w.r.t. every parameter and the input."""
     cfg = {**SMALL_BY_ROUTING[config.get("routing", "dynamic")], **config}
     model = CapsNet(B, seed=seed, **cfg)
-    rng = np.random.default_rng(seed)
-    x = B.asarray(rng.random((batch, *model.config.input_shape)))
-    y = rng.integers(0, model.config.n_classes, batch)
-    model.zero_grad()
-    model.loss(x, y)
-    for layer in (*model.convcaps, model.classcaps):
-        _freeze_final_coupling(layer)
-    dx = model.backward(input_grad=True)
-    tensors = {"input": x, **model.params}
-    analytic = {"input": dx, **model.grads}
     c = model.config
     name = "CapsNet" if c.routing == "dynamic" else f"CapsNet {c.routing}"
     label = (f"{name}{'' if c.routing == 'attention' else ' routing=' + c.routing_grad}"
              f"{' shared' if c.share_spatial else ''}"
              f"{' im2col' if c.primary_conv == 'im2col' else ''}")
+    return network_checks(B, model, label, samples, eps, tol, floor, seed, batch)
+
+
+def network_checks(B, model, label, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3):
+    """Any Network's full loss w.r.t. every parameter tensor and the input, on a random batch."""
+    rng = np.random.default_rng(seed)
+    x = B.asarray(rng.random((batch, *model.input_shape)))
+    y = rng.integers(0, model.n_classes, batch)
+    model.zero_grad()
+    model.loss(x, y)
+    for _, layer in model.routing_layers():
+        _freeze_final_coupling(layer)
+    dx = model.backward(input_grad=True)
+    tensors = {"input": x, **model.params}
+    analytic = {"input": dx, **model.grads}
     return check_tensors(B, label, lambda: model.loss(x, y).loss, tensors, analytic,
                          samples, eps, tol, floor, seed)
+
+
+def composed_architectures(mode="full"):
+    """Two compositions beyond the built-ins, at a size for float64 checks: two dynamic-routing
+    layers stacked (primary -> 4 capsules of 5D -> 3 classes), and ConvCaps between PrimaryCaps and
+    the class capsules (3x3/1 windows over a 5x5 primary grid)."""
+    stem = [arch.conv2d(6, 3, name="conv1"), arch.relu(name="relu1")]
+    two = stem + [arch.primary_caps(3, 4, 3, 2, name="primary"), arch.dynamic_caps(4, 5, routing_grad=mode, name="caps1"),
+                  arch.dynamic_caps(3, 6, routing_grad=mode, name="classcaps")]
+    conv = stem + [arch.primary_caps(2, 4, 3, 2, name="primary"), arch.conv_caps(3, 4, 3, 1, routing_grad=mode, name="convcaps"),
+                   arch.dynamic_caps(3, 6, routing_grad=mode, name="classcaps")]
+    small = dict(decoder=arch.decoder((8, 12)), input_shape=(1, 13, 13), n_classes=3)
+    return {f"two routing layers routing={mode}": arch.network(two, **small),
+            f"ConvCaps network routing={mode}": arch.network(conv, **small)}
+
+
+def composed_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3):
+    """network_checks of ``composed_architectures`` in both routing-gradient modes."""
+    results = []
+    for mode in ("full", "final"):
+        for label, description in composed_architectures(mode).items():
+            model = arch.build(description, B, seed=seed)
+            for _, layer in model.routing_layers():  # away from the tiny init, where routing is nearly uniform
+                layer.params["W"][...] = B.asarray(0.5 * np.random.default_rng(seed).standard_normal(layer.params["W"].shape))
+            results += network_checks(B, model, label, samples, eps, tol, floor, seed, batch)
+    return results
+
+
+def layer_checks_of(B, model, samples=20, eps=1e-5, tol=1e-6, seed=0, batch=2):
+    """check_layer of every layer of ``model``'s body, each on the input it receives from a random
+    batch of images (run through the layers before it)."""
+    rng = np.random.default_rng(seed)
+    host = lambda a: tuple(B.to_numpy(p) for p in a) if isinstance(a, tuple) else B.to_numpy(a)
+    device = lambda a: tuple(B.asarray(p) for p in a) if isinstance(a, tuple) else B.asarray(a)
+    h = rng.random((batch, *model.input_shape[1:], model.input_shape[0]))   # channels-last images
+    results = []
+    for name, layer in model.body:
+        x_host, h = h, host(layer.forward(device(h)))  # the next layer's input, before the checks move this one
+        results += check_layer(B, name, layer, x_host, samples, eps, tol, seed)
+    return results
+
+
+def run_network(B, description, samples=20, tol=1e-6, seed=0):
+    """Every layer of the described network, then its whole loss (``pycapsnet gradcheck --network``)."""
+    require_float64(B)
+    description = arch.load(description) if isinstance(description, str) else description
+    label = f"network {description.get('name', '')}".strip()
+    layers = layer_checks_of(B, arch.build(description, B, seed=seed), samples, 1e-5, tol, seed)
+    # a fresh build for the whole loss: the layer checks left "final" layers holding their coupling
+    return layers + network_checks(B, arch.build(description, B, seed=seed), label, samples, 1e-5, tol, seed=seed)
 
 
 def require_float64(B):
@@ -342,4 +411,6 @@ def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6,
     for r in routings:
         for config in MODEL_CHECKS[r]:
             results += model_checks(B, samples, eps, tol, seed=seed, **config)
+    if routing in (None, "dynamic"):
+        results += composed_checks(B, samples, eps, tol, seed=seed)
     return results

@@ -157,17 +157,7 @@ class AutogradCapsNet:
             R = torch.exp(L - (top[:, child] + torch.log(Z[:, child]))[..., None])
 
     def route(self, u_hat):
-        """Dynamic routing on û (N, I, J, D); 'final' detaches everything but the last weighted sum."""
-        cfg = self.cfg
-        detach = cfg.routing_grad == "final"
-        u_for_b = u_hat.detach() if detach else u_hat
-        b = torch.zeros(u_hat.shape[:3], dtype=u_hat.dtype, device=u_hat.device)
-        for r in range(cfg.routing_iters):
-            c = torch.softmax(b, dim=2)
-            if r == cfg.routing_iters - 1:
-                return squash(torch.einsum("nij,nijd->njd", c.detach() if detach else c, u_hat))
-            v = squash(torch.einsum("nij,nijd->njd", c, u_for_b))
-            b = b + torch.einsum("nijd,njd->nij", u_for_b, v)
+        return dynamic_route(u_hat, self.cfg.routing_iters, self.cfg.routing_grad == "final")
 
     spread_margin = 0.2  # the spread loss's margin (the first epoch's)
 
@@ -196,3 +186,86 @@ class AutogradCapsNet:
         if input_grad:
             g["input"] = x.grad.detach().cpu().numpy()
         return float(total.detach()), g
+
+
+def dynamic_route(u_hat, iters, final=False):
+    """Dynamic routing on û (N, I, J, D); ``final`` detaches everything but the last weighted sum."""
+    u_for_b = u_hat.detach() if final else u_hat
+    b = torch.zeros(u_hat.shape[:3], dtype=u_hat.dtype, device=u_hat.device)
+    for r in range(iters):
+        c = torch.softmax(b, dim=2)
+        if r == iters - 1:
+            return squash(torch.einsum("nij,nijd->njd", c.detach() if final else c, u_hat))
+        v = squash(torch.einsum("nij,nijd->njd", c, u_for_b))
+        b = b + torch.einsum("nijd,njd->nij", u_for_b, v)
+
+
+class AutogradNetwork(AutogradCapsNet):
+    """A network of vector capsules from a description (architecture.py) -- conv2d, relu,
+    primary_caps, dynamic_caps, conv_caps; the lengths head, margin loss, decoder -- under autograd,
+    written from the description alone: the oracle for compositions (stacked routing, ConvCaps)."""
+
+    def __init__(self, description, params, device="cpu", dtype=torch.float32):
+        super().__init__(None, params, device, dtype)
+        self.arch = description
+
+    @classmethod
+    def from_model(cls, model, device="cpu", dtype=torch.float32):
+        return cls(model.architecture, model.state_dict(), device, dtype)
+
+    def forward(self, x, y=None):
+        p, names, h, grid = self.params, {}, x, None
+        for spec in self.arch["body"]:
+            kind = spec["layer"]
+            names[kind] = names.get(kind, 0) + 1
+            name = spec.get("name") or f"{kind}{names[kind]}"
+            if kind == "conv2d":
+                h = F.conv2d(h, p[name + ".W"].permute(3, 2, 0, 1), p[name + ".b"], stride=spec.get("stride", 1),
+                             padding=spec.get("padding", 0))
+            elif kind == "relu":
+                h = F.relu(h)
+            elif kind == "primary_caps":
+                s = self.conv(h, name, spec.get("stride", 2))                       # (N, T*K, H2, W2)
+                grid = s.shape[2:]
+                h = squash(s.permute(0, 2, 3, 1).reshape(s.shape[0], -1, spec["types"], spec["dim"]))
+            elif kind == "dynamic_caps":
+                W = p[name + ".W"]                                                   # (P|1, T, J, D, K)
+                u = h.reshape(h.shape[0], -1, W.shape[1], W.shape[4])                # (N, P, T, K)
+                W = W.expand(u.shape[1], -1, -1, -1, -1)
+                u_hat = torch.einsum("ptjdk,nptk->nptjd", W, u).reshape(u.shape[0], -1, W.shape[2], W.shape[3])
+                h, grid = dynamic_route(u_hat, spec.get("iters", 3), spec.get("routing_grad") == "final"), None
+            elif kind == "conv_caps":
+                h, grid = self.conv_capsules(h, grid, name, spec)
+            else:
+                raise ValueError(f"the autograd reference has no {kind}")
+        v = h
+        lengths = v.norm(dim=-1)
+        n, J = v.shape[0], v.shape[1]
+        mask = F.one_hot(y if y is not None else lengths.argmax(1), J).to(v.dtype)
+        z = (v * mask[..., None]).reshape(n, -1)
+        n_dec = len(self.arch["decoder"]["hidden"]) + 1
+        for k in range(1, n_dec + 1):
+            z = z @ p[f"decoder{k}.W"] + p[f"decoder{k}.b"]
+            z = F.relu(z) if k < n_dec else torch.sigmoid(z)
+        return v, lengths, z.reshape(n, *x.shape[1:])
+
+    def conv_capsules(self, u, grid, name, spec):
+        """Windows by Tensor.unfold, each window of each sample routed on its own."""
+        k, s = spec.get("kernel", 3), spec.get("stride", 1)
+        W = self.params[name + ".W"]                                                 # (k*k*T, C, D, K)
+        n, K = u.shape[0], W.shape[3]
+        uw = u.reshape(n, grid[0], grid[1], -1, K).unfold(1, k, s).unfold(2, k, s)    # (N, OH, OW, T, K, k, k)
+        oh, ow = uw.shape[1:3]
+        uw = uw.permute(0, 1, 2, 5, 6, 3, 4).reshape(n * oh * ow, -1, K)             # (N*P, I, K)
+        u_hat = torch.einsum("mik,icdk->micd", uw, W)
+        v = dynamic_route(u_hat, spec.get("iters", 3), spec.get("routing_grad") == "final")
+        return v.reshape(n, oh * ow, W.shape[1], W.shape[2]), (oh, ow)
+
+    def loss(self, x, y):
+        v, lengths, recon = self.forward(x, y)
+        loss = self.arch.get("loss") or {}
+        t = F.one_hot(y, lengths.shape[1]).to(lengths.dtype)
+        margin = (t * F.relu(loss.get("m_plus", 0.9) - lengths) ** 2
+                  + loss.get("lam", 0.5) * (1 - t) * F.relu(lengths - loss.get("m_minus", 0.1)) ** 2).sum(1).mean()
+        rec = self.arch["decoder"]["weight"] * ((recon - x) ** 2).sum() / x.shape[0]
+        return margin + rec, margin, rec
