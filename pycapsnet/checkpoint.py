@@ -14,15 +14,16 @@ from dataclasses import fields
 
 import numpy as np
 
-from . import files
+from . import architecture, files
 from .errors import CapsNetError
 from .model import CapsNet, CapsNetConfig
+from .network import Network
 from .optim import NAMES as optim_names
 
 FORMAT = "pycapsnet-checkpoint-1"
 
 
-def save(path: str, model: CapsNet, optimizer=None, **meta) -> str:
+def save(path: str, model: Network, optimizer=None, **meta) -> str:
     """Write ``path`` (or ``path/checkpoint.npz`` when ``path`` is a directory, as ``load`` reads it),
     making missing parent directories; returns the file's path.  ``meta`` goes into the header
     (the trainer's: epoch, test_acc, recipe, history).  A parameter or optimizer state holding NaN
@@ -36,7 +37,10 @@ def save(path: str, model: CapsNet, optimizer=None, **meta) -> str:
     if bad is not None:
         raise CapsNetError(f"refusing to write the checkpoint {path}: {bad} holds NaN or inf values "
                            "(the model has diverged; try a lower learning rate)")
-    header = {"format": FORMAT, "config": model.config.to_dict(), "backend": model.B.label,
+    # A built-in network is recorded by its configuration (what its flags set), any other by its
+    # description (architecture.py): either rebuilds it without the user's code.
+    built = {"config": model.config.to_dict()} if isinstance(model, CapsNet) else {"architecture": model.architecture}
+    header = {"format": FORMAT, **built, "backend": model.B.label,
               "optimizer": type(optimizer).__name__.lower() if optimizer is not None else None, **meta}
     arrays["header"] = np.array(json.dumps(header, allow_nan=False))  # strict JSON: no NaN
     try:
@@ -101,7 +105,7 @@ def _learn_lambda_beta_a(header, params, optim):
     """EM checkpoints written before β_a was learned as λβ_a (matrix_capsules._EMLayer) hold β_a:
     the same network with λβ_a in its place, and the optimizer's state with it (a gradient with
     respect to λβ_a is 1/λ times one with respect to β_a; Adam's v holds squares of gradients)."""
-    lam = header["config"].get("em_lambda", CapsNetConfig.em_lambda)
+    lam = header.get("config", {}).get("em_lambda", CapsNetConfig.em_lambda)
     for old in [k for k in params if k.endswith(".beta_a")]:
         new = old[:-len("beta_a")] + "lambda_beta_a"
         params[new] = lam * params.pop(old)
@@ -114,6 +118,36 @@ def _header_problem(header) -> str | None:
     """What makes ``header`` other than what ``save`` writes, in words; None if nothing."""
     if not isinstance(header, dict):
         return f"its header is a JSON {type(header).__name__}, not the object pycapsnet writes"
+    problem = _architecture_problem(header)
+    if problem:
+        return problem
+    epoch = header.get("epoch", 0)
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        return f"its epoch is {epoch!r}, not a whole number of at least 0"
+    if header.get("optimizer") not in (None, *optim_names):
+        return f"its optimizer is {header['optimizer']!r}, not one of {', '.join(optim_names)}"
+    for key, kind in (("recipe", dict), ("history", list)):
+        if header.get(key) is not None and not isinstance(header[key], kind):
+            return f"its {key} is a JSON {type(header[key]).__name__}, not {'an object' if kind is dict else 'a list'}"
+    classes = header.get("classes")
+    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)
+                                    and len(classes) == n_classes_of(header)):
+        return "its class names are not a list of one name per class"
+    history = header.get("history") or []
+    if not all(isinstance(r, dict) and r.get("epoch") == k + 1 for k, r in enumerate(history)) \
+            or (history and len(history) != epoch):
+        return f"its history does not hold one record for each of its {epoch} epochs"
+    return None
+
+
+def _architecture_problem(header) -> str | None:
+    """What is wrong with the header's model: a built-in's configuration or a description."""
+    if "architecture" in header and "config" not in header:
+        arch = header["architecture"]
+        if not isinstance(arch, dict) or not isinstance(arch.get("body"), list) \
+                or not isinstance(arch.get("n_classes"), int) or not isinstance(arch.get("input_shape"), list):
+            return "its network description is not an object with a body, input_shape and n_classes"
+        return None
     config = header.get("config")
     if not isinstance(config, dict):
         return "its header has no model configuration" if config is None else \
@@ -125,30 +159,34 @@ def _header_problem(header) -> str | None:
         CapsNetConfig(**config)
     except (TypeError, ValueError) as e:  # CapsNetError is a ValueError
         return f"its model configuration is invalid ({e})"
-    epoch = header.get("epoch", 0)
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        return f"its epoch is {epoch!r}, not a whole number of at least 0"
-    if header.get("optimizer") not in (None, *optim_names):
-        return f"its optimizer is {header['optimizer']!r}, not one of {', '.join(optim_names)}"
-    for key, kind in (("recipe", dict), ("history", list)):
-        if header.get(key) is not None and not isinstance(header[key], kind):
-            return f"its {key} is a JSON {type(header[key]).__name__}, not {'an object' if kind is dict else 'a list'}"
-    classes = header.get("classes")
-    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)
-                                    and len(classes) == header["config"].get("n_classes", 10)):
-        return "its class names are not a list of one name per class"
-    history = header.get("history") or []
-    if not all(isinstance(r, dict) and r.get("epoch") == k + 1 for k, r in enumerate(history)) \
-            or (history and len(history) != epoch):
-        return f"its history does not hold one record for each of its {epoch} epochs"
     return None
 
 
-def config_of(ckpt: dict) -> CapsNetConfig:
-    return CapsNetConfig(**ckpt["header"]["config"])
+def n_classes_of(header: dict) -> int:
+    return header["config"].get("n_classes", 10) if "config" in header else header["architecture"]["n_classes"]
 
 
-def restore_model(ckpt: dict, model: CapsNet) -> None:
+def config_of(ckpt: dict) -> CapsNetConfig | None:
+    """The built-in network's configuration; None for a network built from a description."""
+    return CapsNetConfig(**ckpt["header"]["config"]) if "config" in ckpt["header"] else None
+
+
+def model_of(ckpt: dict, backend, **overrides) -> Network:
+    """The checkpoint's network rebuilt on ``backend`` (weights not loaded): a CapsNet from its
+    configuration (with ``overrides`` of its fields), any other from its recorded description."""
+    cfg = config_of(ckpt)
+    if cfg is not None:
+        return CapsNet(backend, CapsNetConfig(**{**cfg.to_dict(), **overrides}) if overrides else cfg)
+    if overrides:
+        raise CapsNetError(f"{ckpt['path']} holds a network built from a description: "
+                           f"{', '.join(overrides)} cannot be changed on it")
+    try:
+        return architecture.build(ckpt["header"]["architecture"], backend)
+    except CapsNetError as e:
+        raise CapsNetError(f"{ckpt['path']}: its recorded network cannot be rebuilt: {e}") from None
+
+
+def restore_model(ckpt: dict, model: Network) -> None:
     """The checkpoint's weights into ``model``; CapsNetError naming the file on a mismatch."""
     try:
         model.load_state_dict(ckpt["params"])
@@ -169,9 +207,6 @@ def restore_optimizer(ckpt: dict, optimizer) -> None:
 def load_model(path: str, backend, **overrides) -> tuple:
     """Build the checkpoint's architecture on ``backend`` and load its weights -> (model, ckpt)."""
     ckpt = load(path)
-    cfg = config_of(ckpt)
-    if overrides:
-        cfg = CapsNetConfig(**{**cfg.to_dict(), **overrides})
-    model = CapsNet(backend, cfg)
+    model = model_of(ckpt, backend, **overrides)
     restore_model(ckpt, model)
     return model, ckpt

@@ -29,6 +29,13 @@ TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 EM_FLOAT32_TOLERANCE = 2e-3
 
 
+def _is_em(model) -> bool:
+    """Whether a network routes matrix capsules by EM (its class scores are activations)."""
+    from .network import ActivationHead
+
+    return isinstance(model.head, ActivationHead)
+
+
 def _lower_precision(*dtypes):
     """The dtype that every one of ``dtypes`` holds exactly (float32 of float32 and float64)."""
     return min((d for d in dtypes if d), key=lambda d: np.dtype(d).itemsize)
@@ -54,8 +61,13 @@ def cmd_gradcheck(args):
     from . import gradcheck
 
     B = _backend(args.backend, args.dtype)
-    results = gradcheck.run_all(B, samples=args.samples, tol=args.tol, seed=args.seed,  # refuses float32
-                                routing=args.routing)
+    if args.network:
+        if args.routing:
+            raise CapsNetError("--routing picks built-in networks to check; --network brings its own: give one or the other")
+        results = gradcheck.run_network(B, args.network, samples=args.samples, tol=args.tol, seed=args.seed)
+    else:
+        results = gradcheck.run_all(B, samples=args.samples, tol=args.tol, seed=args.seed,  # refuses float32
+                                    routing=args.routing)
     print(f"finite-difference checks on {B.label} ({args.samples} sampled entries per tensor, "
           f"fourth-order central differences)")
     rows = [{"layer": r.layer, "tensor": r.tensor, "max abs err": f"{r.max_abs:.2e}",
@@ -99,13 +111,13 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
         hi.load_state_dict(lo.state_dict())  # float32 weights, held exactly in float64
     if perturb and perturb[0] not in models[1].params:
         raise CapsNetError(f"--perturb-grad: no parameter {perturb[0]!r}; names: " + ", ".join(models[1].params))
-    cfg = models[0].config
-    if cfg.input_shape == (1, 28, 28):
+    model = models[0]
+    if model.input_shape == (1, 28, 28):
         _, test = data.load_embedded()
         x, y = test.x[:batch].astype(low), test.y[:batch]  # each model takes x in its own dtype
     else:
         rng = np.random.default_rng(seed)
-        x, y = rng.random((batch, *cfg.input_shape)).astype(low), rng.integers(0, cfg.n_classes, batch)
+        x, y = rng.random((batch, *model.input_shape)).astype(low), rng.integers(0, model.n_classes, batch)
     for k, model in enumerate(models):
         model.zero_grad()
         out = model.loss(x, y)
@@ -137,7 +149,7 @@ def cmd_crosscheck(args):
                               config={"routing": args.routing} if args.routing else None, dtype_b=args.dtype_b)
     low = _lower_precision(args.dtype, args.dtype_b)
     tol = (args.rtol if args.rtol is not None else EM_FLOAT32_TOLERANCE
-           if low == "float32" and models[0].config.routing == "em" else TOLERANCE[low])
+           if low == "float32" and _is_em(models[0]) else TOLERANCE[low])
     src = args.checkpoint or f"seeded initialisation (seed {args.seed})"
     print(f"{models[0].B.label}  vs  {models[1].B.label}: {args.batch} test digits, weights from {src}")
     table = [{"tensor": r["tensor"], "kind": r["kind"], "max |a-b|": f"{r['max_abs']:.2e}",
@@ -153,6 +165,21 @@ def cmd_crosscheck(args):
 PERTURB_STEPS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)
 
 
+def _figure_4(model, v, pred, path, about):
+    """Each dimension of the predicted capsule moved over [-0.25, 0.25], then decoded."""
+    from . import plots
+
+    D, B = v.shape[-1], model.B
+    tweaked = np.repeat(v, D * len(PERTURB_STEPS), axis=0)  # (D*S, J, D)
+    for d in range(D):
+        for k, step in enumerate(PERTURB_STEPS):
+            tweaked[d * len(PERTURB_STEPS) + k, pred, d] += step
+    decoded = B.to_numpy(model.decode(tweaked, np.full(len(tweaked), pred)))
+    decoded = decoded.reshape(D, len(PERTURB_STEPS), *decoded.shape[1:])
+    return plots.perturbation_grid(decoded, PERTURB_STEPS, path, f"{about}: each of the {D} dimensions of "
+                                   f"capsule {pred} moved over [-0.25, 0.25], then decoded")
+
+
 def cmd_inspect(args):
     from . import checkpoint as ckpt_mod
     from . import data, files, plots
@@ -163,8 +190,8 @@ def cmd_inspect(args):
     model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
     args.eval_only = True
     settle(args, ckpt)  # --dataset / --data-dir left out: the run's
-    if model.config.input_shape != (1, 28, 28) and not args.data_dir:
-        raise CapsNetError(f"this checkpoint expects {model.config.input_shape} images; give --data-dir")
+    if model.input_shape != (1, 28, 28) and not args.data_dir:
+        raise CapsNetError(f"this checkpoint expects {model.input_shape} images; give --data-dir")
     _, test = data.load(args.dataset, args.data_dir, **data_options(args))
     if not 0 <= args.index < len(test):
         raise CapsNetError(f"--index must be in [0, {len(test) - 1}], got {args.index}")
@@ -177,28 +204,21 @@ def cmd_inspect(args):
                            f"image {args.index}: there is nothing to draw; inspect an earlier checkpoint")
     pred = int(out.predictions[0])
     names = ckpt["header"].get("classes") or test.classes  # class names, by index
-    couplings = [np.array(B.to_numpy(c)[0]) for c in model.classcaps.coupling]  # per iteration (I, J), copied
-    activations = [np.array(B.to_numpy(a)[0]) for a in getattr(model.classcaps, "activations", [])]  # EM
+    _, classcaps = model.routing_layers()[-1]  # the layer that routes to the class capsules
+    couplings = [np.array(B.to_numpy(c)[0]) for c in classcaps.coupling]  # per iteration (I, J), copied
+    activations = [np.array(B.to_numpy(a)[0]) for a in getattr(classcaps, "activations", [])]  # EM
     # before the reconstructions' forward pass reuses the routing's buffers
     written = [save_reconstructions(model, test, os.path.join(args.out, "reconstructions.png"))]
-    D = v.shape[-1]
-    # Figure 4: move each dimension of the predicted capsule over [-0.25, 0.25], decode each
-    tweaked = np.repeat(v, D * len(PERTURB_STEPS), axis=0)  # (D*S, J, D)
-    for d in range(D):
-        for k, step in enumerate(PERTURB_STEPS):
-            tweaked[d * len(PERTURB_STEPS) + k, pred, d] += step
-    decoded = B.to_numpy(model.decode(tweaked, np.full(len(tweaked), pred)))
-    decoded = decoded.reshape(D, len(PERTURB_STEPS), *decoded.shape[1:])
-    written.append(plots.perturbation_grid(
-        decoded, PERTURB_STEPS, os.path.join(args.out, "perturbation.png"),
-        f"test image {args.index} (label {names[y]}, predicted {names[pred]}): each of the {D} dimensions of capsule {pred} "
-        "moved over [-0.25, 0.25], then decoded"))
-    em = model.config.routing == "em"
+    if model.decoder is not None:  # the paper's Figure 4
+        written.append(_figure_4(model, v, pred, os.path.join(args.out, "perturbation.png"),
+                                 f"test image {args.index} (label {names[y]}, predicted {names[pred]})"))
+    em = bool(activations)
     what = "EM assignments R_ij of the class layer" if em else "coupling coefficients c_ij"
+    children = classcaps.in_flow  # the grid and types of the capsules routed to the classes
     written.append(plots.coupling_heatmaps(
-        couplings, *model.routed_grid, os.path.join(args.out, "coupling.png"), pred,
+        couplings, children.grid or (1, 1), children.types, os.path.join(args.out, "coupling.png"), pred,
         f"{what} for test image {args.index} (label {names[y]}, predicted {names[pred]})",
-        symbol="R_ij" if em else "c_ij", child="child capsule" if em else "primary capsule"))
+        symbol="R_ij" if em else "c_ij", child="child capsule" if em else "input capsule"))
     if em:
         written.append(plots.activation_bars(activations, os.path.join(args.out, "activations.png"), names, y, pred,
                                              f"class activations a_j per EM iteration, test image {args.index} "
@@ -295,6 +315,9 @@ def build_parser():
     g.add_argument("--seed", type=nonnegative_int, default=0)
     g.add_argument("--routing", choices=ROUTINGS, default=None,
                    help="only this routing's layers and networks (default: every layer, every network)")
+    g.add_argument("--network", default=None, metavar="FILE.json",
+                   help="check the network this description gives (its input_shape and n_classes set): "
+                        "each of its layers, then its whole loss")
     g.set_defaults(fn=cmd_gradcheck)
 
     c = sub.add_parser("crosscheck", help="same weights and batch on two backends or devices")

@@ -37,26 +37,32 @@ def _img(a):
 def reconstruction_grid(images, recons, labels, preds, path, title=""):
     """Rows of (input, reconstruction) pairs, each input captioned with label and prediction (red
     where they differ).  One image of all the tiles, drawn in one axes: a figure of one axes per
-    tile costs most of a second to build, at every epoch."""
+    tile costs most of a second to build, at every epoch.  ``recons`` None (a network without a
+    decoder): the captioned inputs alone."""
     plt = pyplot()
-    tiles = [(_img(a), _img(b)) for a, b in zip(images, recons)]
+    tiles = [(_img(a), None if recons is None else _img(b)) for a, b in zip(images, recons if recons is not None
+                                                                          else images)]
     n, (h, w) = len(tiles), tiles[0][0].shape[:2]
+    rows = 1 if recons is None else 2  # tiles per sample, one above the other
     cols = min(n, 8)
     pair_rows = int(np.ceil(n / cols))
     gap, cap = max(1, w // 14), max(6, (2 * h) // 5)  # white between tiles; room for a caption above a pair
-    cell_h, cell_w = cap + 2 * h + gap, w + gap
+    cell_h, cell_w = cap + rows * h + gap, w + gap
     canvas = np.ones((pair_rows * cell_h, cols * cell_w - gap) + tiles[0][0].shape[2:])
-    fig, ax = plt.subplots(figsize=(1.3 * cols, 1.45 * 2 * pair_rows))
+    fig, ax = plt.subplots(figsize=(1.3 * cols, 1.45 * rows * pair_rows))
+    if recons is None:
+        title = f"{title}: inputs, labels and predictions (this network has no decoder)" if title else ""
     for i, (x, r) in enumerate(tiles):
         top, left = (i // cols) * cell_h + cap, (i % cols) * cell_w
         canvas[top:top + h, left:left + w] = x
-        canvas[top + h:top + 2 * h, left:left + w] = r
+        if r is not None:
+            canvas[top + h:top + 2 * h, left:left + w] = r
         ax.text(left + w / 2, top - 1, f"y={labels[i]} p={preds[i]}", ha="center", va="bottom", fontsize=7,
                 color="black" if labels[i] == preds[i] else "red")
     ax.imshow(np.clip(canvas, 0, 1), cmap="gray", vmin=0, vmax=1, interpolation="nearest")
     ax.axis("off")
     fig.suptitle(title or "inputs (odd rows) and reconstructions from the predicted capsule", fontsize=9)
-    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.3 / (1.45 * 2 * pair_rows))
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.3 / (1.45 * rows * pair_rows))
     return save(fig, path)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import backends
 from backends.base import FLOAT_DTYPES
 
-from . import checkpoint, data, distributed, files, optim, plots
+from . import architecture, checkpoint, data, distributed, files, optim, plots
 from .argtypes import fraction, make_writable_dir, nonnegative_int, positive_float, positive_int
 from .capsules import PrimaryCaps
 from .errors import BackendError, CapsNetError
@@ -142,6 +142,9 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS),
                    help="how PrimaryCaps convolves: fourier (fewer multiply-adds) or im2col (the textbook "
                         f"form); same weights, same results to rounding (default: {d['primary_conv']})")
+    p.add_argument("--network", default=None, metavar="FILE.json",
+                   help="train the network this JSON file describes (architecture.py; docs/architecture.md) "
+                        "instead of a built-in one; its input_shape and n_classes may be null: the data's")
     p.add_argument("--out", default=None, help="output directory (default: runs/<backend>)")
     p.add_argument("--resume", default=None, metavar="CKPT",
                    help="continue from a checkpoint file or run directory: the run's architecture, and its "
@@ -179,8 +182,20 @@ def settle(args, ckpt) -> None:
     if getattr(args, "data_dir", None):
         args.data_dir = os.path.abspath(args.data_dir)  # saved so that a run resumed elsewhere finds it
     given = {k for k in {**RECIPE, **ARCHITECTURE} if getattr(args, k, None) is not None}
-    config = checkpoint.config_of(ckpt).to_dict() if ckpt else {}  # fields older checkpoints lack: defaults
+    cfg = checkpoint.config_of(ckpt) if ckpt else None
+    config = cfg.to_dict() if cfg else {}  # fields older checkpoints lack: defaults
     evaluating = getattr(args, "eval_only", False)
+    described = (ckpt and cfg is None) or getattr(args, "network", None) is not None or getattr(args, "model", None)
+    if described:  # a network from a description: its layers say how they route
+        flags = [_flag(k) for k in ARCHITECTURE if k in given]
+        if flags:
+            where = f"{ckpt['path']} holds" if ckpt and cfg is None else "--network gives"
+            raise CapsNetError(f"{where} a network built from a description, whose layers set what "
+                               f"{', '.join(flags)} would: drop {'them' if len(flags) > 1 else 'it'}, or edit "
+                               "the description")
+        if ckpt and getattr(args, "network", None) is not None:
+            raise CapsNetError(f"--network with --resume: the run's network is the one {ckpt['path']} records; "
+                               "drop --network to continue it, or start a new run with --out DIR")
     if ckpt and not evaluating:
         clash = [f"{_flag(k)} (the checkpoint's model was built without it)" if isinstance(config[k], bool)
                  else f"{_flag(k)} {getattr(args, k)} (the checkpoint has {config[k]})"
@@ -211,7 +226,7 @@ def settle(args, ckpt) -> None:
             elif getattr(args, k) != saved[k] and not evaluating:
                 fresh = "; its state starts afresh" if k == "optimizer" else ""
                 _say(f"resuming with {_flag(k)} {getattr(args, k)} (the run so far used {_shown(saved[k])}){fresh}")
-        for k in ARCHITECTURE:
+        for k in config.keys() & ARCHITECTURE.keys():
             setattr(args, k, config[k])
     for k, v in ARCHITECTURE.items():
         if getattr(args, k, None) is None:
@@ -296,7 +311,8 @@ def save_reconstructions(model, split, path, n=16, title=""):
     x, y = split.images(slice(0, n)), split.y[:n]
     out = model.forward(x)  # masked by the longest capsule, as at test time
     model.release()
-    return plots.reconstruction_grid(x, model.B.to_numpy(out.reconstruction), y, out.predictions, path, title)
+    recons = None if out.reconstruction is None else model.B.to_numpy(out.reconstruction)
+    return plots.reconstruction_grid(x, recons, y, out.predictions, path, title)
 
 
 def prepare_out_dir(path):
@@ -371,6 +387,26 @@ def train(args, backend_name: str) -> dict:
     return last
 
 
+def _new_model(args, B, train_set):
+    """The network a fresh run trains: the one ``fit`` was given, a description (--network, or
+    ``fit``'s), whose input shape and classes default to the data's, or the built-in the flags configure."""
+    data_shape, n_classes = tuple(int(d) for d in train_set.x.shape[1:]), len(train_set.classes)
+    if getattr(args, "model", None) is not None:
+        return args.model
+    described = getattr(args, "network", None)
+    if described is None:
+        cfg = CapsNetConfig(input_shape=data_shape, n_classes=n_classes, **{k: getattr(args, k) for k in ARCHITECTURE})
+        return CapsNet(B, cfg, seed=args.seed)
+    arch = dict(architecture.load(described) if isinstance(described, str) else described)
+    for key, value in (("input_shape", list(data_shape)), ("n_classes", n_classes)):
+        if arch.get(key) is None:
+            arch[key] = value
+        elif list(np.atleast_1d(arch[key])) != list(np.atleast_1d(value)):
+            raise CapsNetError(f"the network description has {key} {arch[key]}, but the data has {value}: "
+                               f"set {key} to null in the description to take the data's, or give other data")
+    return architecture.build(arch, B, seed=args.seed)
+
+
 def _setup(args, backend_name):
     """(model, train split, test split, checkpoint or None) from the command line: the run's
     checkpoint read and its flags settled (``settle``), the backend made, the data loaded."""
@@ -385,7 +421,8 @@ def _setup(args, backend_name):
     launched = distributed.launched()
     if launched:
         device = backends.device_for_rank(device, distributed.local_rank(), backend_name)
-    B = backends.get(backend_name, device=device, dtype=args.dtype)
+    model = getattr(args, "model", None)  # a network built in Python, handed to ``fit``
+    B = model.B if model is not None else backends.get(backend_name, device=device, dtype=args.dtype)
     if launched:
         args.group = distributed.Group(B)
         _SPEAKS[0] = args.group.writes
@@ -398,21 +435,19 @@ def _setup(args, backend_name):
         test_set = test_set.head(args.limit_test)
     args.classes = train_set.classes
     if ckpt:
-        model = CapsNet(B, checkpoint.config_of(ckpt))
+        model = checkpoint.model_of(ckpt, B)
         checkpoint.restore_model(ckpt, model)
         saved = ckpt["header"].get("classes")
-        if (saved and tuple(saved) != train_set.classes) or model.config.n_classes != len(train_set.classes):
+        if (saved and tuple(saved) != train_set.classes) or model.n_classes != len(train_set.classes):
             names = lambda c: ", ".join(c) if len(c) <= 12 else ", ".join(c[:12]) + f" ... ({len(c)} in all)"
             raise CapsNetError(f"the data's classes ({names(train_set.classes)}) are not those of the model in "
-                               f"{ckpt['path']} ({names(saved) if saved else f'{model.config.n_classes} classes'}): "
+                               f"{ckpt['path']} ({names(saved) if saved else f'{model.n_classes} classes'}): "
                                "give the data it was trained on")
     else:
         if args.eval_only:
             raise CapsNetError("--eval-only needs a trained model: pass --resume CHECKPOINT")
-        cfg = CapsNetConfig(input_shape=train_set.x.shape[1:], n_classes=len(train_set.classes),
-                            **{k: getattr(args, k) for k in ARCHITECTURE})
-        model = CapsNet(B, cfg, seed=args.seed)
-    expected = model.config.input_shape
+        model = _new_model(args, B, train_set)
+    expected = model.input_shape
     for name, split in (("test", test_set),) if args.eval_only else (("train", train_set), ("test", test_set)):
         if tuple(split.x.shape[1:]) != expected:
             model_from = f"the model in {ckpt['path']}" if ckpt else "the model, built for the train images,"
@@ -737,3 +772,45 @@ def main(backend: str | None = None, argv=None) -> int:
     add_arguments(p, backend)
     args = p.parse_args(argv)
     return run(args, backend or args.backend)
+
+
+class _Refusing(argparse.ArgumentParser):
+    """A parser whose errors are CapsNetErrors (for ``fit``: Python callers get an exception, not an exit)."""
+
+    def error(self, message):
+        raise CapsNetError(f"fit: {message}")
+
+
+def fit(network, backend: str = "numpy", **flags) -> dict:
+    """Train ``network`` with the trainer of the command line, in Python; returns the last epoch's
+    record (test_acc, train_loss, ...).  ``network``: a description (``architecture.network(...)``),
+    built on ``backend`` from ``seed``, or a Network already built (its backend and weights are
+    used as they are).  ``flags`` are the command line's by their Python names: epochs=2,
+    out="runs/mine", batch_size=16, limit=500, dataset="folder", data_dir="...", ...  The run
+    directory holds what a command-line run's does, and its checkpoint records the network, so
+    ``pycapsnet evaluate`` / ``inspect`` and ``--resume`` need no code of the user's.  Bad input
+    raises CapsNetError; a non-finite loss raises NotFinite."""
+    from .network import Network
+
+    model = network if isinstance(network, Network) else None
+    if model is not None:
+        if model.architecture is None:
+            raise CapsNetError("fit: this network was not built from a description (architecture.build), so a "
+                               "checkpoint could not rebuild it; build it with architecture.build(description, ...)")
+        if flags.get("dtype", model.B.dtype) != model.B.dtype:
+            raise CapsNetError(f"fit: dtype={flags['dtype']!r}, but the network is built in {model.B.dtype}")
+        backend, flags = model.B.name, {**flags, "dtype": model.B.dtype}
+    argv = []
+    for k, v in flags.items():
+        if v is None or v is False:
+            continue
+        argv += [_flag(k)] if v is True else [_flag(k), *map(str, v if isinstance(v, (list, tuple)) else [v])]
+    p = _Refusing(prog="pycapsnet.fit")
+    add_arguments(p, None)
+    args = p.parse_args(argv + ["--backend", backend])
+    args.model, args.network = model, (None if model is not None else network)
+    try:
+        return train(args, backend)
+    finally:
+        if getattr(args, "group", None) is not None:
+            args.group.close()
