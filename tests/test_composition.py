@@ -1,0 +1,240 @@
+"""Networks as compositions (architecture.py, network.py): stacked routing layers and ConvCaps checked
+by finite differences, by autograd and across backends; misfits refused at build time; the built-in
+networks unchanged (checkpoints written before they became compositions load and compute the same);
+any composition trained, checkpointed, resumed and evaluated without the user's code."""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import backends
+from pycapsnet import CapsNet, CapsNetError, checkpoint
+from pycapsnet import architecture as A
+from pycapsnet import gradcheck
+from pycapsnet.gradcheck import check_layer
+from pycapsnet.conv_caps import ConvCaps
+from tests.conftest import CPU_BACKENDS, assert_close
+
+torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch: pip install torch")
+from pycapsnet.reference import AutogradNetwork  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+
+
+def _built(description, backend, seed=1):
+    """The description built in float64, routing transforms away from the tiny initialisation."""
+    B = backends.get(backend, dtype="float64")
+    model = A.build(description, B, seed=seed)
+    for _, layer in model.routing_layers():
+        layer.params["W"][...] = B.asarray(0.5 * np.random.default_rng(seed).standard_normal(layer.params["W"].shape))
+    return model
+
+
+def _batch(model, n=4, seed=3):
+    rng = np.random.default_rng(seed)
+    return rng.random((n, *model.input_shape)), rng.integers(0, model.n_classes, n)
+
+
+COMPOSED = [(mode, label) for mode in ("full", "final") for label in gradcheck.composed_architectures(mode)]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_composed_networks_pass_finite_differences(backend):
+    """Two stacked routing layers and a ConvCaps network, both routing modes: every parameter and the input."""
+    results = gradcheck.composed_checks(backends.get(backend, dtype="float64"), samples=8)
+    assert len(results) == 4 * 13  # 4 networks: the input and 12 parameter tensors each
+    assert all(r.passed for r in results), [(r.layer, r.tensor, r.max_rel) for r in results if not r.passed]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("mode,label", COMPOSED)
+def test_composed_networks_match_autograd(backend, mode, label):
+    model = _built(gradcheck.composed_architectures(mode)[label], backend)
+    x, y = _batch(model)
+    model.zero_grad()
+    out = model.loss(x, y)
+    dx = model.backward(input_grad=True)
+    loss_ref, g = AutogradNetwork.from_model(model, dtype=torch.float64).grads(x, y, input_grad=True)
+    assert out.loss == pytest.approx(loss_ref, rel=1e-12)
+    assert set(g) == {*model.grads, "input"}
+    for k, ref in g.items():
+        assert_close(model.B.to_numpy(dx if k == "input" else model.grads[k]), ref, 1e-8, what=k)
+
+
+@pytest.mark.parametrize("mode,label", COMPOSED)
+def test_composed_networks_agree_across_backends(mode, label):
+    results = []
+    for backend in CPU_BACKENDS:
+        model = _built(gradcheck.composed_architectures(mode)[label], backend)
+        x, y = _batch(model)
+        model.zero_grad()
+        out = model.loss(x, y)
+        dx = model.backward(input_grad=True)
+        results.append({"loss": np.array(out.loss), "v": model.B.to_numpy(out.v), "input": model.B.to_numpy(dx),
+                        **{k: model.B.to_numpy(g) for k, g in model.grads.items()}})
+    for k, a in results[0].items():
+        assert_close(results[1][k], a, 1e-12, what=k)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("mode", ["full", "final"])
+@pytest.mark.parametrize("kernel,stride", [(3, 1), (3, 2), (2, 2)])
+def test_convcaps_layer_passes_finite_differences(backend, mode, kernel, stride):
+    B = backends.get(backend, dtype="float64")
+    rng = np.random.default_rng(kernel + stride)
+    layer = ConvCaps(B, (5, 5), 2, 3, 3, 4, kernel=kernel, stride=stride, iters=3, routing_grad=mode, rng=rng)
+    layer.params["W"][...] = B.asarray(0.5 * rng.standard_normal(layer.params["W"].shape))
+    results = check_layer(B, "ConvCaps", layer, 0.5 * rng.standard_normal((2, 25, 2, 3)), samples=15)
+    assert [r.tensor for r in results] == ["input", "W"] and all(r.passed for r in results), results
+
+
+def test_gradcheck_catches_a_wrong_convcaps_backward(monkeypatch):
+    """The check above can fail: a backward that drops routing's feedback term (the "final" form
+    in "full" mode) is caught."""
+    import pycapsnet.conv_caps as cc
+
+    real = cc.routing_backward_factors
+    monkeypatch.setattr(cc, "routing_backward_factors", lambda B, u, t, dv, mode: real(B, u, t, dv, "final"))
+    B = backends.get("numpy", dtype="float64")
+    rng = np.random.default_rng(0)
+    layer = ConvCaps(B, (5, 5), 2, 3, 3, 4, routing_grad="full", rng=rng)
+    layer.params["W"][...] = B.asarray(0.5 * rng.standard_normal(layer.params["W"].shape))
+    results = check_layer(B, "ConvCaps", layer, 0.5 * rng.standard_normal((2, 25, 2, 3)), samples=15)
+    assert not any(r.passed for r in results)
+
+
+def test_every_layer_of_a_described_network_is_checked(tmp_path):
+    """gradcheck --network: each body layer on the input it receives, then the whole loss."""
+    from pycapsnet.cli import main
+
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps(gradcheck.composed_architectures("final")["ConvCaps network routing=final"]))
+    results = gradcheck.run_network(backends.get("numpy", dtype="float64"), str(path), samples=6)
+    assert [r.layer for r in results][:1] == ["conv1"] and {"relu1", "primary", "convcaps", "classcaps"} <= {
+        r.layer for r in results}
+    assert all(r.passed for r in results)
+    assert main(["gradcheck", "--network", str(path), "--samples", "4"]) == 0
+
+
+MISFITS = [
+    ([A.conv2d(8, 5, name="stem"), A.dynamic_caps(10, 16, name="caps")],
+     "layer 'caps' (dynamic_caps) cannot follow 'stem' (conv2d), which emits a 24x24 image of 8 channels: "
+     "it takes vector capsules"),
+    ([A.conv2d(8, 5), A.relu(), A.primary_caps(4, 4, 5, 2), A.dynamic_caps(10, 16), A.conv_caps(4, 4)],
+     "layer 'conv_caps1' (conv_caps) cannot follow 'dynamic_caps1' (dynamic_caps), which emits 10 capsules "
+     "of 16D: convolutional capsules need a grid"),
+    ([A.conv2d(8, 5), A.relu(), A.primary_caps(4, 4, 5, 2), A.dynamic_caps(12, 16)],
+     "the head 'lengths' takes 10 vector capsules without a grid (one per class), but the body's last layer "
+     "'dynamic_caps1' (dynamic_caps) emits 12 capsules of 16D"),
+    ([A.conv2d(8, 5), A.relu(), A.primary_caps(4, 4, 5, 2), A.class_matrix_caps(10)],
+     "'class_matrix_caps1' (class_matrix_caps) cannot follow 'primary_caps1' (primary_caps), which emits a "
+     "10x10 grid of 4 capsule types of 4D: it takes matrix capsules"),
+    ([A.conv2d(8, 5), A.relu(), A.primary_caps(4, 4, 5, 2), A.dynamic_caps(4, 8), A.dynamic_caps(10, 16, share_spatial=True)],
+     "share_spatial shares a transform over the positions of a grid, and this input has none"),
+    ([A.conv2d(8, 30)], "'conv2d1' (conv2d) cannot follow the input, which emits a 28x28 image of 1 channels: "
+                        "its 30x30 windows (stride 1) do not fit"),
+    ([{"layer": "conv2d", "channels": 8}], "layer 'conv2d1' (conv2d): missing kernel"),
+    ([{"layer": "dense", "units": 8}], "body layer 1: unknown layer 'dense'"),
+]
+
+
+@pytest.mark.parametrize("body,message", MISFITS)
+def test_layers_that_do_not_fit_are_refused_at_build_time(body, message):
+    with pytest.raises(CapsNetError, match=None) as e:
+        A.build(A.network(body, input_shape=(1, 28, 28), n_classes=10), "numpy")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_network_is_a_composition_under_dotted_names():
+    model = A.build(gradcheck.composed_architectures()["two routing layers routing=full"], "numpy")
+    names = ["conv1.W", "conv1.b", "primary.W", "primary.b", "caps1.W", "classcaps.W"] + \
+            [f"decoder{k}.{p}" for k in (1, 2, 3) for p in "Wb"]
+    assert list(model.params) == names and list(model.grads) == names
+    assert sum(g.size for g in model.grads.values()) == model.flat_grads.size == model.n_params()
+    model.train_step_grads(*_batch(model))
+    assert np.shares_memory(model.grads["caps1.W"], model.flat_grads)  # one buffer: zero_grad, all-reduce
+    model.zero_grad()
+    assert not model.flat_grads.any()
+    state = model.state_dict()
+    other = A.build(model.architecture, "numpy", seed=9)
+    other.load_state_dict(state)
+    assert all(np.array_equal(other.state_dict()[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("name", ["dynamic", "attention", "em"])
+def test_checkpoints_written_before_compositions_load_and_compute_the_same(name):
+    """tests/data holds checkpoints that d4f17c0 (CapsNet as one hand-wired class) wrote after one
+    Adam step, and the loss, predictions and gradients it computed on a fixed batch, in float64."""
+    expected = json.loads((DATA / "d4f17c0-expected.json").read_text())[name]
+    B = backends.get("numpy", dtype="float64")
+    model, ckpt = checkpoint.load_model(str(DATA / f"d4f17c0-{name}.npz"), B)
+    rng = np.random.default_rng(0)
+    x = rng.random((4, *model.input_shape))
+    y = rng.integers(0, model.n_classes, 4)
+    model.zero_grad()
+    out = model.loss(x, y)
+    model.backward()
+    assert out.loss == expected["loss"] and out.parts == expected["parts"]  # bit for bit
+    assert out.predictions.tolist() == expected["predictions"]
+    assert {k: float(np.asarray(g).sum()) for k, g in model.grads.items()} == expected["grad_sums"]
+
+
+def test_a_described_network_trains_resumes_and_evaluates_without_user_code(tmp_path, capsys):
+    """fit() in Python; the checkpoint records the description; evaluate and --resume rebuild it."""
+    from pycapsnet.cli import main as cli
+    from pycapsnet.trainer import fit, main as train_main
+
+    description = A.network([A.conv2d(8, 9, name="conv1"), A.relu(), A.primary_caps(4, 4, 9, 2, name="primary"),
+                             A.conv_caps(4, 4, 3, 1, name="convcaps"), A.dynamic_caps(6, 8, name="caps1"),
+                             A.dynamic_caps(10, 8, name="classcaps")], decoder=A.decoder((16,)))
+    out = str(tmp_path / "run")
+    flags = dict(epochs=1, limit=48, limit_test=20, batch_size=16, out=out, no_progress=True)
+    first = fit(description, **flags)
+    assert 0 <= first["test_acc"] <= 1
+    header = checkpoint.load(out)["header"]
+    assert "config" not in header and header["architecture"]["input_shape"] == [1, 28, 28]
+    assert header["architecture"]["n_classes"] == 10
+    assert cli(["evaluate", out, "--limit-test", "20"]) == 0
+    assert train_main("numpy", ["--resume", out, "--epochs", "2", "--no-progress"]) == 0
+    assert checkpoint.load(out)["header"]["epoch"] == 2
+    assert train_main("numpy", ["--resume", out, "--epochs", "3", "--routing", "em"]) == 2
+    assert "a network built from a description" in capsys.readouterr().err
+    assert cli(["inspect", out, "--out", str(tmp_path / "inspect")]) == 0
+    assert os.path.exists(tmp_path / "inspect" / "coupling.png")
+
+
+def test_a_described_network_from_the_command_line(tmp_path, capsys):
+    from pycapsnet.trainer import main as train_main
+
+    path = tmp_path / "net.json"
+    body = [A.conv2d(8, 9), A.relu(), A.primary_caps(4, 4, 9, 2), A.dynamic_caps(10, 8)]
+    path.write_text(json.dumps(A.network(body, decoder=None)))
+    out = str(tmp_path / "run")
+    assert train_main("numpy", ["--network", str(path), "--epochs", "1", "--limit", "32", "--limit-test", "16",
+                                "--out", out, "--no-progress"]) == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(A.network([A.conv2d(8, 9), A.dynamic_caps(10, 8)])))
+    assert train_main("numpy", ["--network", str(bad), "--epochs", "1", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot follow 'conv2d1' (conv2d)" in err
+    (tmp_path / "broken.json").write_text("{not json")
+    assert train_main("numpy", ["--network", str(tmp_path / "broken.json"), "--out", str(tmp_path / "c")]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+
+
+def test_builtin_networks_are_compositions_with_their_old_names():
+    m = CapsNet("numpy", routing="em", **{k: v for k, v in gradcheck.SMALL_EM.items() if k != "routing"})
+    assert [n for n, _ in m.body] == ["conv1", "relu1", "primary", "convcaps1", "convcaps2", "classcaps"]
+    assert A.build(m.architecture, "numpy", seed=0).state_dict().keys() == m.state_dict().keys()
+
+
+def test_the_example_builds_and_trains_both_custom_networks(tmp_path):
+    import runpy
+
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "build_your_own.py"))
+    assert example["main"](["--quick", "--out", str(tmp_path), "--save-descriptions"]) == 0
+    for name in ("two-routing", "convcaps"):
+        assert checkpoint.load(str(tmp_path / name))["header"]["epoch"] == 1
+        assert json.loads((tmp_path / f"{name}.json").read_text())["body"][-1]["name"] == "classcaps"
