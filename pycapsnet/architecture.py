@@ -29,7 +29,7 @@ import numpy as np
 from .capsules import AttentionCaps, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
 from .errors import CapsNetError
-from .init import he_uniform
+from .init import he_uniform, routed_std
 from .layers import Conv2d, Linear, ReLU, Sigmoid
 from .losses import MarginLoss, ReconstructionLoss, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
@@ -71,18 +71,20 @@ def primary_caps(types, dim, kernel=9, stride=2, conv="fourier", name=None):
     return _part("primary_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, conv=conv)
 
 
-def dynamic_caps(capsules, dim, iters=3, routing_grad="full", share_spatial=False, name=None):
+# Routing layers' transforms start at init_std, or, left None, at init.routed_std: capsules keep
+# their length from layer to layer, so that stacks of routing layers learn.
+def dynamic_caps(capsules, dim, iters=3, routing_grad="full", share_spatial=False, init_std=None, name=None):
     return _part("dynamic_caps", name, capsules=capsules, dim=dim, iters=iters, routing_grad=routing_grad,
-                 share_spatial=share_spatial)
+                 share_spatial=share_spatial, init_std=init_std)
 
 
-def attention_caps(capsules, dim, share_spatial=False, name=None):
-    return _part("attention_caps", name, capsules=capsules, dim=dim, share_spatial=share_spatial)
+def attention_caps(capsules, dim, share_spatial=False, init_std=None, name=None):
+    return _part("attention_caps", name, capsules=capsules, dim=dim, share_spatial=share_spatial, init_std=init_std)
 
 
-def conv_caps(types, dim, kernel=3, stride=1, iters=3, routing_grad="full", name=None):
+def conv_caps(types, dim, kernel=3, stride=1, iters=3, routing_grad="full", init_std=None, name=None):
     return _part("conv_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, iters=iters,
-                 routing_grad=routing_grad)
+                 routing_grad=routing_grad, init_std=init_std)
 
 
 def primary_matrix_caps(types, name=None):
@@ -136,28 +138,33 @@ def _primary_caps(B, flow, rng, types, dim, kernel=9, stride=2, conv="fourier"):
     return layer, Flow("vector", _fits(layer.conv.output_hw(*flow.grid), kernel, stride), types, dim)
 
 
-def _routed_from(flow, share_spatial):
-    """(positions, types, dims) of a routing layer's input capsules."""
+def _routed_from(flow, share_spatial, capsules, dim, init_std):
+    """((positions, types, dims) of a routing layer's input capsules, its transforms' init std)."""
     _need(flow, "vector")
     if share_spatial and flow.grid is None:
         raise _Misfit("share_spatial shares a transform over the positions of a grid, and this input has none")
-    return (math.prod(flow.grid) if flow.grid else 1), flow.types, flow.dim
+    positions = math.prod(flow.grid) if flow.grid else 1
+    std = routed_std(positions * flow.types, capsules, dim) if init_std is None else init_std
+    return (positions, flow.types, flow.dim), std
 
 
-def _dynamic_caps(B, flow, rng, capsules, dim, iters=3, routing_grad="full", share_spatial=False):
-    layer = ClassCaps(B, *_routed_from(flow, share_spatial), capsules, dim, iters, routing_grad, share_spatial, rng=rng)
+def _dynamic_caps(B, flow, rng, capsules, dim, iters=3, routing_grad="full", share_spatial=False, init_std=None):
+    children, std = _routed_from(flow, share_spatial, capsules, dim, init_std)
+    layer = ClassCaps(B, *children, capsules, dim, iters, routing_grad, share_spatial, rng=rng, init_std=std)
     return layer, Flow("vector", None, capsules, dim)
 
 
-def _attention_caps(B, flow, rng, capsules, dim, share_spatial=False):
-    layer = AttentionCaps(B, *_routed_from(flow, share_spatial), capsules, dim, share_spatial=share_spatial, rng=rng)
+def _attention_caps(B, flow, rng, capsules, dim, share_spatial=False, init_std=None):
+    children, std = _routed_from(flow, share_spatial, capsules, dim, init_std)
+    layer = AttentionCaps(B, *children, capsules, dim, share_spatial=share_spatial, rng=rng, init_std=std)
     return layer, Flow("vector", None, capsules, dim)
 
 
-def _conv_caps(B, flow, rng, types, dim, kernel=3, stride=1, iters=3, routing_grad="full"):
+def _conv_caps(B, flow, rng, types, dim, kernel=3, stride=1, iters=3, routing_grad="full", init_std=None):
     if _need(flow, "vector").grid is None:
         raise _Misfit("convolutional capsules need a grid of capsules, and this input has none")
-    layer = ConvCaps(B, flow.grid, flow.types, flow.dim, types, dim, kernel, stride, iters, routing_grad, rng=rng)
+    layer = ConvCaps(B, flow.grid, flow.types, flow.dim, types, dim, kernel, stride, iters, routing_grad, rng=rng,
+                     init_std=init_std)
     return layer, Flow("vector", _fits((layer.oh, layer.ow), kernel, stride), types, dim)
 
 

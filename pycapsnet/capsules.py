@@ -68,7 +68,7 @@ class ClassCaps(Layer):
     routes_shared = True  # with share_spatial, route u and W without forming û (shared_routing.py)
 
     def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, iters=3,
-                 routing_grad="full", share_spatial=False, rng=None):
+                 routing_grad="full", share_spatial=False, rng=None, init_std=0.01):
         super().__init__(backend)
         if routing_grad not in MODES:
             raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
@@ -78,7 +78,7 @@ class ClassCaps(Layer):
         self.iters, self.routing_grad, self.share_spatial = iters, routing_grad, share_spatial
         rng = rng if rng is not None else np.random.default_rng(0)
         shape = (1 if share_spatial else positions, types, n_classes, out_dim, in_dim)
-        self._add_param("W", initializers.capsule_transform(rng, shape))
+        self._add_param("W", initializers.capsule_transform(rng, shape, init_std))
         self.trace = None
         self.fixed_coupling = None
 
@@ -221,9 +221,10 @@ class AttentionCaps(ClassCaps):
 
     routes_shared = False
 
-    def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, share_spatial=False, rng=None):
+    def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, share_spatial=False, rng=None,
+                 init_std=0.01):
         super().__init__(backend, positions, types, in_dim, n_classes, out_dim, iters=1, routing_grad="full",
-                         share_spatial=share_spatial, rng=rng)
+                         share_spatial=share_spatial, rng=rng, init_std=init_std)
         self._add_param("bias", np.zeros((1 if share_spatial else positions, types, n_classes)))
 
     def _bias_ji(self):

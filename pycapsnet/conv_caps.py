@@ -34,7 +34,7 @@ class ConvCaps(Layer):
     """u (N, H*W, T, K) on an (H, W) grid -> v (N, OH*OW, C, D) on the (OH, OW) grid of windows."""
 
     def __init__(self, backend, grid, in_types, in_dim, out_types, out_dim, kernel=3, stride=1, iters=3,
-                 routing_grad="full", rng=None):
+                 routing_grad="full", rng=None, init_std=None):
         super().__init__(backend)
         if routing_grad not in MODES:
             raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
@@ -46,7 +46,8 @@ class ConvCaps(Layer):
         self.oh, self.ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
         self.I = kernel * kernel * in_types
         rng = rng if rng is not None else np.random.default_rng(0)
-        self._add_param("W", initializers.capsule_transform(rng, (self.I, out_types, out_dim, in_dim)))
+        std = initializers.routed_std(self.I, out_types, out_dim) if init_std is None else init_std
+        self._add_param("W", initializers.capsule_transform(rng, (self.I, out_types, out_dim, in_dim), std))
         self.trace = None
         self.fixed_coupling = None  # gradient checks of "final" hold c^{R-1} (N*P, C, I) here
 

@@ -24,3 +24,13 @@ def he_uniform(rng, shape, fan_in):
 def capsule_transform(rng: np.random.Generator, shape, std: float = 0.01):
     """The routing transforms W_ij ~ N(0, std^2), as in common CapsNet implementations."""
     return rng.normal(0.0, std, size=shape)
+
+
+def routed_std(children: int, parents: int, dim: int) -> float:
+    """A routing transform's std for which a layer's first weighted sum s_j = (1/J) sum_i W_ij u_i has
+    about the length of its inputs u_i (children i: I, parents j: J, output dims: D): each of the D
+    components of s_j is a sum of I terms of std std*|u|, divided by J, so std = J / sqrt(I D) makes
+    |s_j| ~ |u_i|.  Capsules then keep a usable length through a stack of routing layers, where a
+    small init shrinks them quadratically at every layer (squash(s) ~ s|s| for small s): 0.01, the
+    paper's choice for its one routing layer, leaves the second of two at lengths ~1e-11."""
+    return parents / float(np.sqrt(children * dim))

@@ -217,9 +217,9 @@ def builtin_architecture(cfg: CapsNetConfig) -> dict:
         body += [arch.primary_caps(cfg.primary_types, cfg.primary_dim, cfg.primary_kernel, cfg.primary_stride,
                                    cfg.primary_conv, name="primary")]
         caps = (cfg.n_classes, cfg.class_dim)
-        body += [arch.attention_caps(*caps, share_spatial=cfg.share_spatial, name="classcaps")
-                 if cfg.routing == "attention" else
-                 arch.dynamic_caps(*caps, **routed, share_spatial=cfg.share_spatial, name="classcaps")]
+        shared = dict(share_spatial=cfg.share_spatial, init_std=0.01)  # the paper's init for its one routing layer
+        body += [arch.attention_caps(*caps, **shared, name="classcaps") if cfg.routing == "attention" else
+                 arch.dynamic_caps(*caps, **routed, **shared, name="classcaps")]
         head, loss = "lengths", arch.margin_loss(cfg.m_plus, cfg.m_minus, cfg.lam)
     return arch.network(body, head, loss, arch.decoder(cfg.decoder_hidden, cfg.recon_weight),
                         cfg.input_shape, cfg.n_classes)
