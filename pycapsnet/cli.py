@@ -256,6 +256,14 @@ def cmd_plan(args):
     from .model import CapsNetConfig
     from .plan import format_bytes, measured_peak, parse_memory, plan
 
+    if args.network:
+        from . import architecture
+
+        body = architecture.load(args.network)["body"]
+        kinds = sorted({spec.get("layer", "?") for spec in body if isinstance(spec, dict)})
+        raise CapsNetError(f"pycapsnet plan models the three built-in networks, set by its flags; it has no memory "
+                           f"model yet for a described network (layers: {', '.join(kinds)}); run a few steps with "
+                           "--limit and watch the process's memory instead")
     budget = parse_memory(args.memory) if args.memory else _machine_memory()
     cfg = CapsNetConfig(input_shape=tuple(args.input_shape), n_classes=args.classes, share_spatial=args.share_spatial,
                         primary_conv=args.primary_conv, routing_iters=args.routing_iters,
@@ -379,6 +387,8 @@ def build_parser():
     pl.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     pl.add_argument("--memory", default=None,
                     help="budget for the largest batch, e.g. 80GB or 512MB (default: this machine's memory)")
+    pl.add_argument("--network", default=None, metavar="FILE.json",
+                    help="a described network: refused, saying that plan does not model one yet")
     pl.add_argument("--measure", action="store_true",
                     help="also run the step on the NumPy backend and report its measured peak")
     pl.set_defaults(fn=cmd_plan)

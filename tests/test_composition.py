@@ -238,3 +238,13 @@ def test_the_example_builds_and_trains_both_custom_networks(tmp_path):
     for name in ("two-routing", "convcaps"):
         assert checkpoint.load(str(tmp_path / name))["header"]["epoch"] == 1
         assert json.loads((tmp_path / f"{name}.json").read_text())["body"][-1]["name"] == "classcaps"
+
+
+def test_plan_says_it_does_not_model_a_described_network(tmp_path, capsys):
+    from pycapsnet.cli import main
+
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps(gradcheck.composed_architectures()["ConvCaps network routing=full"]))
+    assert main(["plan", "--network", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "no memory model yet for a described network" in err and "conv_caps" in err and err.count("\n") == 1
