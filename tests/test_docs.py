@@ -16,7 +16,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = Path(ROOT, "README.md")
 QUICK_MODEL = "--epochs 1 --limit 64 --limit-test 32 --conv-channels 16 --primary-types 4 --no-progress"
-QUICK_EM = "--epochs 1 --limit 32 --limit-test 16 --conv-channels 8 --primary-types 4 --no-progress"
 
 # command as written -> what runs instead: a str (the quick form) or None with the reason it is not run here
 LONG = {
@@ -28,14 +27,12 @@ LONG = {
     # runs it at 6 and checks its table and its failure)
     "pycapsnet gradcheck": "pycapsnet gradcheck --samples 3",
     'pip install torch==2.13.0 -e ".[test]" && python -m pytest': (None, ".ci/run runs exactly this line"),
-    "python train_numpy.py --routing attention --out runs/attention":
-        f"python train_numpy.py --routing attention --out runs/attention {QUICK_MODEL}",
-    "python train_numpy.py --routing em --out runs/em":
-        f"python train_numpy.py --routing em --out runs/em {QUICK_EM}",
-    "python benchmarks/bench.py --routing attention":
-        "python benchmarks/bench.py --routing attention --quick --rounds 1 --json bench-attention.json",
-    "python benchmarks/bench.py --routing em --batch-size 32 --rounds 5 --steps 3":
-        "python benchmarks/bench.py --routing em --quick --rounds 1 --json bench-em.json",
+    "python examples/build_your_own.py": "python examples/build_your_own.py --quick --out examples-run",
+    # a network small enough for float64 finite differences, written where the README's command reads it
+    "pycapsnet gradcheck --network net.json":
+        "python -c \"import json; from pycapsnet.gradcheck import composed_architectures as c; "
+        "json.dump(c()['ConvCaps network routing=full'], open('net.json', 'w'))\" "
+        "&& pycapsnet gradcheck --network net.json --samples 3",
     'pip install -e ".[cupy]"': (None, "CuPy installs on a CUDA machine only"),
     'pip install -e ".[torch]"': (None, "the test command installs torch (the [test] extra)"),
     "bash benchmarks/gpu_check.sh": (None, "needs a CUDA GPU; benchmarks/gpu_check.sh is run on one"),
@@ -69,7 +66,7 @@ def readme_commands():
 
 def _shell_form(cmd):
     """The command with the repository's scripts named by their path (it runs in a scratch dir)."""
-    for script in ("train_numpy.py", "train_torch.py", "train_cupy.py", "benchmarks/"):
+    for script in ("train_numpy.py", "train_torch.py", "train_cupy.py", "benchmarks/", "examples/"):
         cmd = re.sub(rf"(?<![\w/]){re.escape(script)}", os.path.join(ROOT, script), cmd)
     return cmd
 
