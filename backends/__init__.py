@@ -12,7 +12,7 @@ import sys
 # NumPy's BLAS, OpenBLAS, keeps its idle worker threads spinning for a while (2^28 cycles) after
 # every product.  On a machine with few cores they then hold the cores that the NumPy backend's own
 # threads (the routing products and small products split over the batch) need; told to sleep after
-# 2^16 cycles, they give the cores back (docs/performance.md, "NumPy's threads").  OpenBLAS reads
+# 2^16 cycles, they give the cores back (docs/performance.md, "What limits each machine").  OpenBLAS reads
 # this when NumPy loads it, so it applies when this package is imported before NumPy, as the
 # training scripts, the CLI and the benchmarks do.  A value already in the environment wins.  When
 # NumPy came first, the setting is too late for this process (the numpy backend then warns:

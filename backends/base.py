@@ -24,11 +24,11 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from .host import even_slices, mark_pool_thread, on_pool_thread, process_memory, reset_process_peak
 
 FLOAT_DTYPES = ("float32", "float64")
 
@@ -43,50 +43,6 @@ def float_dtype_name(dtype) -> str | None:
         return np.dtype(dtype).name
     except TypeError:
         return None
-
-
-def cpu_threads(most: int = 4) -> int:
-    """Host threads a CPU backend splits its memory-bound work over: ``PYCAPSNET_THREADS`` where it
-    is set (any count), else the cores this process may use, or OMP_NUM_THREADS where it is set
-    (torchrun sets it to 1 for each of its processes), at most ``most``.  The cap was chosen on
-    2-core machines and is not yet measured against on larger ones: PYCAPSNET_THREADS is the knob
-    for that (``benchmarks/bench.py --threads``)."""
-    own = os.environ.get("PYCAPSNET_THREADS", "").strip()
-    if own:
-        if not own.isdigit() or int(own) < 1:
-            raise BackendError(f"PYCAPSNET_THREADS={own!r}: give a whole number of threads, 1 or more "
-                               f"(or unset it to use the cores this process may use, at most {most})")
-        return int(own)
-    try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        available = os.cpu_count() or 1
-    try:
-        asked = int(os.environ.get("OMP_NUM_THREADS", "") or 0)
-    except ValueError:
-        asked = 0
-    return max(1, min(most, asked or available))
-
-
-def cpu_info() -> dict:
-    """The first processor's fields in Linux's /proc/cpuinfo ('vendor_id', 'model name', 'cpu
-    family', 'model', 'flags', ...), or {} where there is none."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if not key.strip() and info:
-                    break  # a blank line ends the first processor's entry
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return info
-
-
-def cpu_vendor() -> str:
-    """The CPU's vendor as Linux names it ('AuthenticAMD', 'GenuineIntel'), or '' where unknown."""
-    return cpu_info().get("vendor_id", "")
 
 
 class BackendError(RuntimeError):
@@ -510,84 +466,23 @@ class Backend(abc.ABC):
         if self.sample_block is None:
             return [slice(None)]
         per_part = max(1, self.sample_block // max(1, sample_size))
-        return _even_slices(n, max(-(-n // per_part), min(self.threads, n)))
+        return even_slices(n, max(-(-n // per_part), min(self.threads, n)))
 
     def _over_batch(self, fn, n: int) -> None:
         """Call fn(slice) over slices that split a batch of n, on ``self.threads`` threads.  Used for
         work that NumPy runs on one core and that releases the GIL: the memory-bound gathers and
         scatters of im2col/col2im, and (NumPy backend) the routing products and batches of small products."""
-        whole = self.threads <= 1 or n < 2 * self.threads or getattr(_ON_POOL, "on", False)
-        self._run_parts(fn, [slice(None)] if whole else _even_slices(n, self.threads))
+        whole = self.threads <= 1 or n < 2 * self.threads or on_pool_thread()
+        self._run_parts(fn, [slice(None)] if whole else even_slices(n, self.threads))
 
     def _run_parts(self, fn, slices) -> None:
         """fn(slice) for every slice, on this backend's thread pool when there are several."""
         # Work already on one of the pool's threads (split_batch's parts call im2col, matmul, ...) runs
         # where it is: the pool's threads are all busy with the parts, so waiting on them would deadlock.
-        if self.threads <= 1 or len(slices) == 1 or getattr(_ON_POOL, "on", False):
+        if self.threads <= 1 or len(slices) == 1 or on_pool_thread():
             for sl in slices:
                 fn(sl)
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, initializer=_mark_pool_thread)
+            self._pool = ThreadPoolExecutor(self.threads, initializer=mark_pool_thread)
         list(self._pool.map(fn, slices))
-
-
-def _even_slices(n: int, parts: int) -> list:
-    """``parts`` slices that split range(n) into nearly equal runs."""
-    bounds = [k * n // parts for k in range(parts + 1)]  # in integers: np.linspace costs more than a small part
-    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-_ON_POOL = threading.local()
-
-
-def _mark_pool_thread():
-    _ON_POOL.on = True
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed large blocks for reuse instead of returning them to the OS.
-
-    A train step allocates and frees many 10-60 MB temporaries.  By default glibc serves each from
-    fresh mmap'd pages, and the kernel must fault in and zero every page again, a large share of a
-    NumPy step on a machine with few cores.  With the mmap and trim thresholds at 1 GiB, freed
-    blocks are reused.  The process's resident size then stays near its peak between steps (the
-    peak itself does not grow).  An explicit MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ in
-    the environment wins (the benchmark's live-memory run sets one).  Returns whether it applied;
-    a no-op off glibc."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 2**30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**30))
-    except (OSError, AttributeError):
-        return False
-
-
-def process_memory() -> dict:
-    """Resident set size of this process and its high-water mark (Linux /proc), in bytes."""
-    cur = peak = None
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    cur = int(line.split()[1]) * 1024
-                elif line.startswith("VmHWM:"):
-                    peak = int(line.split()[1]) * 1024
-    except OSError:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"current": cur, "peak": peak, "kind": "process RSS"}
-
-
-def reset_process_peak() -> None:
-    """Reset the RSS high-water mark (Linux: write 5 to /proc/self/clear_refs); silently a no-op elsewhere."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass

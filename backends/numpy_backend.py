@@ -13,7 +13,8 @@ import warnings
 
 import numpy as np
 
-from .base import Backend, PerformanceWarning, cpu_threads, keep_freed_memory
+from .base import Backend, PerformanceWarning
+from .host import cpu_threads, keep_freed_memory
 
 
 class NumpyBackend(Backend):

@@ -7,7 +7,8 @@ import os
 
 import numpy as np
 
-from .base import Backend, BackendError, cpu_threads, cpu_vendor, keep_freed_memory
+from .base import Backend, BackendError
+from .host import cpu_threads, cpu_vendor, keep_freed_memory
 
 
 def is_torch_device(name: str) -> bool:

@@ -18,7 +18,7 @@ the CPU it is measured in a separate run with glibc's mmap threshold fixed at 1 
 measures live memory, not what the allocator happened to retain; that setting slows every
 implementation (page faults), so throughput comes from a run without it.  In the speed run every
 implementation, the autograd reference included, runs with the allocator setting the CPU backends
-make (``backends.base.keep_freed_memory``: freed blocks are reused instead of returned to the OS).
+make (``backends.host.keep_freed_memory``: freed blocks are reused instead of returned to the OS).
 
 The GEMM floor is the time of the step's unavoidable matrix products alone, on preallocated
 operands, with the backend's own matmul: conv1 forward and weight gradient, the PrimaryCaps
@@ -94,7 +94,7 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28, floor=False
     """Measure one implementation: 'numpy', 'torch', 'torch:cuda', 'cupy', 'autograd', 'autograd:cuda'.
     With ``floor``, then also the GEMM floor (``gemm_floor``) and the pairs of a step and its own
     products (``paired_steps``), in the same process right after the steps."""
-    from backends.base import keep_freed_memory, process_memory
+    from backends.host import keep_freed_memory, process_memory
 
     keep_freed_memory()  # what the CPU backends do (backends/base.py): the reference gets it too
     x, y = _batch(batch, input_size)
@@ -151,7 +151,7 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
     (a dict; {'impl', 'error'} when it cannot run here)."""
     import torch
 
-    from backends.base import process_memory, reset_process_peak
+    from backends.host import process_memory, reset_process_peak
     from pycapsnet import CapsNet
     from pycapsnet.reference import AutogradCapsNet
 
@@ -208,7 +208,7 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     """pycapsnet's train step (recorded where the trainer records it) and evaluation, as
     ``_reference_step`` returns them."""
     import backends
-    from backends.base import process_memory, reset_process_peak
+    from backends.host import process_memory, reset_process_peak
     from pycapsnet import CapsNet, optim
     from pycapsnet.graph import CapturedEval, CapturedStep
 

@@ -9,7 +9,7 @@ It also times a transform product from NumPy placed between two torch operations
 same three steps in torch: what handing torch's products to NumPy's BLAS (zero-copy) would cost
 once both libraries' thread pools are awake, and the Fourier input gradient's product with half
 its terms subnormal (about 1e-42) against the same product on ordinary numbers: some CPUs multiply
-subnormal floats in microcode, many times slower (docs/performance.md, "Subnormal products").
+subnormal floats in microcode, many times slower (docs/performance.md, "What limits each machine").
 Medians of --reps runs, milliseconds.
 
 Both run as in a train step: ``backends`` is imported before NumPy (it sets OpenBLAS's thread
@@ -24,7 +24,7 @@ import argparse
 import backends  # noqa: F401,I001  (imported for its effect, before NumPy: see backends/__init__.py)
 import numpy as np
 
-from backends.base import keep_freed_memory
+from backends.host import keep_freed_memory
 from pycapsnet.argtypes import positive_int
 from bench import _median_time  # (run as a script: benchmarks/ is on the path)
 

@@ -31,7 +31,7 @@ import time
 import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
 import numpy as np
 
-from backends.base import cpu_info
+from backends.host import cpu_info
 from pycapsnet.argtypes import positive_int, writable_file
 
 

@@ -34,7 +34,7 @@ def main(argv=None):
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N], for torch and the reference")
     p.add_argument("--reference", action="store_true", help="time the autograd reference instead")
     args = p.parse_args(argv)
-    from backends.base import process_memory
+    from backends.host import process_memory
     from benchmarks.distributed_step import cpu_model
     from pycapsnet import CapsNet
     from pycapsnet.optim import Adam

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backends.base import cpu_threads
+from backends.host import cpu_threads
 from backends.numpy_backend import NumpyBackend
 
 from .capsules import ClassCaps
