@@ -1,22 +1,22 @@
 """Self-attention routing (Mazzia et al. 2021, Efficient-CapsNet) and its exact backward.
 
 One pass, no iterations.  Shapes as in routing.py: û_j|i (I, N, J, D); scores, c, their gradients
-(N, J, I); S, s, v (N, J, D); the learned bias B_ij (J, I), shared over the batch.
+(N, J, I); S, s, v (N, J, D); the learned bias β_ij (J, I), shared over the batch.
 
 Forward:
     S_j   = sum_k û_j|k                        (every child's prediction for parent j)
     a_ij  = û_j|i . S_j / √D                   (agreement of child i with all children, self-attention)
     c_ij  = softmax_j(a_ij)                    (over the parents j, as dynamic routing's c_ij)
-    s_j   = sum_i (c_ij + B_ij) û_j|i
+    s_j   = sum_i (c_ij + β_ij) û_j|i
     v_j   = squash_exp(s_j) = (1 - e^-|s_j|) s_j / |s_j|
 
 Backward from dv:
     ds    = squash_exp_backward(s, dv)
-    dĉ_ij = û_j|i . ds_j   (ĉ = c + B:  dB_ij = sum_n dĉ_ij, dc = dĉ)
+    dĉ_ij = û_j|i . ds_j   (ĉ = c + β:  dβ_ij = sum_n dĉ_ij, dc = dĉ)
     da    = softmax_backward(c, dc) / √D        (the 1/√D folded in)
     dS_j  = sum_i da_ij û_j|i
 and û collects three outer products: from s, from its own score and from S (which every score reads):
-    dû_j|i = (c_ij + B_ij) ds_j + da_ij S_j + dS_j
+    dû_j|i = (c_ij + β_ij) ds_j + da_ij S_j + dS_j
 (B.outer_sum with coefficients (ĉ, da, 1) and vectors (ds, S, dS)).
 """
 from __future__ import annotations

@@ -213,7 +213,7 @@ class ClassCaps(Layer):
 
 class AttentionCaps(ClassCaps):
     """Class capsules v_j from primary capsules u_i by self-attention routing (Efficient-CapsNet,
-    attention_routing.py): û_j|i = W_ij u_i as in ClassCaps, then one pass, and a learned bias B_ij
+    attention_routing.py): û_j|i = W_ij u_i as in ClassCaps, then one pass, and a learned bias β_ij
     added to the coupling coefficients, shaped like W's leading axes: (P|1, T, J), one per (position,
     type) and class, or per type with ``share_spatial`` (which here only shares W and the bias: the
     attention scores need every û_j|i at once, so û is always formed).  Its output squash is
@@ -245,7 +245,7 @@ class AttentionCaps(ClassCaps):
 
     @property
     def coupling(self):
-        """The coupling coefficients with the bias, c_ij + B_ij, of the last forward: [(N, I, J)]."""
+        """The coupling coefficients with the bias, c_ij + β_ij, of the last forward: [(N, I, J)]."""
         return [self.B.xp.permute_dims(self.traced(2)[0], (0, 2, 1))]
 
 

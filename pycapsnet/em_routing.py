@@ -90,7 +90,7 @@ def inverse_temperatures(lam: float, iters: int):
     (deterministic annealing); the paper increases the inverse temperature at each iteration
     without giving a schedule.  The networks' default λ is 1e-3: the cost sums ½ ln σ² over 16
     entries and over every child a parent receives, so a larger λ saturates the activations, and
-    ln a_j then feeds back into the E-step (docs/performance.md has the runs behind this)."""
+    ln a_j then feeds back into the E-step (docs/performance.md; the runs behind it are in its git history)."""
     return [lam * (t + 1) / iters for t in range(iters)]
 
 

@@ -5,8 +5,8 @@ capsule part of the network (the rest is shared):
     "dynamic"    the network below, margin loss
     "attention"  the same with self-attention routing (Efficient-CapsNet) in place of dynamic routing
     "em"         matrix capsules with EM routing (Hinton et al. 2018), spread loss on the class activations:
-                 conv1 5x5/2, A=32, ReLU --PrimaryMatrixCaps 1x1, B=8--ConvMatrixCaps 3x3/2, C=16
-                 --ConvMatrixCaps 3x3/1, D=16--ClassMatrixCaps (coordinate addition)--> poses (N, J, 16), a (N, J)
+                 conv1 5x5/2, 32 channels, ReLU --PrimaryMatrixCaps 1x1, 8 types--ConvMatrixCaps 3x3/2, 16 types
+                 --ConvMatrixCaps 3x3/1, 16 types--ClassMatrixCaps (coordinate addition)--> poses (N, J, 16), a (N, J)
     Each feeds its class capsules (poses for EM) to the same masked decoder, and its class scores
     (|v_j|, or a_j for EM) to the loss and the predictions.
 
@@ -35,7 +35,7 @@ from .routing import MODES as ROUTING_MODES
 
 ROUTINGS = ("dynamic", "em", "attention")
 # Defaults that depend on the routing (a field left None takes its routing's): the EM column is the
-# paper's matrix-capsule network (A = 32 channels of 5x5/2, B = 8 primary types).
+# paper's matrix-capsule network (32 channels of 5x5/2, 8 primary capsule types).
 _VECTOR_CAPSULES = dict(conv_channels=256, conv_kernel=9, conv_stride=1, primary_types=32,  # Sabour et al.'s
                         routing_iters=3)
 ROUTING_DEFAULTS = {
