@@ -228,10 +228,10 @@ def load(path) -> dict:
 def _options(fn, spec, label):
     """The keyword options of ``spec`` for builder ``fn``; CapsNetError naming what is unknown or missing."""
     options = {k: v for k, v in spec.items() if k not in ("layer", "name")}
-    allowed = list(inspect.signature(fn).parameters)[3:]
+    params = list(inspect.signature(fn).parameters.values())[3:]  # after (B, flow, rng)
+    allowed = [p.name for p in params]
     unknown = sorted(set(options) - set(allowed))
-    missing = [p.name for p in list(inspect.signature(fn).parameters.values())[3:]
-               if p.default is inspect.Parameter.empty and p.name not in options]
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in options]
     if unknown or missing:
         what = "; ".join(([f"unknown option {', '.join(unknown)}"] if unknown else [])
                          + ([f"missing {', '.join(missing)}"] if missing else []))

@@ -212,7 +212,7 @@ def cmd_inspect(args):
     if model.decoder is not None:  # the paper's Figure 4
         written.append(_figure_4(model, v, pred, os.path.join(args.out, "perturbation.png"),
                                  f"test image {args.index} (label {names[y]}, predicted {names[pred]})"))
-    em = bool(activations)
+    em = _is_em(model)
     what = "EM assignments R_ij of the class layer" if em else "coupling coefficients c_ij"
     children = classcaps.in_flow  # the grid and types of the capsules routed to the classes
     written.append(plots.coupling_heatmaps(

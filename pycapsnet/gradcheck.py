@@ -344,11 +344,18 @@ def composed_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch
     results = []
     for mode in ("full", "final"):
         for label, description in composed_architectures(mode).items():
-            model = arch.build(description, B, seed=seed)
-            for _, layer in model.routing_layers():  # away from the tiny init, where routing is nearly uniform
-                layer.params["W"][...] = B.asarray(0.5 * np.random.default_rng(seed).standard_normal(layer.params["W"].shape))
+            model = away_from_init(arch.build(description, B, seed=seed), seed)
             results += network_checks(B, model, label, samples, eps, tol, floor, seed, batch)
     return results
+
+
+def away_from_init(model, seed=0):
+    """``model`` with its routing transforms W ~ N(0, 0.5^2): at a small init routing is nearly
+    uniform, and a check would exercise little of it."""
+    for _, layer in model.routing_layers():
+        W = layer.params["W"]
+        W[...] = model.B.asarray(0.5 * np.random.default_rng(seed).standard_normal(W.shape))
+    return model
 
 
 def layer_checks_of(B, model, samples=20, eps=1e-5, tol=1e-6, seed=0, batch=2):
@@ -369,10 +376,9 @@ def run_network(B, description, samples=20, tol=1e-6, seed=0):
     """Every layer of the described network, then its whole loss (``pycapsnet gradcheck --network``)."""
     require_float64(B)
     description = arch.load(description) if isinstance(description, str) else description
-    label = f"network {description.get('name', '')}".strip()
     layers = layer_checks_of(B, arch.build(description, B, seed=seed), samples, 1e-5, tol, seed)
     # a fresh build for the whole loss: the layer checks left "final" layers holding their coupling
-    return layers + network_checks(B, arch.build(description, B, seed=seed), label, samples, 1e-5, tol, seed=seed)
+    return layers + network_checks(B, arch.build(description, B, seed=seed), "network", samples, 1e-5, tol, seed=seed)
 
 
 def require_float64(B):
