@@ -51,6 +51,7 @@ from backends import NAMES
 from backends.base import FLOAT_DTYPES
 from backends.torch_backend import is_torch_device  # (imports no torch)
 from benchmarks.distributed_step import cpu_model
+from benchmarks.provenance import code_version
 from pycapsnet.argtypes import nonnegative_int, positive_int, writable_file
 from pycapsnet.capsules import PrimaryCaps
 from pycapsnet.cli import format_table
@@ -591,7 +592,7 @@ def main(argv=None):
                                                                    (COMPILED, ("compiled", "both")))
                                          if args.reference in kinds]
     impls = list(args.backends) + [f"{name}:{args.ref_device}" for name in refs]
-    results = {"machine": {"cpu": cpu_model(), "gpu": _gpu_name(impls),
+    results = {"code": code_version(), "machine": {"cpu": cpu_model(), "gpu": _gpu_name(impls),
                            "platform": platform.platform(), "processor": platform.processor(),
                            "cpus": os.cpu_count(), "python": platform.python_version(),
                            # set by `import backends` (through pycapsnet.cli above); the workers inherit it

@@ -32,6 +32,7 @@ import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeou
 import numpy as np
 
 from backends.host import cpu_info
+from benchmarks.provenance import code_version
 from pycapsnet.argtypes import positive_int, writable_file
 
 
@@ -100,9 +101,9 @@ def measure(backend: str, global_batch: int, steps: int, device: str | None = No
                 times[k].append(v)
     med = {k: statistics.median(v) for k, v in times.items()}
     world = group.world if group else 1
-    result = {"backend": B.label, "processes": world, "global_batch": global_batch,
-              "threads_per_process": B.threads,
-              "cpu": cpu_model(), "gpu": _gpu_name(B), "steps": steps, **{f"{k}_ms": round(1e3 * v, 1) for k, v in med.items()},
+    result = {"code": code_version(), "backend": B.label, "processes": world, "global_batch": global_batch,
+              "threads_per_process": B.threads, "cpu": cpu_model(), "gpu": _gpu_name(B), "steps": steps,
+              **{f"{k}_ms": round(1e3 * v, 1) for k, v in med.items()},
               "sum_share": round(med["sum"] / med["step"], 3),
               "samples_per_s": round(global_batch / med["step"], 1),
               "gradient_mb": round(model.flat_grads.nbytes / 2**20, 1) if hasattr(model.flat_grads, "nbytes") else None}
@@ -167,8 +168,9 @@ def overlap(backend: str, global_batch: int, steps: int, device: str | None = No
             times[mode[0]].append(time.perf_counter() - t0)
         sums[mode[0]] = B.to_numpy(model.flat_grads).copy()
     med = {k: statistics.median(v) for k, v in times.items()}
-    result = {"backend": B.label, "processes": group.world, "global_batch": global_batch, "cpu": cpu_model(),
-              "gpu": _gpu_name(B), "steps": steps, "gradients_and_sum_ms": round(1e3 * med["end"], 1),
+    result = {"code": code_version(), "backend": B.label, "processes": group.world, "global_batch": global_batch,
+              "cpu": cpu_model(), "gpu": _gpu_name(B), "steps": steps,
+              "gradients_and_sum_ms": round(1e3 * med["end"], 1),
               "overlapped_ms": round(1e3 * med["overlap"], 1),
               "overlapped_share_of_gradient": round(1 - cut / sum(sizes), 3),
               "same_sum": bool(np.array_equal(sums["end"], sums["overlap"]))}  # of one batch, both ways

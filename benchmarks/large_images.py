@@ -20,6 +20,7 @@ import time
 import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
 import numpy as np
 
+from benchmarks.provenance import code_version
 from pycapsnet.argtypes import positive_int
 
 
@@ -74,7 +75,8 @@ def main(argv=None):
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     on_gpu = (args.device or "cpu").startswith("cuda") or args.backend == "cupy"
-    print(json.dumps({"side": args.side, "primary_conv": None if args.reference else args.primary_conv,
+    print(json.dumps({"code": code_version(), "side": args.side,
+                      "primary_conv": None if args.reference else args.primary_conv,
                       "batch_size": args.batch_size, "classes": args.classes, "backend": label,
                       "cpu": cpu_model(), "parameters": n_params, "step_s": round(step_s, 2),
                       "samples_per_s": round(args.batch_size / step_s, 3),

@@ -20,6 +20,7 @@ import backends  # noqa: F401,I001  (before NumPy: it sets NumPy's BLAS thread t
 if __package__ in (None, ""):  # run by path: the repository root, for benchmarks.distributed_step
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.provenance import code_version
 from pycapsnet.argtypes import positive_int
 
 
@@ -39,7 +40,7 @@ def main(argv=None):
     planned = plan(cfg, args.batch_size)
     measured = measured_peak(cfg, args.batch_size)
     mb = 2**20
-    print(json.dumps({"side": args.side, "classes": args.classes, "batch_size": args.batch_size,
+    print(json.dumps({"code": code_version(), "side": args.side, "classes": args.classes, "batch_size": args.batch_size,
                       "primary_conv": args.primary_conv, "cpu": cpu_model(),
                       "plan_peak_mb": round(planned.peak / mb), "plan_per_image_mb": round(planned.per_image / mb, 1),
                       "measured_peak_mb": round(measured / mb), "plan_over_measured": round(planned.peak / measured, 3),
