@@ -557,8 +557,8 @@ def parser():
                    help="routing iterations (default: the network's own; EM's is 2, the paper's 3)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="host threads the numpy and torch backends split their memory-bound work over "
-                        "(sets PYCAPSNET_THREADS for every run; default: the cores this process may use, "
-                        "at most 4); PyTorch's and the BLAS's own threads are left as they are")
+                        "(sets PYCAPSNET_THREADS for every run; default: the cores this process may use); "
+                        "PyTorch's and the BLAS's own threads are left as they are")
     p.add_argument("--json", type=writable_file, default=None,
                    help="where the results go (default: benchmarks/results.json, the README's; "
                         "benchmarks/results-ROUTING.json for --routing em or attention)")

@@ -49,7 +49,9 @@ def _throughput_panel(ax, results):
     the im2col GEMM floor, and the products this implementation itself runs (fewer for the
     Fourier PrimaryCaps, so a hand-written bar may rise above the first tick but not the second)."""
     rows = [r for r in results["main"] if "error" not in r]
-    names = [r["label"] + ("" if r["impl"].startswith("autograd") else "\n(hand-written)") for r in rows]
+    # one line per part of the label ("torch:cuda:0", "CUDA graph"), so that neighbours do not overlap
+    names = [r["label"].replace(", ", "\n") + ("" if r["impl"].startswith("autograd") else "\n(hand-written)")
+             for r in rows]
     rates = [r["train_samples_per_s"] for r in rows]
     colours = ["0.6" if r["impl"].startswith("autograd") else "tab:blue" for r in rows]
     bars = ax.bar(range(len(rows)), rates, color=colours)
@@ -121,12 +123,14 @@ def plot(results: dict, path: str) -> str:
         _throughput_panel(axes[0, 0], results)
         _scaling_panels([axes[0, 1], axes[1, 0], axes[1, 1]], scaling)
     else:
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        fig, ax = plt.subplots(figsize=(max(6.5, 1.25 * len(results["main"])), 4.5))
         _throughput_panel(ax, results)
     machine = results.get("machine", {})
     where = machine.get("gpu") or machine.get("cpu") or machine.get("platform", "")
     stopped = ", a run stopped part-way" if results.get("complete") is False else ""
-    fig.suptitle(f"pycapsnet benchmark ({where}, {machine.get('cpus', '?')} CPUs{stopped})", fontsize=9)
+    commit = (results.get("code") or {}).get("commit")
+    code = f", code {commit[:7]}{'' if (results.get('code') or {}).get('clean') else ' + changes'}" if commit else ""
+    fig.suptitle(f"pycapsnet benchmark ({where}, {machine.get('cpus', '?')} CPUs{code}{stopped})", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -74,15 +74,18 @@ def test_bad_dtype_and_device():
 
 @pytest.mark.parametrize("spec", CPU_BACKENDS)
 def test_host_threads_follow_pycapsnet_threads_then_omp_num_threads(spec, monkeypatch):
-    """PYCAPSNET_THREADS sets the CPU backends' own threads (any count, past the default cap of 4);
-    else OMP_NUM_THREADS, at most 4; a bad value is a BackendError that names the fix."""
+    """PYCAPSNET_THREADS sets the CPU backends' own threads (any count, past the cores); else
+    OMP_NUM_THREADS, at most the cores this process may use; a bad value is a BackendError that
+    names the fix."""
     monkeypatch.setenv("PYCAPSNET_THREADS", "7")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert backends.get(spec).threads == 7
     monkeypatch.delenv("PYCAPSNET_THREADS")
     assert backends.get(spec).threads == 1
-    monkeypatch.setenv("OMP_NUM_THREADS", "64")
-    assert backends.get(spec).threads == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "100000")
+    assert backends.get(spec).threads == len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert backends.get(spec).threads == len(os.sched_getaffinity(0))
     for bad in ("0", "two", "-3"):
         monkeypatch.setenv("PYCAPSNET_THREADS", bad)
         with pytest.raises(BackendError, match="PYCAPSNET_THREADS=.*whole number"):

@@ -93,6 +93,7 @@ def test_benchmark_quick_run_writes_a_complete_table(tmp_path):
     res = json.loads(out.read_text())
     impls = {m["impl"]: m for m in res["main"]}
     assert set(impls) == {"numpy", "torch", "autograd:cpu"} and res["complete"] is True
+    assert set(res["code"]) == {"commit", "clean", "tree", "source"}  # the code it measured
     # the thread counts each ran with: pycapsnet's own for its backends, PyTorch's where torch is loaded
     assert impls["numpy"]["threads"]["pycapsnet"] >= 1 and impls["autograd:cpu"]["threads"]["pycapsnet"] is None
     assert impls["torch"]["threads"]["torch"] >= 1 and "threads: numpy: pycapsnet" in r.stdout
@@ -196,3 +197,36 @@ def test_benchmark_measures_a_recorded_step(tmp_path):
     (m,) = json.loads(out.read_text())["main"]
     assert m["impl"] == "numpy+graph" and "error" not in m, m
     assert m["label"].startswith("numpy:cpu, recorded") and m["train_samples_per_s"] > 0
+
+
+def test_code_version_names_the_files_even_where_git_lags_behind_them(tmp_path, monkeypatch):
+    """A copy whose .git is older than its files (a GPU machine sent a newer commit's files) is
+    reported dirty at the old commit, and its tree id is the newer commit's tree."""
+    from benchmarks.provenance import code_version
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    monkeypatch.delenv("PYCAPSNET_CODE_VERSION", raising=False)
+    assert code_version(str(tmp_path))["commit"] is None  # no history, nothing stated
+    monkeypatch.setenv("PYCAPSNET_CODE_VERSION", "abc123 dirty")
+    assert code_version(str(tmp_path)) == {"commit": "abc123", "clean": False, "tree": None,
+                                           "source": "PYCAPSNET_CODE_VERSION"}
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    one = code_version(str(tmp_path))
+    assert one["source"] == "git" and one["clean"] is True and one["commit"] == git("rev-parse", "HEAD")
+    assert one["tree"] == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "b.py").write_text("y = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    two_tree = git("rev-parse", "HEAD^{tree}")
+    git("reset", "-q", "--soft", "HEAD~1")  # .git back at "one", the files still "two"'s
+    git("reset", "-q")
+    lagging = code_version(str(tmp_path))
+    assert lagging["commit"] == one["commit"] and lagging["clean"] is False and lagging["tree"] == two_tree
+    assert git("status", "--porcelain") != ""  # the scratch index left the checkout's own alone
