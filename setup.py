@@ -25,7 +25,7 @@ setup(
         "cupy": ["cupy-cuda12x>=13"],
         "test": ["pytest>=7", "torch>=2.1"],
     },
-    entry_points={"console_scripts": ["pycapsnet=pycapsnet.cli:main"]},
+    entry_points={"console_scripts": ["pycapsnet=pycapsnet.tools.cli:main"]},
     scripts=["train_numpy.py", "train_cupy.py", "train_torch.py"],
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
 )

@@ -2,7 +2,7 @@
 """Train a CapsNet on the cupy backend.  `python train_cupy.py --help` lists the flags."""
 import sys
 
-from pycapsnet.trainer import main
+from pycapsnet.training.trainer import main
 
 if __name__ == "__main__":
     sys.exit(main("cupy"))

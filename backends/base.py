@@ -133,7 +133,7 @@ class Backend(abc.ABC):
             return x.dtype.kind == "f"
         return self.xp.isdtype(x.dtype, "real floating")
 
-    # ---- ReLU (pycapsnet/layers.py) ----------------------------------------------------------------
+    # ---- ReLU (pycapsnet/core/layers.py) ----------------------------------------------------------------
     def relu(self, x):
         """y = max(x, 0).  clip with a scalar bound: maximum(x, 0) would first make the 0 an array
         (on a GPU, a host-to-device copy per call, which a captured step cannot replay)."""
@@ -143,7 +143,7 @@ class Backend(abc.ABC):
         """dx = dy [y > 0], from y = relu(x): a multiply by the 0/1 mask (faster than where() on NumPy)."""
         return dy * (y > 0)
 
-    # ---- ClassCaps' predictions û_j|i and routing's blocks of them (pycapsnet/capsules.py) -------------
+    # ---- ClassCaps' predictions û_j|i and routing's blocks of them (pycapsnet/core/capsules.py) -------------
     def predictions(self, ut, W_t):
         """û_j|i = W_ij u_i for every input capsule i = (p, t):  ut (P, T, N, K) and the transposed
         transforms W_t (P|1, T, K, J*D) -> (P, T, N, J*D), P*T small products (N x K) @ (K x J*D).
@@ -191,7 +191,7 @@ class Backend(abc.ABC):
         out[...] = result
         return out
 
-    # ---- matrix capsules' votes (pycapsnet/matrix_capsules.py) ---------------------------------------
+    # ---- matrix capsules' votes (pycapsnet/core/matrix_capsules.py) ---------------------------------------
     def votes(self, M, W):
         """V_ij = M_i W_ij for every child slot i and parent type j: M (N, P, I, 16) and W (I, C, 4, 4)
         -> V (N, P, I, C, 16), and what ``votes_backward`` needs.  As I products (N*P*4, 4) @ (4, C*4):
@@ -248,7 +248,7 @@ class Backend(abc.ABC):
         dW = sum(dbig[:, a, :, :, a, :] for a in range(4))                          # [i, b, c, d], summed over a
         return self.contiguous(xp.permute_dims(dW, (0, 2, 1, 3))), dM
 
-    # ---- the sums of EM routing (pycapsnet/em_routing.py) ---------------------------------------
+    # ---- the sums of EM routing (pycapsnet/core/em_routing.py) ---------------------------------------
     # Shapes: votes V and what is shaped like them (N, P, I, C, H); assignments (N, P, I, C); parent
     # poses μ and variances σ² (N, P, C, H).  Written as the math reads; NumPy overrides both with
     # batched BLAS products that sum without forming the product, PyTorch the sum over h alone
@@ -282,7 +282,7 @@ class Backend(abc.ABC):
         dV += d
         return dw
 
-    # ---- the slots of a convolutional capsule layer (pycapsnet/matrix_capsules.py, WindowGroup) -----
+    # ---- the slots of a convolutional capsule layer (pycapsnet/core/matrix_capsules.py, WindowGroup) -----
     # x (N, P, I): one value per slot of K x K windows (stride s) over an (N, H, W, T) grid of children,
     # P = OH*OW window positions, I = (kernel row, kernel column, type).  Both hand every slot a value
     # over all the slots that hold the same child.
@@ -313,7 +313,7 @@ class Backend(abc.ABC):
         self._check_host_transfer("a check that reads the device")
         return bool(self.xp.all(self.xp.isfinite(x)))
 
-    # ---- data parallelism (pycapsnet.distributed) ---------------------------------------------------
+    # ---- data parallelism (pycapsnet.training.distributed) ---------------------------------------------------
     # torch.distributed's process-group backend for this backend's arrays: gloo for host memory,
     # NCCL for CUDA devices (set by the GPU backends).
     collective_backend = "gloo"

@@ -52,10 +52,10 @@ from backends.base import FLOAT_DTYPES
 from backends.torch_backend import is_torch_device  # (imports no torch)
 from benchmarks.distributed_step import cpu_model
 from benchmarks.provenance import code_version
-from pycapsnet.argtypes import nonnegative_int, positive_int, writable_file
-from pycapsnet.capsules import PrimaryCaps
-from pycapsnet.cli import format_table
-from pycapsnet.model import ROUTINGS
+from pycapsnet.training.argtypes import nonnegative_int, positive_int, writable_file
+from pycapsnet.core.capsules import PrimaryCaps
+from pycapsnet.tools.cli import format_table
+from pycapsnet.core.model import ROUTINGS
 
 QUICK = dict(conv_channels=16, primary_types=4)
 
@@ -64,7 +64,7 @@ QUICK = dict(conv_channels=16, primary_types=4)
 # workers: one measurement each, in a fresh process
 # ---------------------------------------------------------------------------------------------
 def _batch(n, size=28, seed=0):
-    from pycapsnet import data
+    from pycapsnet.training import data
 
     tr, _ = data.load_embedded()
     rng = np.random.default_rng(seed)
@@ -154,7 +154,7 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
 
     from backends.host import process_memory, reset_process_peak
     from pycapsnet import CapsNet
-    from pycapsnet.reference import AutogradCapsNet
+    from pycapsnet.tools.reference import AutogradCapsNet
 
     device = impl.split(":", 1)[1] if ":" in impl else "cpu"
     compiled = impl.startswith(COMPILED)
@@ -210,8 +210,9 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     ``_reference_step`` returns them."""
     import backends
     from backends.host import process_memory, reset_process_peak
-    from pycapsnet import CapsNet, optim
-    from pycapsnet.graph import CapturedEval, CapturedStep
+    from pycapsnet import CapsNet
+    from pycapsnet.training import optim
+    from pycapsnet.training.graph import CapturedEval, CapturedStep
 
     # "+eager": op by op where the trainer records the step (torch:cuda, cupy); "+graph": recorded
     # where it does not (on the CPU the recording is a re-run)
@@ -262,8 +263,8 @@ def step_products(cfg, n, dtype):
     """The matrix products of a train step at batch n: ([(label, m, k, n, batch dims)], how many of
     them come first as the im2col formulation's; the rest are what the Fourier PrimaryCaps runs
     instead of the three PrimaryCaps products)."""
-    from pycapsnet.fourier import FourierConv2d, half_spectrum, phase_grid, spectrum_mb
-    from pycapsnet.model import _geometry, decoder_sizes
+    from pycapsnet.core.fourier import FourierConv2d, half_spectrum, phase_grid, spectrum_mb
+    from pycapsnet.core.model import _geometry, decoder_sizes
 
     P, _ = _geometry(cfg)
     c, h, w = cfg.input_shape
@@ -290,7 +291,7 @@ def step_products(cfg, n, dtype):
     direct = len(products)  # the products above: the floor of the im2col formulation
 
     # What the step runs with primary_conv="fourier" instead of the three PrimaryCaps products
-    # (pycapsnet/fourier.py): the grid transforms of input, kernel and output, and per frequency
+    # (pycapsnet/core/fourier.py): the grid transforms of input, kernel and output, and per frequency
     # one product of stacked real and imaginary blocks each for forward, weight gradient and input
     # gradient.
     oh, ow, kq, n_h, n_w = phase_grid(h - k1 + 1, w - k1 + 1, k2, s2)
@@ -321,7 +322,7 @@ def _floor_operands(impl, batch, dtype, config):
         B = backends.get(name, dtype=dtype)
     except backends.BackendError as e:
         return {"impl": impl, "error": str(e)}
-    from pycapsnet.model import CapsNetConfig
+    from pycapsnet.core.model import CapsNetConfig
 
     shapes, direct = step_products(CapsNetConfig(**config), batch, dtype)  # the geometry only: no model
     rng = np.random.default_rng(0)
@@ -552,7 +553,7 @@ def parser():
                    help="how the hand-written PrimaryCaps convolves (default fourier, as in training)")
     p.add_argument("--routing", choices=ROUTINGS, default="dynamic",
                    help="the network: dynamic (default), em or attention; each against an autograd "
-                        "implementation of the same network (pycapsnet/reference.py)")
+                        "implementation of the same network (pycapsnet/tools/reference.py)")
     p.add_argument("--routing-iters", type=positive_int, default=None,
                    help="routing iterations (default: the network's own; EM's is 2, the paper's 3)")
     p.add_argument("--threads", type=positive_int, default=None,
@@ -595,7 +596,7 @@ def main(argv=None):
     results = {"code": code_version(), "machine": {"cpu": cpu_model(), "gpu": _gpu_name(impls),
                            "platform": platform.platform(), "processor": platform.processor(),
                            "cpus": os.cpu_count(), "python": platform.python_version(),
-                           # set by `import backends` (through pycapsnet.cli above); the workers inherit it
+                           # set by `import backends` (through pycapsnet.tools.cli above); the workers inherit it
                            "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
                            "PYCAPSNET_THREADS": os.environ.get("PYCAPSNET_THREADS"),
                            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},

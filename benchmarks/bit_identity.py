@@ -19,7 +19,10 @@ import numpy as np
 
 def dump(path):
     from pycapsnet import CapsNet
-    from pycapsnet.gradcheck import SMALL, SMALL_EM
+    try:
+        from pycapsnet.tools.gradcheck import SMALL, SMALL_EM
+    except ImportError:  # a checkout from before the subpackages (d4f17c0 ... 58d41c4)
+        from pycapsnet.gradcheck import SMALL, SMALL_EM
 
     variants = {
         "dynamic_full": dict(SMALL, routing_grad="full"), "dynamic_final": dict(SMALL, routing_grad="final"),

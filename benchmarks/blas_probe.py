@@ -25,7 +25,7 @@ import backends  # noqa: F401,I001  (imported for its effect, before NumPy: see 
 import numpy as np
 
 from backends.host import keep_freed_memory
-from pycapsnet.argtypes import positive_int
+from pycapsnet.training.argtypes import positive_int
 from bench import _median_time  # (run as a script: benchmarks/ is on the path)
 
 

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run by path (torchrun): the repository root, fo
 
 from backends.host import cpu_info  # noqa: E402
 from benchmarks.provenance import code_version  # noqa: E402
-from pycapsnet.argtypes import positive_int, writable_file  # noqa: E402
+from pycapsnet.training.argtypes import positive_int, writable_file  # noqa: E402
 
 
 def cpu_model() -> str:
@@ -63,9 +63,9 @@ def _gpu_name(B):
 
 
 def measure(backend: str, global_batch: int, steps: int, device: str | None = None) -> dict:
-    from pycapsnet import data, distributed
-    from pycapsnet.model import CapsNet
-    from pycapsnet.optim import Adam
+    from pycapsnet.training import data, distributed
+    from pycapsnet.core.model import CapsNet
+    from pycapsnet.training.optim import Adam
 
     # Under torchrun the group is made even for one process (the trainer then takes the plain path):
     # that is how the distributed path's own cost on one GPU is measured.
@@ -120,8 +120,8 @@ def overlap(backend: str, global_batch: int, steps: int, device: str | None = No
     """Gradients + sum per step (ms, medians), the sum at the end against the tail's sum overlapped."""
     import torch.distributed as dist
 
-    from pycapsnet import data, distributed
-    from pycapsnet.model import CapsNet
+    from pycapsnet.training import data, distributed
+    from pycapsnet.core.model import CapsNet
 
     B = backends.get(backend, device=backends.device_for_rank(device, distributed.local_rank(), backend),
                      dtype="float32")

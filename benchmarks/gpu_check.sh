@@ -59,15 +59,15 @@ if want tests; then
     run tests_gpu 300 8 python -m pytest -q -rs -k "cupy or cuda" tests
 fi
 if want gradcheck; then
-    run gradcheck_cupy 300 12 python -m pycapsnet.cli gradcheck --backend cupy --dtype float64
-    run gradcheck_torch_cuda 300 12 python -m pycapsnet.cli gradcheck --backend torch:cuda --dtype float64
+    run gradcheck_cupy 300 12 python -m pycapsnet gradcheck --backend cupy --dtype float64
+    run gradcheck_torch_cuda 300 12 python -m pycapsnet gradcheck --backend torch:cuda --dtype float64
 fi
 if want crosscheck; then
-    run crosscheck_numpy_cupy 120 6 python -m pycapsnet.cli crosscheck --a numpy --b cupy --dtype float32
-    run crosscheck_torch_cpu_cuda 120 6 python -m pycapsnet.cli crosscheck --a torch:cpu --b torch:cuda --dtype float32
+    run crosscheck_numpy_cupy 120 6 python -m pycapsnet crosscheck --a numpy --b cupy --dtype float32
+    run crosscheck_torch_cpu_cuda 120 6 python -m pycapsnet crosscheck --a torch:cpu --b torch:cuda --dtype float32
     # the GPUs' float32 backward against the float64 one on the CPU, which gradcheck checks
-    run crosscheck_cupy_f32_vs_numpy_f64 120 6 python -m pycapsnet.cli crosscheck --a numpy --b cupy --dtype-b float32
-    run crosscheck_cuda_f32_vs_cpu_f64 120 6 python -m pycapsnet.cli crosscheck --a torch:cpu --b torch:cuda --dtype-b float32
+    run crosscheck_cupy_f32_vs_numpy_f64 120 6 python -m pycapsnet crosscheck --a numpy --b cupy --dtype-b float32
+    run crosscheck_cuda_f32_vs_cpu_f64 120 6 python -m pycapsnet crosscheck --a torch:cpu --b torch:cuda --dtype-b float32
 fi
 if want bench || want bench64; then
     run bench_b64 420 16 python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda \

@@ -7,7 +7,7 @@
 One line of JSON: the median of --steps steps after one warm-up step, and the peak memory of the
 steps: on the CPU the process's peak RSS from the step's start (weights, optimizer state, the step's
 arrays, and the interpreter's own), on a GPU the backend's peak of device memory.  Float32.
-``--reference`` times the PyTorch-autograd model of the same network instead (pycapsnet.reference,
+``--reference`` times the PyTorch-autograd model of the same network instead (pycapsnet.tools.reference,
 written the usual way: W_tj tiled over positions, so û is formed) with torch.optim.Adam.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeou
 import numpy as np
 
 from benchmarks.provenance import code_version
-from pycapsnet.argtypes import positive_int
+from pycapsnet.training.argtypes import positive_int
 
 
 def main(argv=None):
@@ -38,7 +38,7 @@ def main(argv=None):
     from backends.host import process_memory
     from benchmarks.distributed_step import cpu_model
     from pycapsnet import CapsNet
-    from pycapsnet.optim import Adam
+    from pycapsnet.training.optim import Adam
 
     B = backends.get(args.backend, dtype="float32", device=args.device)
     cfg = dict(share_spatial=True, input_shape=(3, args.side, args.side), n_classes=args.classes,

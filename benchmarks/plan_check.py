@@ -3,7 +3,7 @@
     python benchmarks/plan_check.py --side 224 --classes 276 --batch-size 2 [--primary-conv im2col]
 
 The measured peak is the most bytes of NumPy arrays alive at once during a train step with Adam
-(tracemalloc, from before the model is built: ``pycapsnet.plan.measured_peak``); the process's peak
+(tracemalloc, from before the model is built: ``pycapsnet.tools.plan.measured_peak``); the process's peak
 RSS is reported beside it (it adds the interpreter and its libraries).  RGB, ``share_spatial``,
 float32, numpy backend.  Results: benchmarks/results-plan.jsonl, docs/performance.md.
 """
@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run by path: the repository root, for benchmark
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.provenance import code_version
-from pycapsnet.argtypes import positive_int
+from pycapsnet.training.argtypes import positive_int
 
 
 def main(argv=None):
@@ -32,8 +32,8 @@ def main(argv=None):
     p.add_argument("--primary-conv", default="fourier", choices=("fourier", "im2col"))
     args = p.parse_args(argv)
     from benchmarks.distributed_step import cpu_model
-    from pycapsnet.model import CapsNetConfig
-    from pycapsnet.plan import measured_peak, plan
+    from pycapsnet.core.model import CapsNetConfig
+    from pycapsnet.tools.plan import measured_peak, plan
 
     cfg = CapsNetConfig(input_shape=(3, args.side, args.side), n_classes=args.classes, share_spatial=True,
                         primary_conv=args.primary_conv)

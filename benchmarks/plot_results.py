@@ -15,8 +15,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from pycapsnet.argtypes import writable_file
-from pycapsnet.plots import pyplot  # noqa: E402  (matplotlib with the Agg backend: no display needed)
+from pycapsnet.training.argtypes import writable_file
+from pycapsnet.tools.plots import pyplot  # noqa: E402  (matplotlib with the Agg backend: no display needed)
 
 
 class NotAResult(ValueError):

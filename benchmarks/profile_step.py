@@ -24,13 +24,13 @@ if __package__ in (None, ""):  # run by path: the repository root, for benchmark
 import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
 import numpy as np
 
-from pycapsnet.argtypes import positive_int
+from pycapsnet.training.argtypes import positive_int
 
 
 def profile(backend="numpy", batch=64, steps=4, warmup=2):
-    from pycapsnet import data
-    from pycapsnet.model import CapsNet
-    from pycapsnet.optim import Adam
+    from pycapsnet.training import data
+    from pycapsnet.core.model import CapsNet
+    from pycapsnet.training.optim import Adam
 
     B = backends.get(backend, dtype="float32")
     train, _ = data.load_embedded()

@@ -21,8 +21,8 @@ import sys
 
 import backends  # noqa: F401  (first, as the training scripts do: it sets NumPy's BLAS thread timeout)
 from pycapsnet import CapsNetError
-from pycapsnet import architecture as A
-from pycapsnet.trainer import fit
+from pycapsnet.core import architecture as A
+from pycapsnet.training.trainer import fit
 
 stem = [A.conv2d(128, 9, name="conv1"), A.relu(name="relu1"),
         A.primary_caps(16, 8, kernel=9, stride=2, name="primary")]          # 6x6 grid of 16 types of 8D

@@ -27,4 +27,4 @@ def assert_close(actual, expected, rtol, what=""):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=what)
 
 
-from pycapsnet.gradcheck import SMALL  # noqa: E402,F401  (a 14x14 CapsNet small enough for float64 checks)
+from pycapsnet.tools.gradcheck import SMALL  # noqa: E402,F401  (a 14x14 CapsNet small enough for float64 checks)

@@ -2,7 +2,7 @@
 
     python -m tests.fault_inject POINT N SIGNAL -- TRAINER FLAGS      (from the repository root)
 
-POINT: inside the epoch's training, or in the order an epoch is committed (``trainer._commit_epoch``):
+POINT: inside the epoch's training, or in the order an epoch is committed (``run_dir.RunDir.commit``):
   training    after the epoch's first training step
   trained     the epoch is trained and evaluated; nothing of it is written yet
   saving      the checkpoint is written to its temporary file, not yet renamed into place
@@ -16,8 +16,8 @@ import os
 import signal
 import sys
 
-from pycapsnet import checkpoint, trainer
-from pycapsnet.model import CapsNet
+from pycapsnet.training import checkpoint, trainer
+from pycapsnet.core.model import CapsNet
 
 FILES = {"saving": "checkpoint.npz", "checkpoint": "checkpoint.npz", "metrics": "metrics.jsonl",
          "curves": "curves.png"}

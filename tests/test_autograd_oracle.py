@@ -1,12 +1,12 @@
 """PyTorch autograd as an independent oracle: the same forward written with torch ops under autograd
-(pycapsnet/reference.py) gives the hand-written gradients, float64, rtol 1e-8."""
+(pycapsnet/tools/reference.py) gives the hand-written gradients, float64, rtol 1e-8."""
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch: pip install torch")
 
 import backends  # noqa: E402
-from pycapsnet.reference import AutogradCapsNet  # noqa: E402
+from pycapsnet.tools.reference import AutogradCapsNet  # noqa: E402
 from pycapsnet import CapsNet  # noqa: E402
 from tests.conftest import CPU_BACKENDS, SMALL, assert_close  # noqa: E402
 

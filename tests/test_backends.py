@@ -26,10 +26,10 @@ def test_a_train_step_imports_no_module(products):
     In a fresh process (the tests themselves import such modules), every routing and CPU backend;
     ``products``: whose BLAS the torch backend's products run on (PYCAPSNET_TORCH_CPU_MATMUL)."""
     pytest.importorskip("torch")
-    code = ("import sys, numpy as np, pycapsnet, pycapsnet.optim\n"
+    code = ("import sys, numpy as np, pycapsnet, pycapsnet.training.optim\n"
             "for routing in ('dynamic', 'em', 'attention'):\n"
             "    for name in ('numpy', 'torch'):\n"
-            "        model = pycapsnet.CapsNet(name, routing=routing); opt = pycapsnet.optim.Adam(model)\n"
+            "        model = pycapsnet.CapsNet(name, routing=routing); opt = pycapsnet.training.optim.Adam(model)\n"
             "        x, y = np.random.default_rng(0).random((2, 1, 28, 28)), np.array([1, 3])\n"
             "        before = set(sys.modules)\n"
             "        model.train_step_grads(x, y); opt.step()\n"

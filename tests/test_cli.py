@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import backends
-from pycapsnet import CapsNet, checkpoint, cli
+from pycapsnet import CapsNet
+from pycapsnet.training import checkpoint
+from pycapsnet.tools import cli
 from tests.conftest import SMALL
 
 PAPER_SMALL = dict(conv_channels=16, primary_types=4)  # 28x28 digits, a quick model
@@ -28,7 +30,7 @@ def test_gradcheck_passes_and_prints_a_table(capsys):
 
 
 def test_gradcheck_fails_on_a_broken_backward(monkeypatch, capsys):
-    from pycapsnet import layers
+    from pycapsnet.core import layers
 
     real = layers.Linear.backward
 
@@ -150,7 +152,7 @@ def test_errors_exit_2_without_traceback(tmp_path):
                       (["evaluate", str(bad)], "checkpoint not found"),
                       (["crosscheck", "--a", "jax"], "unknown backend 'jax'"),
                       (["crosscheck", "--perturb-grad", "nope=2"], "no parameter 'nope'")]:
-        r = subprocess.run([sys.executable, "-m", "pycapsnet.cli", *argv], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-m", "pycapsnet", *argv], capture_output=True, text=True)
         assert r.returncode == 2, (argv, r.stderr)
         assert msg in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
 
@@ -177,4 +179,4 @@ def test_impossible_numbers_are_refused_when_the_command_line_is_read(argv, mess
 def test_console_entry_point_is_declared():
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py")) as f:
         setup = f.read()
-    assert "pycapsnet=pycapsnet.cli:main" in setup
+    assert "pycapsnet=pycapsnet.tools.cli:main" in setup

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 
 import backends
-from pycapsnet import CapsNet, CapsNetError, checkpoint
-from pycapsnet import architecture as A
-from pycapsnet import gradcheck
-from pycapsnet.gradcheck import check_layer
-from pycapsnet.conv_caps import ConvCaps
+from pycapsnet import CapsNet, CapsNetError
+from pycapsnet.training import checkpoint
+from pycapsnet.core import architecture as A
+from pycapsnet.tools import gradcheck
+from pycapsnet.tools.gradcheck import check_layer
+from pycapsnet.core.conv_caps import ConvCaps
 from tests.conftest import CPU_BACKENDS, assert_close
 
 torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch: pip install torch")
-from pycapsnet.reference import AutogradNetwork  # noqa: E402
+from pycapsnet.tools.reference import AutogradNetwork  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 
@@ -89,7 +90,7 @@ def test_convcaps_layer_passes_finite_differences(backend, mode, kernel, stride)
 def test_gradcheck_catches_a_wrong_convcaps_backward(monkeypatch):
     """The check above can fail: a backward that drops routing's feedback term (the "final" form
     in "full" mode) is caught."""
-    import pycapsnet.conv_caps as cc
+    import pycapsnet.core.conv_caps as cc
 
     real = cc.routing_backward_factors
     monkeypatch.setattr(cc, "routing_backward_factors", lambda B, u, t, dv, mode: real(B, u, t, dv, "final"))
@@ -103,7 +104,7 @@ def test_gradcheck_catches_a_wrong_convcaps_backward(monkeypatch):
 
 def test_every_layer_of_a_described_network_is_checked(tmp_path):
     """gradcheck --network: each body layer on the input it receives, then the whole loss."""
-    from pycapsnet.cli import main
+    from pycapsnet.tools.cli import main
 
     path = tmp_path / "net.json"
     path.write_text(json.dumps(gradcheck.composed_architectures("final")["ConvCaps network routing=final"]))
@@ -179,8 +180,8 @@ def test_checkpoints_written_before_compositions_load_and_compute_the_same(name)
 
 def test_a_described_network_trains_resumes_and_evaluates_without_user_code(tmp_path, capsys):
     """fit() in Python; the checkpoint records the description; evaluate and --resume rebuild it."""
-    from pycapsnet.cli import main as cli
-    from pycapsnet.trainer import fit, main as train_main
+    from pycapsnet.tools.cli import main as cli
+    from pycapsnet.training.trainer import fit, main as train_main
 
     description = A.network([A.conv2d(8, 9, name="conv1"), A.relu(), A.primary_caps(4, 4, 9, 2, name="primary"),
                              A.conv_caps(4, 4, 3, 1, name="convcaps"), A.dynamic_caps(6, 8, name="caps1"),
@@ -202,7 +203,7 @@ def test_a_described_network_trains_resumes_and_evaluates_without_user_code(tmp_
 
 
 def test_a_described_network_from_the_command_line(tmp_path, capsys):
-    from pycapsnet.trainer import main as train_main
+    from pycapsnet.training.trainer import main as train_main
 
     path = tmp_path / "net.json"
     body = [A.conv2d(8, 9), A.relu(), A.primary_caps(4, 4, 9, 2), A.dynamic_caps(10, 8)]
@@ -237,7 +238,7 @@ def test_the_example_builds_and_trains_both_custom_networks(tmp_path):
 
 
 def test_plan_says_it_does_not_model_a_described_network(tmp_path, capsys):
-    from pycapsnet.cli import main
+    from pycapsnet.tools.cli import main
 
     path = tmp_path / "net.json"
     path.write_text(json.dumps(gradcheck.composed_architectures()["ConvCaps network routing=full"]))

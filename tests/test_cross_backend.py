@@ -51,7 +51,7 @@ def test_torch_routing_in_blocks_equals_numpy(products, routing, monkeypatch):
     spread over its threads with NumPy's (split_batch).  Either way, blocks of one sample on 2
     threads give NumPy's step to 1e-9 in float64, and with NumPy's products the blocks do run on
     the threads."""
-    from pycapsnet.gradcheck import SMALL_BY_ROUTING
+    from pycapsnet.tools.gradcheck import SMALL_BY_ROUTING
 
     monkeypatch.setenv("PYCAPSNET_TORCH_CPU_MATMUL", products)
     B = backends.get("torch", dtype="float64")

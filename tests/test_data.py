@@ -5,7 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from pycapsnet import CapsNetError, data
+from pycapsnet import CapsNetError
+
+from pycapsnet.training import data
 
 
 @pytest.fixture(scope="module")

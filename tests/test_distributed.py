@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pycapsnet import checkpoint, cli
+from pycapsnet.training import checkpoint
+
+from pycapsnet.tools import cli
 from tests.conftest import assert_close
 
 pytest.importorskip("torch.distributed")
@@ -106,7 +108,7 @@ def test_a_process_that_dies_stops_the_others_with_a_message_and_the_checkpoint_
 
 
 def test_the_shards_of_a_batch_are_one_processs_batch():
-    from pycapsnet import data, distributed
+    from pycapsnet.training import data, distributed
 
     x = np.arange(10 * 4 * 4, dtype=np.float32).reshape(10, 1, 4, 4)
     split = data.Split(x, np.arange(10))
@@ -121,7 +123,7 @@ def test_the_shards_of_a_batch_are_one_processs_batch():
 
 
 def test_without_torch_the_message_says_what_to_install(monkeypatch, capsys, tmp_path):
-    from pycapsnet import trainer
+    from pycapsnet.training import trainer
 
     for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(k, v)

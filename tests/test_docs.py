@@ -30,7 +30,7 @@ LONG = {
     "python examples/build_your_own.py": "python examples/build_your_own.py --quick --out examples-run",
     # a network small enough for float64 finite differences, written where the README's command reads it
     "pycapsnet gradcheck --network net.json":
-        "python -c \"import json; from pycapsnet.gradcheck import composed_architectures as c; "
+        "python -c \"import json; from pycapsnet.tools.gradcheck import composed_architectures as c; "
         "json.dump(c()['ConvCaps network routing=full'], open('net.json', 'w'))\" "
         "&& pycapsnet gradcheck --network net.json --samples 3",
     'pip install -e ".[cupy]"': (None, "CuPy installs on a CUDA machine only"),

@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 
 import backends
-from pycapsnet import CapsNet, gradcheck
-from pycapsnet.em_routing import em_backward, em_forward
-from pycapsnet.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, WindowGroup
-from pycapsnet.capsules import AttentionCaps
-from pycapsnet.gradcheck import SMALL_BY_ROUTING
+from pycapsnet import CapsNet
+from pycapsnet.tools import gradcheck
+from pycapsnet.core.em_routing import em_backward, em_forward
+from pycapsnet.core.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, WindowGroup
+from pycapsnet.core.capsules import AttentionCaps
+from pycapsnet.tools.gradcheck import SMALL_BY_ROUTING
 from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, assert_close
 from tests.test_cross_backend import _run as run_step
 from tests.test_gradcheck import _assert_all_pass
@@ -54,7 +55,7 @@ def test_more_iterations_and_a_sharper_temperature():
 
 def test_the_check_catches_a_wrong_em_backward(monkeypatch):
     """The E-step's softmax backward off by 1% is caught."""
-    from pycapsnet import em_routing
+    from pycapsnet.core import em_routing
 
     orig = em_routing.em_backward
 
@@ -62,7 +63,7 @@ def test_the_check_catches_a_wrong_em_backward(monkeypatch):
         dV, da, dbu, dba = orig(*a, **k)
         return dV, da, dbu, 1.01 * dba
 
-    monkeypatch.setattr("pycapsnet.matrix_capsules.em_backward", wrong)
+    monkeypatch.setattr("pycapsnet.core.matrix_capsules.em_backward", wrong)
     results = gradcheck.em_layer_checks(B64, samples=5)
     assert any(not r.passed and r.tensor == "lambda_beta_a" for r in results)
 
@@ -92,7 +93,7 @@ def _run(spec, dtype, routing, mode, n=4):
 
 
 def _compare(a, b, dtype, routing):
-    from pycapsnet.cli import EM_FLOAT32_TOLERANCE  # why EM's float32 is looser: see there
+    from pycapsnet.tools.cli import EM_FLOAT32_TOLERANCE  # why EM's float32 is looser: see there
 
     rtol = EM_FLOAT32_TOLERANCE if routing == "em" and dtype == "float32" else RTOL[dtype]
     assert a.keys() == b.keys()
@@ -178,7 +179,7 @@ CASES = ["zero activations", "identical votes", "a single child", "very large po
 def test_log_sigmoid_is_exact_and_finite(backend, dtype):
     """ln sigmoid(z) against -ln(1 + e^-z) computed by NumPy in float64 (logaddexp), across the range
     where sigmoid(z) rounds to 0 or 1."""
-    from pycapsnet.em_routing import log_sigmoid
+    from pycapsnet.core.em_routing import log_sigmoid
 
     B = backends.get(backend, dtype=dtype)
     z = np.concatenate([-np.logspace(4, -6, 41), [0.0], np.logspace(-6, 4, 41)])
@@ -265,7 +266,7 @@ def test_the_papers_em_network_builds():
 
 
 def test_switching_routing_takes_the_new_routings_defaults():
-    from pycapsnet.model import CapsNetConfig
+    from pycapsnet.core.model import CapsNetConfig
 
     em = CapsNetConfig().replace(routing="em")
     assert (em.conv_channels, em.primary_types) == (32, 8)
@@ -296,7 +297,9 @@ def test_train_resume_evaluate_and_inspect(routing, tmp_path):
     import json
     import os
 
-    from pycapsnet import checkpoint, cli, trainer
+    from pycapsnet.training import checkpoint, trainer
+
+    from pycapsnet.tools import cli
 
     flags = ["--routing", routing, *(SMALL_EM_FLAGS if routing == "em" else ["--conv-channels", "16", "--primary-types", "4"])]
     out, straight = str(tmp_path / "run"), str(tmp_path / "straight")
@@ -318,41 +321,14 @@ def test_train_resume_evaluate_and_inspect(routing, tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
     c = np.load(os.path.join(pictures, "coupling.npz"))
     if routing == "em":  # R_ij of the class layer per iteration; each child's sums to 1 over the classes
-        from pycapsnet.model import CapsNetConfig
+        from pycapsnet.core.model import CapsNetConfig
         assert len(c.files) == CapsNetConfig(routing="em").routing_iters
         for name in c.files:
             np.testing.assert_allclose(c[name].sum(1), 1.0, rtol=1e-5)
 
 
-def test_a_checkpoint_that_holds_beta_a_itself_loads_as_lambda_beta_a(tmp_path):
-    """EM checkpoints written before β_a was learned as λβ_a hold β_a (and Adam's moments of its
-    gradient): they load as the same network, the optimizer's state converted with it."""
-    from pycapsnet import checkpoint, trainer
-
-    out = str(tmp_path / "run")
-    assert trainer.main("numpy", ["--routing", "em", *SMALL_EM_FLAGS, *QUICK_DATA, "--epochs", "1", "--out", out]) == 0
-    now = checkpoint.load(out)
-    lam = now["header"]["config"]["em_lambda"]
-    with np.load(f"{out}/checkpoint.npz") as z:
-        arrays = {k: z[k] for k in z.files}
-    before = {}
-    for k, v in arrays.items():  # what the earlier layout wrote: β_a, and moments of dL/dβ_a
-        if k.endswith(".lambda_beta_a"):
-            slot = k.split("/")[-2]  # param/NAME, optim/m/NAME, optim/v/NAME
-            v = v / lam if slot == "param" else v * lam ** (2 if slot == "v" else 1)
-            assert np.abs(v).max() > 0, k  # a trained β_a, and its moments
-        before[k.replace(".lambda_beta_a", ".beta_a")] = v
-    np.savez(str(tmp_path / "before.npz"), **before)
-    old = checkpoint.load(str(tmp_path / "before.npz"))
-    for part in ("params", "optim"):
-        assert sorted(old[part]) == sorted(now[part])
-        for k in now[part]:
-            np.testing.assert_allclose(old[part][k], now[part][k], rtol=1e-6, err_msg=k)
-    assert trainer.main("numpy", ["--no-progress", "--epochs", "2", "--resume", str(tmp_path / "before.npz")]) == 0
-
-
 def test_a_checkpoint_of_another_routing_is_refused_on_resume(tmp_path, capsys):
-    from pycapsnet import trainer
+    from pycapsnet.training import trainer
 
     out = str(tmp_path / "run")
     assert trainer.main("numpy", ["--routing", "em", *SMALL_EM_FLAGS, *QUICK_DATA, "--epochs", "1", "--out", out]) == 0
@@ -361,7 +337,7 @@ def test_a_checkpoint_of_another_routing_is_refused_on_resume(tmp_path, capsys):
 
 
 def test_gradcheck_and_crosscheck_take_the_routing(capsys):
-    from pycapsnet import cli
+    from pycapsnet.tools import cli
 
     assert cli.main(["gradcheck", "--routing", "em", "--samples", "4"]) == 0
     out = capsys.readouterr().out
@@ -376,8 +352,8 @@ def test_gradcheck_and_crosscheck_take_the_routing(capsys):
 def test_captured_step_equals_the_step_op_by_op(spec, routing):
     """The step a GPU records as a graph (re-run with host transfers refused on the CPU) computes what
     the step op by op does, and a new spread-loss margin reaches the recording."""
-    from pycapsnet import optim
-    from pycapsnet.graph import CapturedStep
+    from pycapsnet.training import optim
+    from pycapsnet.training.graph import CapturedStep
 
     B = backends.get(spec, dtype="float64")
     config = SMALL_BY_ROUTING[routing]

@@ -5,7 +5,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pycapsnet import CapsNetError, checkpoint, cli, data, trainer
+from pycapsnet import CapsNetError
+
+from pycapsnet.training import checkpoint, data, trainer
+
+from pycapsnet.tools import cli
 
 ARCH = ["--conv-channels", "8", "--primary-types", "2", "--no-progress", "--batch-size", "16"]
 

@@ -6,8 +6,8 @@ import pytest
 
 import backends
 from pycapsnet import CapsNet
-from pycapsnet.fourier import FourierConv2d, dft_matrices, half_spectrum
-from pycapsnet.layers import Conv2d
+from pycapsnet.core.fourier import FourierConv2d, dft_matrices, half_spectrum
+from pycapsnet.core.layers import Conv2d
 from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, SMALL, assert_close
 
 # (c_in, c_out, kernel, stride, padding, height, width)
@@ -186,8 +186,8 @@ def test_a_train_step_multiplies_no_vanishing_residues(backend):
     is not exactly 0, and no gradient holds one.  Residues of a quarter turn once put values from 1e-38 to
     1e-22 there (this step's smallest true values are near 1e-15): products of such pairs are subnormal,
     which made the Fourier input gradient three times slower on an Intel Xeon (docs/performance.md)."""
-    from pycapsnet.data import load_embedded
-    from pycapsnet.optim import Adam
+    from pycapsnet.training.data import load_embedded
+    from pycapsnet.training.optim import Adam
 
     B = backends.get(backend, dtype="float32")
     train, _ = load_embedded()
@@ -236,7 +236,7 @@ def test_model_with_either_convolution_gives_the_same_loss_and_gradients(backend
 
 
 def test_unknown_convolution_is_refused():
-    from pycapsnet.capsules import PrimaryCaps
+    from pycapsnet.core.capsules import PrimaryCaps
 
     with pytest.raises(ValueError, match="unknown convolution 'fft'.*fourier.*im2col"):
         PrimaryCaps(backends.get("numpy"), 8, conv="fft")
@@ -247,7 +247,7 @@ def test_unknown_convolution_is_refused():
 def test_the_kernel_spectrum_is_kept_only_while_small():
     # V has 2 x F x C' x C_out numbers: 109 MB for the paper's PrimaryCaps (F = 52), 822 MB on a
     # 64 x 64 input (F = 392), which forward must not keep by default.
-    from pycapsnet.fourier import FourierConv2d
+    from pycapsnet.core.fourier import FourierConv2d
 
     B = backends.get("numpy")
     conv = FourierConv2d(B, 256, 256, 9, 2, rng=np.random.default_rng(0))

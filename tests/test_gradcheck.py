@@ -1,10 +1,10 @@
 """Finite-difference checks (float64, fourth-order central differences) of every hand-written
 backward: each layer, and the full loss w.r.t. every parameter tensor and the input, in both
-routing-gradient modes.  Max relative error < 1e-6 (see pycapsnet.gradcheck for the metric)."""
+routing-gradient modes.  Max relative error < 1e-6 (see pycapsnet.tools.gradcheck for the metric)."""
 import pytest
 
 import backends
-from pycapsnet import gradcheck
+from pycapsnet.tools import gradcheck
 
 B64 = backends.get("numpy", dtype="float64")
 
@@ -48,7 +48,7 @@ def test_full_loss_paper_weighting_and_more_iterations():
 
 def test_check_catches_a_wrong_gradient(monkeypatch):
     """The checker itself can fail: a squash backward off by 1% is reported."""
-    from pycapsnet import squash as sq
+    from pycapsnet.core import squash as sq
 
     orig = sq.squash_backward
     monkeypatch.setattr(sq, "squash_backward", lambda *a, **k: 1.01 * orig(*a, **k))
@@ -60,7 +60,7 @@ def test_check_catches_a_wrong_gradient(monkeypatch):
 def test_squash_finite_at_zero():
     import numpy as np
 
-    from pycapsnet.squash import squash, squash_backward
+    from pycapsnet.core.squash import squash, squash_backward
 
     s = np.zeros((2, 3, 4))
     v, n = squash(B64.xp, s)
@@ -72,7 +72,7 @@ def test_squash_finite_at_zero():
 def test_model_check_catches_a_routing_backward_bug(monkeypatch):
     """Dropping the '- sum_j c dc' term of the softmax backward breaks the gradient through the
     routing iterations: the full-mode model check fails; the final mode never uses it and passes."""
-    from pycapsnet import routing
+    from pycapsnet.core import routing
 
     monkeypatch.setattr(routing, "softmax_backward", lambda xp, c, dc, axis=-1: c * dc)
     broken = gradcheck.model_checks(B64, samples=8, routing_grad="full")

@@ -1,4 +1,4 @@
-"""A captured train step (pycapsnet.graph) computes what the op-by-op step computes: the same losses
+"""A captured train step (pycapsnet.training.graph) computes what the op-by-op step computes: the same losses
 and the same weights after several steps, on every backend (a CUDA graph on torch:cuda, a re-run
 with host transfers refused elsewhere); and what a graph could not replay is refused on the CPU."""
 import argparse
@@ -10,8 +10,9 @@ import pytest
 
 import backends
 from backends import BackendError
-from pycapsnet import CapsNet, CapsNetError, optim, trainer
-from pycapsnet.graph import CapturedEval, CapturedStep
+from pycapsnet import CapsNet, CapsNetError
+from pycapsnet.training import optim, recipe, trainer
+from pycapsnet.training.graph import CapturedEval, CapturedStep
 from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, SMALL
 
 
@@ -121,10 +122,10 @@ def test_trainer_uses_the_recordings_for_full_batches(tmp_path, monkeypatch, rec
     flags = ["--conv-channels", "16", "--primary-types", "4", "--limit", str(limit), "--limit-test", "40",
              "--batch-size", "32", "--epochs", "2", "--no-progress", "--dtype", "float64"]
     args = argparse.ArgumentParser()
-    trainer.add_arguments(args, "torch")
-    a = trainer.train(args.parse_args(flags + ["--out", str(tmp_path / "a")]), "torch")
+    recipe.add_arguments(args, "torch")
+    a = trainer.train(trainer.describe(args.parse_args(flags + ["--out", str(tmp_path / "a")]), "torch"))
     assert calls == expected
-    b = trainer.train(args.parse_args(flags + ["--out", str(tmp_path / "b"), "--no-graph"]), "torch")
+    b = trainer.train(trainer.describe(args.parse_args(flags + ["--out", str(tmp_path / "b"), "--no-graph"]), "torch"))
     assert len(calls) == len(expected)
     for k in ("train_loss", "train_acc", "test_loss", "test_acc"):
         assert a[k] == pytest.approx(b[k], rel=1e-12), k

@@ -4,7 +4,7 @@ import pytest
 
 import backends
 from pycapsnet import CapsNet, CapsNetConfig, CapsNetError
-from pycapsnet.model import param_shapes
+from pycapsnet.core.model import param_shapes
 from tests.conftest import CPU_BACKENDS, SMALL
 
 
@@ -159,7 +159,7 @@ def test_image_smaller_than_receptive_field():
 
 def test_bad_routing_options():
     # the layer itself, for users who build their own network from it
-    from pycapsnet.capsules import ClassCaps
+    from pycapsnet.core.capsules import ClassCaps
 
     B = backends.get("numpy")
     with pytest.raises(ValueError, match="routing gradient mode 'exact'"):
@@ -190,8 +190,8 @@ def test_a_config_that_cannot_build_a_network_names_the_field(field, value, matc
 def test_evaluation_releases_what_forward_kept_for_backward():
     # After predict/evaluate no backward follows; the caches (the PrimaryCaps spectra, û) must not
     # be carried into the next train step, where they would add to its peak memory.
-    from pycapsnet import data as data_mod
-    from pycapsnet.trainer import evaluate
+    from pycapsnet.training import data as data_mod
+    from pycapsnet.training.trainer import evaluate
 
     m = CapsNet("numpy", CapsNetConfig(conv_channels=8, primary_types=2), seed=0)
     x = np.random.default_rng(0).random((2, 1, 28, 28)).astype(np.float32)
@@ -230,7 +230,7 @@ def test_shared_routing_without_u_hat_is_the_materialised_routing(backend, mode,
     """share_spatial routes on u and W_tj (shared_routing.py), a chunk of positions at a time; the
     same layer with W tiled over positions forms û and routes it (routing.py).  Same v, du and dW
     (summed over positions), to 1e-12 in float64, in one chunk or one position per chunk."""
-    from pycapsnet.capsules import ClassCaps
+    from pycapsnet.core.capsules import ClassCaps
 
     B = backends.get(backend, dtype="float64")
     rng = np.random.default_rng(0)
@@ -263,7 +263,7 @@ def test_routing_in_blocks_of_the_batch_is_routing_the_whole_batch(backend, laye
     small enough for the cache, spread over the threads) and write dû over û block by block.  The
     same v, coupling coefficients, du, dW and bias gradient as one block, to 1e-12 in float64, with
     blocks of one sample and of two (in turn and on 2 threads)."""
-    from pycapsnet.capsules import AttentionCaps, ClassCaps
+    from pycapsnet.core.capsules import AttentionCaps, ClassCaps
 
     B = backends.get(backend, dtype="float64")
     rng = np.random.default_rng(0)

@@ -3,12 +3,12 @@ for a budget, and the command's output and errors."""
 import backends  # noqa: F401,I001
 import pytest
 
-from pycapsnet import cli
-from pycapsnet.capsules import ClassCaps
-from pycapsnet.fourier import FourierConv2d
-from pycapsnet.layers import Conv2d
-from pycapsnet.model import CapsNetConfig
-from pycapsnet.plan import measured_peak, parse_memory, plan
+from pycapsnet.tools import cli
+from pycapsnet.core.capsules import ClassCaps
+from pycapsnet.core.fourier import FourierConv2d
+from pycapsnet.core.layers import Conv2d
+from pycapsnet.core.model import CapsNetConfig
+from pycapsnet.tools.plan import measured_peak, parse_memory, plan
 
 CASES = {
     "rgb 32x32 shared fourier": (dict(input_shape=(3, 32, 32), n_classes=20, share_spatial=True), 4),

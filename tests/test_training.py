@@ -1,5 +1,6 @@
 """Optimizers against torch.optim, checkpoints, the trainer's faults and exit codes, and learning."""
 import argparse
+import dataclasses
 import errno
 import json
 import os
@@ -11,8 +12,11 @@ import numpy as np
 import pytest
 
 import backends
-from pycapsnet import CapsNet, CapsNetError, checkpoint, cli, data, optim, routing, trainer
-from pycapsnet.capsules import PrimaryCaps
+from pycapsnet import CapsNet, CapsNetError
+from pycapsnet.training import checkpoint, data, optim, recipe, trainer
+from pycapsnet.tools import cli
+from pycapsnet.core import routing
+from pycapsnet.core.capsules import PrimaryCaps
 from tests.conftest import SMALL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -270,28 +274,20 @@ def test_resume_refuses_flags_that_contradict_the_architecture(tmp_path, capsys)
     assert [m["epoch"] for m in _metrics(out)] == [1]
 
 
-def test_checkpoints_without_a_recipe_still_give_their_optimizer_and_seed(tmp_path):
-    """Checkpoints written before the recipe was saved hold the optimizer and the seed only."""
-    model = CapsNet("numpy", seed=0, **SMALL)
-    path = checkpoint.save(str(tmp_path / "old.npz"), model, optim.make("sgd", model, 1e-3), epoch=1, seed=7)
-    args = argparse.Namespace(**dict.fromkeys({**trainer.RECIPE, **trainer.ARCHITECTURE}))
-    args.lr = 1e-4
-    trainer.settle(args, checkpoint.load(path))
-    assert (args.optimizer, args.seed, args.lr, args.batch_size) == ("sgd", 7, 1e-4, trainer.RECIPE["batch_size"])
-    assert (args.conv_channels, args.primary_types) == (SMALL["conv_channels"], SMALL["primary_types"])
-
-
 @pytest.mark.parametrize("routing, given, expected", [
     ("em", {}, (1e-2, 16, 20, 1)), ("em", {"lr": 3e-3, "epochs": 3}, (3e-3, 16, 3, 1)),
     ("em", {"shift": 2}, (1e-2, 16, 20, 2)), ("dynamic", {}, (2e-3, 32, 12, 2)),
     ("attention", {"batch_size": 8}, (2e-3, 8, 12, 2))])
 def test_a_routing_brings_its_own_recipe_where_flags_leave_it_out(routing, given, expected):
-    args = argparse.Namespace(**dict.fromkeys({**trainer.RECIPE, **trainer.ARCHITECTURE, "epochs": None}))
+    args = argparse.Namespace(**dict.fromkeys({**recipe.RECIPE, **recipe.ARCHITECTURE, "epochs": None}))
     args.routing = routing
     for k, v in given.items():
         setattr(args, k, v)
-    trainer.settle(args, None)
-    assert (args.lr, args.batch_size, args.epochs, args.shift) == expected
+    run = recipe.settle(args, None, "numpy")
+    assert (run.lr, run.batch_size, run.epochs, run.shift) == expected
+    assert run.routing == routing and run.recipe["lr"] == expected[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):  # settled once: the rest of the run reads it
+        run.lr = 1.0
 
 
 def test_a_fresh_run_never_overwrites_a_trained_checkpoint(tmp_path, capsys):
@@ -457,7 +453,7 @@ def test_impossible_numbers_are_refused_when_the_command_line_is_read(argv, mess
 def test_every_choice_the_trainer_offers_builds_and_nothing_else_does():
     """The trainer's choices come from the library's own tables; each one builds a model and an optimizer."""
     parser = argparse.ArgumentParser()
-    trainer.add_arguments(parser, "numpy")
+    recipe.add_arguments(parser, "numpy")
     offered = {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
     assert offered["routing_grad"] == routing.MODES
     assert offered["primary_conv"] == tuple(PrimaryCaps.CONVS)

@@ -28,7 +28,7 @@ import backends as _backends
 from . import architecture as arch
 from .capsules import PrimaryCaps
 from .checks import config_with
-from .errors import CapsNetError
+from ..errors import CapsNetError
 from .network import Network, Outputs  # noqa: F401  (Outputs: part of this module's public names)
 from .routing import MODES as ROUTING_MODES
 

@@ -29,10 +29,10 @@ import numpy as np
 from backends.host import cpu_threads
 from backends.numpy_backend import NumpyBackend
 
-from .capsules import ClassCaps
-from .fourier import FourierConv2d, phase_grid
-from .layers import Conv2d
-from .model import CapsNetConfig, _geometry, decoder_sizes, param_shapes
+from ..core.capsules import ClassCaps
+from ..core.fourier import FourierConv2d, phase_grid
+from ..core.layers import Conv2d
+from ..core.model import CapsNetConfig, _geometry, decoder_sizes, param_shapes
 
 OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}
 
@@ -137,7 +137,9 @@ def _im2col_work(conv: Conv2d, n, h, w, c_in, c_out, b):
 
 
 def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
-    """(peak, where, layers, state) of a train step at batch n with itemsize b."""
+    """(peak, where, layers, state) of a train step at batch n with itemsize b.  Long on purpose:
+    it walks the step in the order the step allocates, forward then backward, one block per layer,
+    so that it reads against model.py and the layers side by side."""
     shapes = param_shapes(cfg)
     count = {k: int(np.prod(s)) for k, s in shapes.items()}
     c, h, w = cfg.input_shape
@@ -279,8 +281,8 @@ def measured_peak(config: CapsNetConfig, batch_size: int, dtype: str = "float32"
 
     import backends
 
-    from . import optim
-    from .model import CapsNet
+    from ..training import optim
+    from ..core.model import CapsNet
 
     B = backends.get("numpy", dtype=dtype)
     c, h, w = config.input_shape

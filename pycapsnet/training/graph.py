@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import CapsNetError
-from .checks import require_batch_size
-from .model import Outputs
+from ..errors import CapsNetError
+from ..core.checks import require_batch_size
+from ..core.model import Outputs
 
 
 class _Recording:

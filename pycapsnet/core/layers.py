@@ -11,7 +11,7 @@ A layer reads only its own cache and parameters: a parent calls its children's f
 backward and passes arrays, nothing else.
 
 Parameters live in ``self.params`` as backend arrays; they are created on the host from a seeded
-NumPy generator (see ``pycapsnet.init``) so every backend starts from the same weights.
+NumPy generator (see ``pycapsnet.core.init``) so every backend starts from the same weights.
 Images inside the network are channels-last, (N, H, W, C): the im2col windows are then
 contiguous rows and the PrimaryCaps output regroups into capsules with a free reshape.
 """

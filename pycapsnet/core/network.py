@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .checks import check_capsules, check_images, check_labels, require_batch_size
-from .errors import CapsNetError
+from ..errors import CapsNetError
 from .layers import Layer
 
 
@@ -180,7 +180,7 @@ class Network:
         if clash:
             raise CapsNetError(f"layer names must be unique across the body and the decoder: {', '.join(clash)}")
         # Every gradient is a view into one flat array: one buffer to zero, and one to sum across
-        # the processes of a data-parallel run (pycapsnet.distributed) without copying.
+        # the processes of a data-parallel run (pycapsnet.training.distributed) without copying.
         self.flat_grads = backend.zeros((self.n_params(),))
         offset = 0
         for _, layer in named:
@@ -238,7 +238,7 @@ class Network:
 
     # ---- forward / backward -----------------------------------------------------------------------
     # The public methods check their input on the host and hand device arrays to the underscored
-    # ones, which do device work only: that part is what a captured step (pycapsnet.graph) records.
+    # ones, which do device work only: that part is what a captured step (pycapsnet.training.graph) records.
     def forward(self, x, y=None, reconstruct=True) -> Outputs:
         """x: (N, C, H, W) floats in [0, 1].  With labels y the decoder sees the true class capsule
         (training); without, the highest-scoring one (evaluation).  Keeps what ``backward`` needs."""

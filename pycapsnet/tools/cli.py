@@ -18,9 +18,9 @@ import sys
 
 import numpy as np
 
-from .argtypes import name_and_factor, nonnegative_int, positive_float, positive_int
-from .errors import BackendError, CapsNetError
-from .model import ROUTINGS
+from ..training.argtypes import name_and_factor, nonnegative_int, positive_float, positive_int
+from ..errors import BackendError, CapsNetError
+from ..core.model import ROUTINGS
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 # EM routing in float32: the E-step exponentiates log-likelihoods that are sums of 16 squared
@@ -31,7 +31,7 @@ EM_FLOAT32_TOLERANCE = 2e-3
 
 def _is_em(model) -> bool:
     """Whether a network routes matrix capsules by EM (its class scores are activations)."""
-    from .network import ActivationHead
+    from ..core.network import ActivationHead
 
     return isinstance(model.head, ActivationHead)
 
@@ -92,9 +92,9 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
     float64 one, which finite differences check (``pycapsnet gradcheck``).  Both sides then start
     from the same numbers -- the float32 weights and batch, which float64 holds exactly -- so what
     differs is float32's arithmetic alone."""
-    from . import checkpoint as ckpt_mod
-    from . import data
-    from .model import CapsNet
+    from ..training import checkpoint as ckpt_mod
+    from ..training import data
+    from ..core.model import CapsNet
 
     dtypes = (dtype, dtype_b or dtype)
     low = _lower_precision(*dtypes)
@@ -181,18 +181,20 @@ def _figure_4(model, v, pred, path, about):
 
 
 def cmd_inspect(args):
-    from . import checkpoint as ckpt_mod
-    from . import data, files, plots
-    from .trainer import data_options, prepare_out_dir, save_reconstructions, settle
+    from ..training import checkpoint as ckpt_mod
+    from ..training import data, files
+    from ..training.recipe import data_options, settle
+    from ..training.run_dir import prepare_out_dir, save_reconstructions
+    from . import plots
 
     prepare_out_dir(args.out)  # before the loading, so that a bad --out fails at once
     B = _backend(args.backend, "float32", args.device)
     model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
     args.eval_only = True
-    settle(args, ckpt)  # --dataset / --data-dir left out: the run's
-    if model.input_shape != (1, 28, 28) and not args.data_dir:
+    run = settle(args, ckpt)  # --dataset / --data-dir left out: the run's
+    if model.input_shape != (1, 28, 28) and not run.data_dir:
         raise CapsNetError(f"this checkpoint expects {model.input_shape} images; give --data-dir")
-    _, test = data.load(args.dataset, args.data_dir, **data_options(args))
+    _, test = data.load(run.dataset, run.data_dir, **data_options(run))
     if not 0 <= args.index < len(test):
         raise CapsNetError(f"--index must be in [0, {len(test) - 1}], got {args.index}")
     x, y = test.images(slice(args.index, args.index + 1)), int(test.y[args.index])
@@ -231,16 +233,16 @@ def cmd_inspect(args):
 
 # ---- train / evaluate ----------------------------------------------------------------------------
 def cmd_train(args):
-    from .trainer import run
+    from ..training.trainer import run
 
     return run(args, args.backend)
 
 
 def cmd_evaluate(args):
-    from .trainer import run
+    from ..training.trainer import run
 
     args.resume, args.eval_only = args.checkpoint, True
-    args.out, args.no_progress = None, False  # dtype and data left out: trainer.settle takes the run's
+    args.out, args.no_progress = None, False  # dtype and data left out: recipe.settle takes the run's
     return run(args, args.backend)
 
 
@@ -253,11 +255,11 @@ def _machine_memory():
 
 
 def cmd_plan(args):
-    from .model import CapsNetConfig
+    from ..core.model import CapsNetConfig
     from .plan import format_bytes, measured_peak, parse_memory, plan
 
     if args.network:
-        from . import architecture
+        from ..core import architecture
 
         body = architecture.load(args.network)["body"]
         kinds = sorted({spec.get("layer", "?") for spec in body if isinstance(spec, dict)})
@@ -297,17 +299,19 @@ def cmd_plan(args):
 def _data_flags(p):
     """--dataset / --data-dir of the commands that read a checkpoint: left out, the run's own data
     (saved in the checkpoint), so that a model is scored on its own test split."""
-    from . import data
+    from ..training import data
 
     p.add_argument("--dataset", choices=data.DATASETS, help="default: the data the run trained on")
     p.add_argument("--data-dir", default=None, help="directory with the IDX files (default: the run's)")
 
 
 def build_parser():
+    """Every subcommand and its flags: a table of add_argument calls, long on purpose and read top
+    to bottom."""
     from backends import NAMES
     from backends.base import FLOAT_DTYPES
 
-    from .trainer import add_arguments, add_limit_test
+    from ..training.recipe import add_arguments, add_limit_test
 
     p = argparse.ArgumentParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -370,8 +374,8 @@ def build_parser():
     add_limit_test(e)
     e.set_defaults(fn=cmd_evaluate)
 
-    from .capsules import PrimaryCaps
-    from .optim import NAMES as OPTIMIZERS
+    from ..core.capsules import PrimaryCaps
+    from ..training.optim import NAMES as OPTIMIZERS
 
     pl = sub.add_parser("plan", help="will it fit? the memory of a train step, per layer, and the largest batch")
     pl.add_argument("--input-shape", type=positive_int, nargs=3, metavar=("C", "H", "W"), default=(1, 28, 28),

@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from .errors import CapsNetError
+from ..errors import CapsNetError
 
 ENVIRONMENT = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 # How long a collective waits for the other processes (seconds), e.g. while rank 0 writes a

@@ -7,7 +7,7 @@ Adam keeps per-parameter first and second moments for the whole run, with bias c
 A step is two halves: ``prepare`` on the host (the step count, and the scalars that change from
 step to step -- learning rate, bias corrections -- written into a small device array) and ``apply``,
 device work only, which reads those scalars from the device.  ``step`` runs both.  The split lets a
-captured train step (``pycapsnet.graph``) replay ``apply`` with this step's scalars.
+captured train step (``pycapsnet.training.graph``) replay ``apply`` with this step's scalars.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from .errors import CapsNetError
+from ..errors import CapsNetError
 
 
 def _check_hyperparameter(name: str, value, low: float, high: float, high_included: bool = False,

@@ -16,14 +16,11 @@ PREFIX = ".tmp-"
 
 
 def temporaries(path: str) -> list:
-    """Temporaries that writes of ``path`` left behind: ``.tmp-<stem>-*<suffix>`` beside it, and
-    for checkpoints also ``.tmp-XXXXXXXX.npz``, the name older versions gave them."""
+    """Temporaries that writes of ``path`` left behind: ``.tmp-<stem>-*<suffix>`` beside it."""
     directory, name = os.path.split(os.path.abspath(path))
     stem, suffix = os.path.splitext(name)
-    patterns = [f"{PREFIX}{glob.escape(stem)}-*{glob.escape(suffix)}"]
-    if suffix == ".npz":
-        patterns.append(f"{PREFIX}" + "?" * 8 + ".npz")
-    return sorted({p for pat in patterns for p in glob.glob(os.path.join(glob.escape(directory), pat))})
+    pattern = f"{PREFIX}{glob.escape(stem)}-*{glob.escape(suffix)}"
+    return sorted(glob.glob(os.path.join(glob.escape(directory), pattern)))
 
 
 def atomic_write(path: str, write, text: bool = False) -> str:

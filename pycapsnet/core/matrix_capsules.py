@@ -119,7 +119,6 @@ class _EMLayer(Layer):
         self._add_param("beta_u", np.zeros(out_types))
         self._add_param("lambda_beta_a", np.zeros(out_types))
         self.trace = None
-        self.fixed_assignments = None  # gradient checks of "final" hold R^{T-1} here
 
     def route(self, V, a_in, group):
         """EM routing of votes V (N, P, I, C, 16) from a_in (N, P, I): (μ (N, P, C, 16), a (N, P, C)).
@@ -133,14 +132,17 @@ class _EMLayer(Layer):
         parts = []
 
         def run(sl):
-            fixed = None if self.fixed_assignments is None else self.fixed_assignments[sl]
-            mu[sl], a[sl], trace = em_forward(B, V[sl], a_in[sl], self.params["beta_u"], beta_a,
-                                              self.lambdas, self.eps, group.part(sl, n), fixed, self.var_floor)
+            mu[sl], a[sl], trace = self.route_part(V[sl], a_in[sl], beta_a, group.part(sl, n), sl)
             parts.append((sl, trace))
 
         B.split_batch(run, n, math.prod(V.shape[1:]))
         self.trace = sorted(parts, key=lambda part: part[0].start or 0)
         return mu, a
+
+    def route_part(self, V, a_in, beta_a, group, sl):
+        """EM routing of the samples ``sl`` of the batch (em_routing.py): (μ, a, trace)."""
+        return em_forward(self.B, V, a_in, self.params["beta_u"], beta_a, self.lambdas, self.eps, group,
+                          var_floor=self.var_floor)
 
     def route_backward(self, V, a_in, group, dmu, da):
         """dV and da_in; adds dβ_u and d(λβ_a) = dβ_a / λ."""

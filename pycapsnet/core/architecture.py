@@ -28,7 +28,7 @@ import numpy as np
 
 from .capsules import AttentionCaps, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
-from .errors import CapsNetError
+from ..errors import CapsNetError
 from .init import he_uniform, routed_std
 from .layers import Conv2d, Linear, ReLU, Sigmoid
 from .losses import MarginLoss, ReconstructionLoss, SpreadLoss

@@ -34,18 +34,19 @@ import numpy as np
 
 import backends as _backends
 
-from . import architecture as arch
-from . import shared_routing
-from .capsules import AttentionCaps, CapsuleLength, ClassCaps, PrimaryCaps
-from .conv_caps import ConvCaps
-from .errors import CapsNetError
-from .fourier import FourierConv2d
-from .layers import Conv2d, Linear, ReLU, Sigmoid
-from .losses import MarginLoss, ReconstructionLoss, SpreadLoss
-from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps, _EMLayer
-from .model import CapsNet
-from .routing import softmax, softmax_backward
-from .squash import squash, squash_backward, squash_exp, squash_exp_backward
+from ..core import architecture as arch
+from ..core import shared_routing
+from ..core.capsules import AttentionCaps, CapsuleLength, ClassCaps, PrimaryCaps
+from ..core.conv_caps import ConvCaps
+from ..core.em_routing import em_forward
+from ..core.fourier import FourierConv2d
+from ..core.layers import Conv2d, Linear, ReLU, Sigmoid
+from ..core.losses import MarginLoss, ReconstructionLoss, SpreadLoss
+from ..core.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps, _EMLayer
+from ..core.model import CapsNet
+from ..core.routing import routing_forward, softmax, softmax_backward
+from ..core.squash import squash, squash_backward, squash_exp, squash_exp_backward
+from ..errors import CapsNetError
 
 
 @dataclass
@@ -107,20 +108,28 @@ def check_tensors(B, label, loss_fn, tensors, analytic, samples=20, eps=1e-5, to
 
 
 def _freeze_final_coupling(layer):
-    """In "final" mode, hold the last coupling coefficients fixed for the perturbed evaluations: the
-    layer routes, on this instance, with c^{R-1} given (routing_forward's ``fixed_coupling``, which
-    the layer's ``fixed_coupling`` hands it), the function whose exact gradient that mode computes."""
-    if isinstance(layer, ClassCaps) and layer.routing_grad == "final":
-        if layer.share_spatial:
-            c = layer.shared_coupling(-1)
-            layer.route_shared = lambda ut, W: shared_routing.forward(layer.B, ut, W, layer.iters, ut.shape[2],
-                                                                      fixed_coupling=c)
-        else:
-            layer.fixed_coupling = layer.traced(0)[-1]
-    if isinstance(layer, ConvCaps) and layer.routing_grad == "final":
-        layer.fixed_coupling = layer.trace[-1][0]  # c^{R-1} (N*P, C, I): one routing per window
-    if isinstance(layer, _EMLayer) and layer.routing_grad == "final":
-        layer.fixed_assignments = layer.assignments[-1]  # R^{T-1}: what "final" holds constant
+    """In "final" mode, hold the last coupling coefficients fixed for the perturbed evaluations:
+    this instance's routing method is replaced by one that routes with c^{R-1} given (the
+    routings' ``fixed_coupling`` / ``fixed_assignments``), the function whose exact gradient that
+    mode computes.  The layer classes themselves know nothing of it."""
+    if getattr(layer, "routing_grad", None) != "final":
+        return
+    B = layer.B
+    if isinstance(layer, ClassCaps) and layer.share_spatial:
+        c = layer.shared_coupling(-1)
+        layer.route_shared = lambda ut, W: shared_routing.forward(B, ut, W, layer.iters, ut.shape[2],
+                                                                  fixed_coupling=c)
+    elif isinstance(layer, ClassCaps):
+        c = layer.traced(0)[-1]  # c^{R-1} (N, J, I)
+        layer.route = lambda u_hat, sl: routing_forward(B, u_hat, layer.iters, fixed_coupling=c[sl])
+    elif isinstance(layer, ConvCaps):
+        c = layer.trace[-1][0]  # c^{R-1} (N*P, C, I): one routing per window
+        layer.route = lambda u_hat: routing_forward(B, u_hat, layer.iters, fixed_coupling=c)
+    elif isinstance(layer, _EMLayer):
+        R = layer.assignments[-1]  # R^{T-1}: what "final" holds constant
+        layer.route_part = lambda V, a_in, beta_a, group, sl: em_forward(
+            B, V, a_in, layer.params["beta_u"], beta_a, layer.lambdas, layer.eps, group,
+            fixed_assignments=R[sl], var_floor=layer.var_floor)
 
 
 # ---- single layers ------------------------------------------------------------------------------

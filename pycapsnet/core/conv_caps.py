@@ -49,7 +49,6 @@ class ConvCaps(Layer):
         std = initializers.routed_std(self.I, out_types, out_dim) if init_std is None else init_std
         self._add_param("W", initializers.capsule_transform(rng, (self.I, out_types, out_dim, in_dim), std))
         self.trace = None
-        self.fixed_coupling = None  # gradient checks of "final" hold c^{R-1} (N*P, C, I) here
 
     def forward(self, u):
         xp, B = self.B.xp, self.B
@@ -59,9 +58,13 @@ class ConvCaps(Layer):
         Wm = xp.reshape(self.params["W"], (self.I, self.C * self.D, self.K))
         u_hat = B.matmul(ut, xp.matrix_transpose(Wm))                                            # (I, N*P, C*D)
         u_hat = B.contiguous(xp.reshape(u_hat, (self.I, n * P, self.C, self.D)))                 # û (I, N*P, C, D)
-        v, self.trace = routing_forward(B, u_hat, self.iters, self.fixed_coupling)               # v (N*P, C, D)
+        v, self.trace = self.route(u_hat)                                                        # v (N*P, C, D)
         self.cache = (ut, u_hat, n)
         return xp.reshape(v, (n, P, self.C, self.D))
+
+    def route(self, u_hat):
+        """Dynamic routing of û (I, N*P, C, D), one routing per window: (v_j, the trace) (routing.py)."""
+        return routing_forward(self.B, u_hat, self.iters)
 
     @property
     def coupling(self):

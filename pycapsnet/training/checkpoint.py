@@ -14,10 +14,12 @@ from dataclasses import fields
 
 import numpy as np
 
-from . import architecture, files
-from .errors import CapsNetError
-from .model import CapsNet, CapsNetConfig
-from .network import Network
+from ..core import architecture
+
+from . import files
+from ..errors import CapsNetError
+from ..core.model import CapsNet, CapsNetConfig
+from ..core.network import Network
 from .optim import NAMES as optim_names
 
 FORMAT = "pycapsnet-checkpoint-1"
@@ -97,21 +99,7 @@ def load(path: str) -> dict:
             if not np.isfinite(v).all():
                 raise CapsNetError(f"{path}: {kind} {k} holds NaN or inf values (saved after its run "
                                    "diverged); use an earlier checkpoint, or train afresh")
-    _learn_lambda_beta_a(header, params, optim)
     return {"header": header, "params": params, "optim": optim, "path": path}
-
-
-def _learn_lambda_beta_a(header, params, optim):
-    """EM checkpoints written before β_a was learned as λβ_a (matrix_capsules._EMLayer) hold β_a:
-    the same network with λβ_a in its place, and the optimizer's state with it (a gradient with
-    respect to λβ_a is 1/λ times one with respect to β_a; Adam's v holds squares of gradients)."""
-    lam = header.get("config", {}).get("em_lambda", CapsNetConfig.em_lambda)
-    for old in [k for k in params if k.endswith(".beta_a")]:
-        new = old[:-len("beta_a")] + "lambda_beta_a"
-        params[new] = lam * params.pop(old)
-        for key in [k for k in optim if k.endswith("/" + old)]:
-            slot = key.split("/")[0]
-            optim[f"{slot}/{new}"] = optim.pop(key) / lam ** (2 if slot == "v" else 1)
 
 
 def _header_problem(header) -> str | None:

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from . import files
+from ..training import files
 
 
 def pyplot():

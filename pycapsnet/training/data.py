@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import CapsNetError
+from ..errors import CapsNetError
 
 # IDX files, as distributed for MNIST and Fashion-MNIST (optionally .gz)
 IDX_FILES = {

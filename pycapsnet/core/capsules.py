@@ -80,7 +80,6 @@ class ClassCaps(Layer):
         shape = (1 if share_spatial else positions, types, n_classes, out_dim, in_dim)
         self._add_param("W", initializers.capsule_transform(rng, shape, init_std))
         self.trace = None
-        self.fixed_coupling = None
 
     def forward(self, u):
         # u: (N, P, T, K), or (N, T, K) from another routing layer (P = 1) -> v: (N, J, D)
@@ -141,10 +140,8 @@ class ClassCaps(Layer):
 
     def route(self, u_hat, sl):
         """Dynamic routing of û (I, n, J, D), the samples ``sl`` of the batch: (v_j, the trace of
-        every iteration) (routing.py).  ``fixed_coupling`` (N, J, I), set by gradient checks of the
-        "final" mode: the last iteration's c_ij, held constant."""
-        fixed = None if self.fixed_coupling is None else self.fixed_coupling[sl]
-        return routing_forward(self.B, u_hat, self.iters, fixed)
+        every iteration) (routing.py)."""
+        return routing_forward(self.B, u_hat, self.iters)
 
     def route_backward(self, u_hat, trace, dv):
         """dL/dv and the trace of ``route`` -> (the factors of dL/dû (routing.py's

