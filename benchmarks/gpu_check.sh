@@ -22,6 +22,10 @@
 #              thread per core, and torch's with NumPy's products and routing (its choice on AMD
 #              CPUs only; PYCAPSNET_TORCH_CPU_MATMUL=numpy)
 #
+# `python` on PATH must be the interpreter that has NumPy, CuPy and torch (a machine's plain
+# `python` may be another one: put the right one's bin/ first on PATH).  Each bench JSON records
+# the code it measured (benchmarks/provenance.py); where the tree was copied without its .git, set
+# PYCAPSNET_CODE_VERSION="<commit> clean".
 # Without internet, install the wheels of array_api_compat and mlxtend first (pip install -e .
 # fetches them where it can): pip install --no-deps --target /tmp/site WHEELS, and put /tmp/site
 # on PYTHONPATH.
