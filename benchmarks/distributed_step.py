@@ -105,7 +105,7 @@ def measure(backend: str, global_batch: int, steps: int, device: str | None = No
                 times[k].append(v)
     med = {k: statistics.median(v) for k, v in times.items()}
     world = group.world if group else 1
-    result = {"code": code_version(), "backend": B.label, "processes": world, "global_batch": global_batch,
+    result = {"backend": B.label, "processes": world, "global_batch": global_batch,
               "threads_per_process": B.threads, "cpu": cpu_model(), "gpu": _gpu_name(B), "steps": steps,
               **{f"{k}_ms": round(1e3 * v, 1) for k, v in med.items()},
               "sum_share": round(med["sum"] / med["step"], 3),
@@ -172,7 +172,7 @@ def overlap(backend: str, global_batch: int, steps: int, device: str | None = No
             times[mode[0]].append(time.perf_counter() - t0)
         sums[mode[0]] = B.to_numpy(model.flat_grads).copy()
     med = {k: statistics.median(v) for k, v in times.items()}
-    result = {"code": code_version(), "backend": B.label, "processes": group.world, "global_batch": global_batch,
+    result = {"backend": B.label, "processes": group.world, "global_batch": global_batch,
               "cpu": cpu_model(), "gpu": _gpu_name(B), "steps": steps,
               "gradients_and_sum_ms": round(1e3 * med["end"], 1),
               "overlapped_ms": round(1e3 * med["overlap"], 1),
@@ -195,7 +195,8 @@ def main(argv=None):
     if args.overlap and "WORLD_SIZE" not in os.environ:
         p.exit(2, f"{p.prog}: error: --overlap measures a data-parallel run: start it with torchrun\n")
     result = (overlap if args.overlap else measure)(args.backend, args.global_batch, args.steps, args.device)
-    if int(os.environ.get("RANK", 0)) == 0:
+    if int(os.environ.get("RANK", 0)) == 0:  # the code it measured: read once, by the rank that reports
+        result = {"code": code_version(), **result}
         print(json.dumps(result))
         if args.json:
             with open(args.json, "a") as f:

@@ -128,8 +128,9 @@ def plot(results: dict, path: str) -> str:
     machine = results.get("machine", {})
     where = machine.get("gpu") or machine.get("cpu") or machine.get("platform", "")
     stopped = ", a run stopped part-way" if results.get("complete") is False else ""
-    commit = (results.get("code") or {}).get("commit")
-    code = f", code {commit[:7]}{'' if (results.get('code') or {}).get('clean') else ' + changes'}" if commit else ""
+    version = results.get("code") or {}
+    commit = version.get("commit")
+    code = f", code {commit[:7]}{'' if version.get('clean') else ' + changes'}" if commit else ""
     fig.suptitle(f"pycapsnet benchmark ({where}, {machine.get('cpus', '?')} CPUs{code}{stopped})", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -201,7 +201,9 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     given = {k for k in {**RECIPE, **ARCHITECTURE} if values[k] is not None}
     evaluating = bool(getattr(args, "eval_only", False))
     cfg = checkpoint.config_of(ckpt) if ckpt else None
-    _refuse_architecture_flags(given, ckpt, cfg, network, model, values, evaluating)
+    # a network from a description (or built in Python): its layers say how they route
+    described = model is not None or network is not None or (ckpt is not None and cfg is None)
+    _refuse_architecture_flags(given, ckpt, cfg, network, described, values, evaluating)
     if ckpt:
         _take_from_checkpoint(values, given, ckpt, cfg, evaluating)
     for k, v in ARCHITECTURE.items():
@@ -210,7 +212,6 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     for k, v in {**RECIPE, "epochs": EPOCHS, **ROUTING_RECIPE.get(values["routing"], {})}.items():
         if values[k] is None:
             values[k] = v
-    described = model is not None or network is not None or (ckpt is not None and cfg is None)
     return Run(backend=backend or getattr(args, "backend", None), device=getattr(args, "device", None),
                **{k: values[k] for k in (*RECIPE, "epochs")},
                architecture={} if described else {k: values[k] for k in ARCHITECTURE},
@@ -220,9 +221,9 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
                progress=not getattr(args, "no_progress", False), graph=not getattr(args, "no_graph", False))
 
 
-def _refuse_architecture_flags(given, ckpt, cfg, network, model, values, evaluating):
+def _refuse_architecture_flags(given, ckpt, cfg, network, described, values, evaluating):
     """Architecture flags that a described network, or the checkpoint resumed, contradicts."""
-    if (ckpt and cfg is None) or network is not None or model is not None:  # its layers say how they route
+    if described:
         flags = [flag(k) for k in ARCHITECTURE if k in given]
         if flags:
             where = f"{ckpt['path']} holds" if ckpt and cfg is None else "--network gives"
