@@ -285,7 +285,7 @@ def test_a_routing_brings_its_own_recipe_where_flags_leave_it_out(routing, given
         setattr(args, k, v)
     run = recipe.settle(args, None, "numpy")
     assert (run.lr, run.batch_size, run.epochs, run.shift) == expected
-    assert run.routing == routing and run.recipe["lr"] == expected[0]
+    assert run.architecture["routing"] == routing and run.recipe["lr"] == expected[0]
     with pytest.raises(dataclasses.FrozenInstanceError):  # settled once: the rest of the run reads it
         run.lr = 1.0
 

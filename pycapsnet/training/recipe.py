@@ -88,10 +88,6 @@ class Run:
         """The RECIPE values, as the checkpoint records them."""
         return {k: getattr(self, k) for k in RECIPE}
 
-    @property
-    def routing(self) -> str | None:
-        return self.architecture.get("routing")
-
 
 def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     """The flags every training entry point shares (backend chosen by the script, or --backend): a

@@ -29,9 +29,9 @@ class RunDir:
     checkpoint to go back to as (path, epoch) (the one resumed from, then each one committed), and
     ``replacing``, the directory of an earlier run that --overwrite replaces at the first commit."""
 
-    def __init__(self, last_good: tuple | None = None):
+    def __init__(self):
         self.path = None
-        self.last_good = last_good
+        self.last_good = None
         self.replacing = None
 
     def claim(self, path: str, ckpt, overwrite: bool) -> None:
