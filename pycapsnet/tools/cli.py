@@ -184,6 +184,7 @@ def cmd_inspect(args):
     from ..training import checkpoint as ckpt_mod
     from ..training import data, files
     from ..training.recipe import data_options, settle
+    from ..training.trainer import checked_data
     from ..training.run_dir import prepare_out_dir, save_reconstructions
     from . import plots
 
@@ -194,7 +195,8 @@ def cmd_inspect(args):
     run = settle(args, ckpt)  # --dataset / --data-dir left out: the run's
     if model.input_shape != (1, 28, 28) and not run.data_dir:
         raise CapsNetError(f"this checkpoint expects {model.input_shape} images; give --data-dir")
-    _, test = data.load(run.dataset, run.data_dir, **data_options(run))
+    train, test = data.load(run.dataset, run.data_dir, **data_options(run))
+    checked_data(run, train, test)
     if not 0 <= args.index < len(test):
         raise CapsNetError(f"--index must be in [0, {len(test) - 1}], got {args.index}")
     x, y = test.images(slice(args.index, args.index + 1)), int(test.y[args.index])
@@ -302,7 +304,8 @@ def _data_flags(p):
     from ..training import data
 
     p.add_argument("--dataset", choices=data.DATASETS, help="default: the data the run trained on")
-    p.add_argument("--data-dir", default=None, help="directory with the IDX files (default: the run's)")
+    p.add_argument("--data-dir", default=None, help="the data directory: IDX files or a folder of images "
+                                                    "(default: the run's)")
 
 
 def build_parser():
@@ -311,7 +314,7 @@ def build_parser():
     from backends import NAMES
     from backends.base import FLOAT_DTYPES
 
-    from ..training.recipe import add_arguments, add_limit_test
+    from ..training.recipe import add_accept_changed_data, add_arguments, add_limit_test
 
     p = argparse.ArgumentParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -359,6 +362,7 @@ def build_parser():
     i.add_argument("--backend", default="numpy", choices=NAMES)
     i.add_argument("--device", default=None)
     _data_flags(i)
+    add_accept_changed_data(i)
     i.set_defaults(fn=cmd_inspect)
 
     t = sub.add_parser("train", help="train (the same trainer as train_<backend>.py)")
@@ -372,6 +376,7 @@ def build_parser():
     _data_flags(e)
     e.add_argument("--dtype", choices=FLOAT_DTYPES, help="default: the dtype the run trained in")
     add_limit_test(e)
+    add_accept_changed_data(e)
     e.set_defaults(fn=cmd_evaluate)
 
     from ..core.capsules import PrimaryCaps

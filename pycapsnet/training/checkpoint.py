@@ -121,6 +121,11 @@ def _header_problem(header) -> str | None:
     if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)
                                     and len(classes) == n_classes_of(header)):
         return "its class names are not a list of one name per class"
+    record = header.get("data")
+    if record is not None and not (isinstance(record, list) and all(
+            isinstance(r, list) and len(r) == 5 and isinstance(r[2], int) and r[4] in ("train", "test")
+            and all(isinstance(r[k], str) for k in (0, 1, 3, 4)) for r in record)):
+        return "its record of the data it read is not a list of [path, class, size, hash, split]"
     history = header.get("history") or []
     if not all(isinstance(r, dict) and r.get("epoch") == k + 1 for k, r in enumerate(history)) \
             or (history and len(history) != epoch):

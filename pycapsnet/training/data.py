@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CapsNetError
+from . import folder
 
 # IDX files, as distributed for MNIST and Fashion-MNIST (optionally .gz)
 IDX_FILES = {
@@ -22,7 +23,6 @@ IDX_FILES = {
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 DATASETS = ("embedded", "mnist", "fashion-mnist", "folder")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 DIGITS = tuple(str(d) for d in range(10))  # the class names of the MNIST-format sets
 _UNIT = (np.arange(256) / 255.0).astype(np.float32)  # uint8 pixel -> float32 in [0, 1], as x / 255
 # IDX type codes -> NumPy dtypes (big-endian)
@@ -35,6 +35,7 @@ class Split:
     y: np.ndarray     # (N,) int64 class indices
     source: str = ""  # where the images came from, for messages (a file or folder, "" for the embedded set)
     classes: tuple = DIGITS  # class names, by index
+    files: np.ndarray | None = None  # a folder's: per image (relative path, size, content hash); else None
 
     def __len__(self):
         return len(self.y)
@@ -45,10 +46,28 @@ class Split:
 
     def take(self, part) -> "Split":
         """The images ``part`` (a slice or indices), with this split's source and class names."""
-        return Split(self.x[part], self.y[part], self.source, self.classes)
+        return Split(self.x[part], self.y[part], self.source, self.classes,
+                     None if self.files is None else self.files[part])
 
     def head(self, n: int) -> "Split":
         return self.take(slice(0, n))
+
+    def limited(self, n: int, seed: int) -> "Split":
+        """At most ``n`` images.  The embedded and IDX sets come shuffled: their first n.  A folder's
+        come sorted by path, often by class: a seeded subset with each class in proportion."""
+        if n >= len(self):
+            return self
+        if self.files is None:
+            return self.head(n)
+        rng = np.random.default_rng([seed, n])
+        counts = np.bincount(self.y, minlength=len(self.classes))
+        quota = n * counts / len(self)
+        take = np.floor(quota).astype(int)
+        # the images left over go to the largest remainders, ties in a seeded order
+        order = np.lexsort((rng.random(len(counts)), -(quota - take)))
+        take[order[:n - take.sum()]] += 1
+        idx = [rng.permutation(np.flatnonzero(self.y == c))[:k] for c, k in enumerate(take)]
+        return self.take(np.sort(np.concatenate(idx)))
 
 
 def as_float(x: np.ndarray) -> np.ndarray:
@@ -216,7 +235,7 @@ def _check_labels(labels: np.ndarray, path: str) -> None:
         raise CapsNetError(f"{path}: labels must be 0..9, found {labels.min()}..{labels.max()}")
 
 
-def load(dataset: str = "embedded", data_dir: str | None = None, seed: int = 0, **folder):
+def load(dataset: str = "embedded", data_dir: str | None = None, seed: int = 0, **folder_options):
     """(train, test) Splits for --dataset / --data-dir; ``folder``: load_folder's options."""
     if dataset not in DATASETS:
         raise CapsNetError(f"unknown dataset {dataset!r}: choose one of {', '.join(DATASETS)}")
@@ -224,7 +243,7 @@ def load(dataset: str = "embedded", data_dir: str | None = None, seed: int = 0, 
         if not data_dir:
             raise CapsNetError("--dataset folder needs --data-dir DIR: a directory with one sub-directory of "
                                "images per class (or train/ and test/ each holding them)")
-        return load_folder(data_dir, seed=seed, **folder)
+        return load_folder(data_dir, seed=seed, **folder_options)
     if data_dir and dataset == "embedded":
         raise CapsNetError(f"--data-dir {data_dir} names IDX files, but the dataset is embedded (the default), "
                            "which reads none: say what the files hold with --dataset mnist or --dataset fashion-mnist")
@@ -269,111 +288,15 @@ def batches(split: Split, batch_size: int, rng: np.random.Generator | None = Non
         yield as_float(x), split.y[idx[keep]]
 
 
-# ---- a folder of images per class ---------------------------------------------------------------
-def _class_folders(root: str):
-    """[(file, class index)] of ``root``'s class sub-directories, and the class names (sorted).
-    Files are listed by file name, then class: the order is fixed, whatever the file system's."""
-    if not os.path.isdir(root):
-        raise CapsNetError(f"--data-dir {root} is not a directory")
-    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)) and not d.startswith("."))
-    if not classes:
-        raise CapsNetError(f"{root} holds no class folders: put each class's images in a sub-directory named "
-                           "after the class")
-    if len(classes) == 1:
-        raise CapsNetError(f"{root} holds one class folder ({classes[0]}): a classifier needs at least two")
-    files = []
-    for k, name in enumerate(classes):
-        folder = os.path.join(root, name)
-        images = [f for f in os.listdir(folder) if f.lower().endswith(IMAGE_SUFFIXES) and not f.startswith(".")]
-        if not images:
-            raise CapsNetError(f"the class folder {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}): add "
-                               "some or remove the folder")
-        files += [(f, k, os.path.join(folder, f)) for f in images]
-    files.sort()
-    return [(path, k) for _, k, path in files], tuple(classes)
-
-
-def stratified_fraction(y: np.ndarray, fraction: float, seed: int):
-    """Indices (train, test): ``fraction`` of each class held out (rounded, at least one image of a
-    class with two or more), shuffled with ``seed``."""
-    rng = np.random.default_rng(seed)
-    train, test = [], []
-    for c in np.unique(y):
-        idx = rng.permutation(np.flatnonzero(y == c))
-        n_test = min(len(idx) - 1, max(1, round(fraction * len(idx)))) if len(idx) > 1 else 0
-        test.append(idx[:n_test])
-        train.append(idx[n_test:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
-
-
-def _decode(files, image_size, channels, progress):
-    """The images of ``files`` as one uint8 array (N, C, H, W), decoded once, each checked."""
-    try:
-        from PIL import Image, UnidentifiedImageError
-    except ImportError:
-        raise CapsNetError("--dataset folder reads images with Pillow, which is not installed: pip install Pillow") from None
-    first = files[0][0]
-    try:
-        with Image.open(first) as im:
-            size0, mode0 = im.size, im.mode
-    except (OSError, UnidentifiedImageError) as e:
-        raise CapsNetError(f"cannot read the image {first}: {e}") from None
-    if channels is None:  # from the images: the first one's
-        channels = 1 if mode0 in ("1", "L", "LA", "I", "I;16", "F") else 3
-    w, h = (image_size[1], image_size[0]) if image_size else size0
-    out = np.empty((len(files), channels, h, w), np.uint8)
-    mode = "L" if channels == 1 else "RGB"
-    bar = files
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(files, desc="decoding images", leave=False, dynamic_ncols=True)
-        except ImportError:
-            pass
-    for k, (path, _) in enumerate(bar):
-        try:
-            with Image.open(path) as im:
-                im.load()  # decodes now: a truncated file fails here, naming itself
-                if im.size != (w, h):
-                    if not image_size:
-                        raise CapsNetError(f"{path} is {im.size[1]}x{im.size[0]} but {first} is {h}x{w}: give "
-                                           "--image-size H W to resize them all to one size")
-                    im = im.resize((w, h), Image.BILINEAR)
-                a = np.asarray(im.convert(mode))
-        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as e:
-            raise CapsNetError(f"cannot read the image {path}: {e}") from None
-        out[k] = a[None] if channels == 1 else np.moveaxis(a, -1, 0)
-    return out
-
-
 def load_folder(data_dir: str, image_size=None, channels=None, test_fraction: float = 0.2, seed: int = 0,
-                progress: bool = False):
+                progress: bool = False, kept=frozenset()):
     """(train, test) Splits from ``data_dir``: one sub-directory of images per class, or train/ and
-    test/ each holding such sub-directories (the same classes).  Without them a stratified,
-    seeded ``test_fraction`` of each class is held out.  ``image_size`` (H, W) resizes; by default
-    every image must have the first one's size.  ``channels`` 1 or 3, by default the first
-    image's.  Images are stored as uint8 and become floats a batch at a time."""
-    data_dir = os.path.abspath(data_dir)
-    halves = [d for d in ("train", "test") if os.path.isdir(os.path.join(data_dir, d))]
-    if halves == ["train", "test"]:
-        train_files, classes = _class_folders(os.path.join(data_dir, "train"))
-        test_files, test_classes = _class_folders(os.path.join(data_dir, "test"))
-        if test_classes != classes:
-            raise CapsNetError(f"{data_dir}/train and {data_dir}/test hold different class folders "
-                               f"({', '.join(classes)} against {', '.join(test_classes)}): give both the same")
-        x = _decode(train_files + test_files, image_size, channels, progress)
-        y = np.array([k for _, k in train_files + test_files], np.int64)
-        train, test = slice(0, len(train_files)), slice(len(train_files), len(y))  # views, not copies
-    elif halves:
-        raise CapsNetError(f"{data_dir} has a {halves[0]}/ folder but no {'test' if halves[0] == 'train' else 'train'}/"
-                           " one: give both, or neither (a fraction of each class is then held out for testing)")
-    else:
-        files, classes = _class_folders(data_dir)
-        x = _decode(files, image_size, channels, progress)
-        y = np.array([k for _, k in files], np.int64)
-        train, test = stratified_fraction(y, test_fraction, seed)
-        if not len(test):
-            raise CapsNetError(f"{data_dir}: no class has two images, so none can be held out for testing; add "
-                               "images, or give train/ and test/ folders")
-    return Split(x[train], y[train], data_dir, classes), Split(x[test], y[test], data_dir, classes)
+    test/ each holding such sub-directories (the same classes).  Without them a seeded share
+    ``test_fraction`` of each class is held out, decided per file (folder.hash_split); ``kept``:
+    paths held out before, held out still.  ``image_size`` (H, W) resizes; by default every image
+    must have the first one's size.  ``channels`` 1 or 3, by default the first image's.  Images
+    are stored as uint8 and become floats a batch at a time."""
+    x, y, files, classes, train, test = folder.load(data_dir, image_size, channels, test_fraction, seed, progress, kept)
+    source = os.path.abspath(data_dir)
+    return (Split(x[train], y[train], source, classes, files[train]),
+            Split(x[test], y[test], source, classes, files[test]))

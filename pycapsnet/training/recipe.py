@@ -17,7 +17,7 @@ from ..core.capsules import PrimaryCaps
 from ..core.model import ROUTING_DEFAULTS, ROUTINGS, CapsNetConfig
 from ..core.routing import MODES as ROUTING_MODES
 from ..errors import CapsNetError
-from . import checkpoint, data, optim
+from . import checkpoint, data, folder, optim
 from .argtypes import fraction, nonnegative_int, positive_float, positive_int
 from .log import say
 
@@ -79,6 +79,7 @@ class Run:
     checkpoint: dict | None = None  # what it holds (checkpoint.load)
     out: str | None = None
     eval_only: bool = False
+    accept_changed_data: bool = False  # go on when the data differ from what the run recorded (trainer)
     overwrite: bool = False
     progress: bool = True
     graph: bool = True  # record the step where the backend can (a CUDA graph)
@@ -140,7 +141,9 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--shift", type=nonnegative_int,
                    help=f"random shift augmentation in pixels, 0 = off (default: {d['shift']}; --routing em: "
                         f"{em['shift']})")
-    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N training images (quick runs)")
+    p.add_argument("--limit", type=positive_int, default=None,
+                   help="use only N training images, for quick runs (the first N; of a folder, a seeded subset "
+                        "with each class in proportion)")
     add_limit_test(p)
     routing_default = lambda k: ", ".join(f"{v[k]} ({r})" for r, v in ROUTING_DEFAULTS.items())
     p.add_argument("--conv-channels", type=positive_int,
@@ -162,6 +165,7 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                         "flags unless given again")
     p.add_argument("--eval-only", action="store_true",
                    help="only evaluate the --resume checkpoint, on its run's test split and dtype unless given")
+    add_accept_changed_data(p)
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh even if --out already holds a checkpoint (it is replaced)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (per-epoch lines only)")
@@ -170,9 +174,18 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                         "can record them once and replay them (a CUDA graph on torch:cuda and CuPy, which is faster)")
 
 
+def add_accept_changed_data(p) -> None:
+    """--accept-changed-data, shared by the trainer, ``evaluate`` and ``inspect``."""
+    p.add_argument("--accept-changed-data", action="store_true",
+                   help="--dataset folder: go on although the images differ from those the run recorded "
+                        "(added, removed, modified, moved); the run records that it did")
+
+
 def add_limit_test(p) -> None:
     """--limit-test, shared by the trainer and ``pycapsnet evaluate``."""
-    p.add_argument("--limit-test", type=positive_int, default=None, help="evaluate on only the first N test images")
+    p.add_argument("--limit-test", type=positive_int, default=None,
+                   help="evaluate on only N test images (the first N; of a folder, a seeded subset with each "
+                        "class in proportion)")
 
 
 def flag(name):
@@ -205,6 +218,8 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     for k, v in ARCHITECTURE.items():
         if values[k] is None:
             values[k] = v
+    if not described:
+        _refuse_ignored_flags(given, values["routing"])
     for k, v in {**RECIPE, "epochs": EPOCHS, **ROUTING_RECIPE.get(values["routing"], {})}.items():
         if values[k] is None:
             values[k] = v
@@ -213,7 +228,8 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
                architecture={} if described else {k: values[k] for k in ARCHITECTURE},
                network=network, model=model, resume=getattr(args, "resume", None), checkpoint=ckpt,
                out=getattr(args, "out", None),
-               eval_only=evaluating, overwrite=bool(getattr(args, "overwrite", False)),
+               eval_only=evaluating, accept_changed_data=bool(getattr(args, "accept_changed_data", False)),
+               overwrite=bool(getattr(args, "overwrite", False)),
                progress=not getattr(args, "no_progress", False), graph=not getattr(args, "no_graph", False))
 
 
@@ -229,7 +245,7 @@ def _refuse_architecture_flags(given, ckpt, cfg, network, described, values, eva
         if ckpt and network is not None:
             raise CapsNetError(f"--network with --resume: the run's network is the one {ckpt['path']} records; "
                                "drop --network to continue it, or start a new run with --out DIR")
-    if ckpt and not evaluating:
+    if ckpt:
         config = cfg.to_dict() if cfg else {}
         clash = [f"{flag(k)} (the checkpoint's model was built without it)" if isinstance(config[k], bool)
                  else f"{flag(k)} {values[k]} (the checkpoint has {config[k]})"
@@ -238,6 +254,25 @@ def _refuse_architecture_flags(given, ckpt, cfg, network, described, values, eva
             raise CapsNetError(f"{ckpt['path']} fixes the architecture, and these flags contradict it: "
                                f"{'; '.join(clash)}. Drop them to continue the run, or start a new one "
                                "with --out DIR")
+
+
+# Architecture flags that a routing's network has no use for: given, they would be saved with the run
+# and change nothing.
+IGNORED_BY = {
+    "attention": {"routing_iters": "self-attention routing computes its coupling in one pass, without iterations",
+                  "routing_grad": "self-attention routing has no iterations whose coupling could be held constant",
+                  "em_lambda": "it is EM routing's inverse temperature"},
+    "dynamic": {"em_lambda": "it is EM routing's inverse temperature"},
+    "em": {"share_spatial": "the EM network's convolutional capsule layers share their transforms over "
+                            "positions already",
+           "primary_conv": "the EM network's primary capsules are a 1x1 layer, not a convolution"},
+}
+
+
+def _refuse_ignored_flags(given, routing):
+    for k, why in IGNORED_BY.get(routing, {}).items():
+        if k in given:
+            raise CapsNetError(f"{flag(k)} does nothing with --routing {routing}: {why}; drop it")
 
 
 def _take_from_checkpoint(values, given, ckpt, cfg, evaluating):
@@ -257,8 +292,9 @@ def _take_from_checkpoint(values, given, ckpt, cfg, evaluating):
                 continue
             values[k] = saved[k]
             if k == "data_dir" and saved[k] and not os.path.isdir(saved[k]):
+                what = "images" if values["dataset"] == "folder" else "IDX files"
                 raise CapsNetError(f"the run's data directory {saved[k]} (saved in {ckpt['path']}) is not "
-                                   "there any more; give --data-dir DIR where its IDX files are now")
+                                   f"there any more; give --data-dir DIR where its {what} are now")
         elif values[k] != saved[k] and not evaluating:
             fresh = "; its state starts afresh" if k == "optimizer" else ""
             say(f"resuming with {flag(k)} {values[k]} (the run so far used {_shown(saved[k])}){fresh}")
@@ -291,7 +327,8 @@ def _recipe_problem(saved: dict) -> str | None:
 
 
 def data_options(run: Run) -> dict:
-    """data.load's options for --dataset folder, from the run; refused for other datasets."""
+    """data.load's options for --dataset folder, from the run (and the images its checkpoint held
+    out); refused for other datasets."""
     if run.dataset != "folder":
         given = [flag(k) for k in FOLDER_FLAGS if getattr(run, k) not in (None, RECIPE[k])]
         if given:
@@ -299,5 +336,7 @@ def data_options(run: Run) -> dict:
             raise CapsNetError(f"{', '.join(given)} {'says' if one else 'say'} how to read a folder of images: "
                                f"{'it goes' if one else 'they go'} with --dataset folder, not --dataset {run.dataset}")
         return {}
+    record = run.checkpoint["header"].get("data") if run.checkpoint else None
     return {"image_size": tuple(run.image_size) if run.image_size else None, "channels": run.channels,
-            "test_fraction": run.test_fraction, "progress": run.progress}
+            "test_fraction": run.test_fraction, "progress": run.progress,
+            "kept": folder.held_out(record) if record else frozenset()}  # held out before: held out still

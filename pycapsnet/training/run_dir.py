@@ -52,15 +52,16 @@ class RunDir:
             say(f"--overwrite: the earlier run's checkpoint, metrics and pictures in {path} stay until this "
                 "run's first epoch is saved")
 
-    def commit(self, model, opt, test_set, history, recipe: dict, classes) -> None:
+    def commit(self, model, opt, test_set, history, recipe: dict, classes, **read) -> None:
         """The epoch, committed: first the checkpoint, which holds the records too; from then on the
         epoch is done, and a run stopped before the rest is written resumes after it (``reconcile``
-        rewrites what lags).  Then metrics.jsonl, then the pictures."""
+        rewrites what lags).  Then metrics.jsonl, then the pictures.  ``read``: what the run read
+        (the header's ``data`` and ``data_changes``)."""
         record = history[-1]
         epoch = record["epoch"]
         with _ctrl_c_held():
             checkpoint.save(os.path.join(self.path, CHECKPOINT), model, opt, epoch=epoch,
-                            test_acc=record["test_acc"], recipe=recipe, history=history, classes=list(classes))
+                            test_acc=record["test_acc"], recipe=recipe, history=history, classes=list(classes), **read)
             self.last_good, self.replacing = (self.path, epoch), None
             write_metrics(self.path, history)
             draw(model, test_set, self.path, history)

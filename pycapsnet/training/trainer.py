@@ -25,7 +25,7 @@ import backends
 from ..core import architecture
 from ..core.model import CapsNet, CapsNetConfig
 from ..errors import BackendError, CapsNetError
-from . import checkpoint, data, distributed, optim
+from . import checkpoint, data, distributed, folder, optim
 from .graph import CapturedEval, CapturedStep
 from .log import progress, say, speaking
 from .recipe import Run, add_arguments, data_options, flag, settle
@@ -88,11 +88,12 @@ class Training:
             say(f"data parallel: {self.group.world} processes ({self.group.kind}), batch {run.batch_size} per "
                 f"process, global batch {run.batch_size * self.group.world}")
         train_set, test_set = data.load(run.dataset, run.data_dir, **data_options(run))
-        if run.limit is not None:
-            train_set = train_set.head(run.limit)
-        if run.limit_test is not None:
-            test_set = test_set.head(run.limit_test)
         model = self._restored(B, train_set) if ckpt else self._new_model(B, train_set)
+        self.read = checked_data(run, train_set, test_set)
+        if run.limit is not None:
+            train_set = train_set.limited(run.limit, run.seed)
+        if run.limit_test is not None:
+            test_set = test_set.limited(run.limit_test, run.seed)
         for name, split in (("test", test_set),) if run.eval_only else (("train", train_set), ("test", test_set)):
             if tuple(split.x.shape[1:]) != model.input_shape:
                 model_from = f"the model in {ckpt['path']}" if ckpt else "the model, built for the train images,"
@@ -220,11 +221,13 @@ class Training:
                     "train_samples_per_s": round(seen / train_time, 1), "backend": B.label,
                     "processes": group.world if group else 1}
             history.append(last)
-            if group is None or group.writes:
-                self.directory.commit(model, opt, self.test_set, history, run.recipe, self.train_set.classes)
+            # said before the commit: a Ctrl-C held during the save names this epoch as the last good one
             say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
                 f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s "
                 f"({last['train_samples_per_s']:.0f} samples/s)")
+            if group is None or group.writes:
+                self.directory.commit(model, opt, self.test_set, history, run.recipe, self.train_set.classes,
+                                      **self.read)
         say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {self.directory.path}")
         return last
 
@@ -273,6 +276,32 @@ class Training:
             if not model.B.all_finite(a):
                 raise TrainingDiverged(self.directory.stopped(
                     f"{name} holds NaN or inf after epoch {epoch + 1}'s last update"))
+
+
+def checked_data(run: Run, train_set, test_set) -> dict:
+    """What the run reads, for its checkpoint: a folder's fingerprint (folder.py) and the changes
+    accepted so far.  A resumed or evaluated run whose folder changed since its checkpoint recorded
+    it is refused, saying what changed, unless ``accept_changed_data``; then the change is recorded."""
+    if train_set.files is None:
+        return {}
+    header = run.checkpoint["header"] if run.checkpoint else {}
+    now, before = folder.fingerprint(train_set, test_set), header.get("data")
+    accepted = list(header.get("data_changes") or [])
+    if before is None:
+        if run.checkpoint:
+            say(f"{run.checkpoint['path']} does not record the images its run read (an earlier pycapsnet wrote "
+                "it): they cannot be checked; from now on they are recorded")
+        return {"data": now, "data_changes": accepted}
+    changed = folder.changes(before, now)
+    if changed and not run.accept_changed_data:
+        doing = "evaluating" if run.eval_only else "resuming"
+        raise CapsNetError(f"the images in {run.data_dir} are not those {run.checkpoint['path']} records: "
+                           f"{'; '.join(changed)}. Restore them, train afresh with --out DIR, or go on "
+                           f"{doing} with --accept-changed-data (the run records it)")
+    if changed:
+        say(f"--accept-changed-data: the images differ from the run's record: {'; '.join(changed)}")
+        accepted.append({"epoch": header.get("epoch", 0), "changes": changed})
+    return {"data": now, "data_changes": accepted}
 
 
 def _data_parallel_grads(model, group, x, y, n):
