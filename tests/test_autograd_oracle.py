@@ -32,6 +32,16 @@ def test_gradients_match_autograd(backend, mode, share):
     assert_matches_autograd(model, rng.random((6, 1, 14, 14)), rng.integers(0, 4, 6))
 
 
+@pytest.mark.parametrize("routing", ["dynamic", "attention"])
+@pytest.mark.parametrize("stride", [2, 3])
+def test_a_strided_conv1_matches_autograd(routing, stride):
+    """conv1 with stride 2 (a 2x2 primary grid) and 3 (1x1): the routing's positions follow it."""
+    model = CapsNet(backends.get("numpy", dtype="float64"), seed=1, routing=routing, conv_stride=stride, **SMALL)
+    assert model.n_positions == model.params["classcaps.W"].shape[0] == (4 if stride == 2 else 1)
+    rng = np.random.default_rng(stride)
+    assert_matches_autograd(model, rng.random((4, 1, 14, 14)), rng.integers(0, 4, 4))
+
+
 def test_paper_architecture_matches_autograd():
     """The full-size MNIST CapsNet (8.2 M parameters), one batch of 2, float64."""
     model = CapsNet(backends.get("numpy", dtype="float64"), seed=0)

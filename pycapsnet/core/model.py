@@ -128,14 +128,14 @@ def _geometry(cfg):
         grids = em_grids(cfg)
         return grids[0][0] * grids[0][1], grids[0]
     c, h, w = cfg.input_shape
-    k1, k2, s2 = cfg.conv_kernel, cfg.primary_kernel, cfg.primary_stride
-    field_px = k1 + k2 - 1  # conv1 (stride 1) then one PrimaryCaps window
-    if min(h, w) < field_px:
+    k1, s1, k2, s2 = cfg.conv_kernel, cfg.conv_stride, cfg.primary_kernel, cfg.primary_stride
+    h1, w1 = (h - k1) // s1 + 1, (w - k1) // s1 + 1  # conv1's output
+    if min(h, w) < k1 or min(h1, w1) < k2:
+        field_px = k1 + (k2 - 1) * s1  # conv1 then one PrimaryCaps window
         raise CapsNetError(
             f"input {h}x{w} is smaller than the receptive field {field_px}x{field_px} of conv1 "
-            f"({k1}x{k1}) followed by PrimaryCaps ({k2}x{k2}, stride {s2}); use larger images or "
-            f"smaller kernels (conv_kernel, primary_kernel)")
-    h1, w1 = h - k1 + 1, w - k1 + 1
+            f"({k1}x{k1}, stride {s1}) followed by PrimaryCaps ({k2}x{k2}, stride {s2}); use larger images or "
+            f"smaller kernels or strides (--conv-kernel, --conv-stride, --primary-kernel)")
     hw = ((h1 - k2) // s2 + 1, (w1 - k2) // s2 + 1)
     return hw[0] * hw[1], hw
 
@@ -151,7 +151,7 @@ def em_grids(cfg):
     if min(h, w) < cfg.conv_kernel or min(min(g) for g in grids) < 1:
         raise CapsNetError(f"input {h}x{w} is too small for the EM network: conv1 {cfg.conv_kernel}x{cfg.conv_kernel}"
                            f"/{cfg.conv_stride}, then ConvMatrixCaps 3x3/2 and 3x3/1 need at least 7x7 primary "
-                           f"capsules; use larger images or a smaller conv_kernel or conv_stride")
+                           f"capsules; use larger images or a smaller --conv-kernel or --conv-stride")
     return grids
 
 

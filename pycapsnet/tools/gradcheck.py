@@ -314,7 +314,8 @@ def model_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3,
     name = "CapsNet" if c.routing == "dynamic" else f"CapsNet {c.routing}"
     label = (f"{name}{'' if c.routing == 'attention' else ' routing=' + c.routing_grad}"
              f"{' shared' if c.share_spatial else ''}"
-             f"{' im2col' if c.primary_conv == 'im2col' else ''}")
+             f"{' im2col' if c.primary_conv == 'im2col' else ''}"
+             f"{f' conv1 stride {c.conv_stride}' if c.conv_stride != 1 and c.routing != 'em' else ''}")
     return network_checks(B, model, label, samples, eps, tol, floor, seed, batch)
 
 
@@ -407,9 +408,11 @@ def require_float64(B):
 LAYER_CHECKS = {"dynamic": _dynamic_layer_checks, "em": em_layer_checks, "attention": attention_layer_checks}
 MODEL_CHECKS = {
     "dynamic": [dict(routing_grad="full"), dict(routing_grad="final"), dict(share_spatial=True),
-                dict(primary_conv="im2col")],  # the default convolves by FourierConv2d
+                dict(primary_conv="im2col"),  # the default convolves by FourierConv2d
+                dict(conv_stride=2), dict(conv_stride=3)],  # conv1 strided: a 2x2 and a 1x1 primary grid
     "em": [dict(routing="em", routing_grad="full"), dict(routing="em", routing_grad="final")],
-    "attention": [dict(routing="attention"), dict(routing="attention", share_spatial=True)],
+    "attention": [dict(routing="attention"), dict(routing="attention", share_spatial=True),
+                  dict(routing="attention", conv_stride=2)],
 }
 
 
