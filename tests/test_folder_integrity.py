@@ -189,3 +189,12 @@ def test_a_damaged_data_record_is_named(trained, tmp_path):
     header = checkpoint.load(str(trained / "run"))["header"]
     header["data"][0] = ["x", "ant", "big", "0", "train"]
     assert "its record of the data it read is not a list of" in checkpoint._header_problem(header)
+
+
+def test_crosscheck_of_a_folder_run_feeds_the_runs_own_images(trained, capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["crosscheck", "--checkpoint", str(trained / "run"), "--batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"the first 4 test images of its run ({trained / 'images'})" in out.splitlines()[0]
+    assert cli.main(["crosscheck", "--routing", "dynamic", "--batch", "2", "--seed", "1"]) == 0
+    assert "2 test digits" in capsys.readouterr().out

@@ -93,7 +93,6 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
     from the same numbers -- the float32 weights and batch, which float64 holds exactly -- so what
     differs is float32's arithmetic alone."""
     from ..training import checkpoint as ckpt_mod
-    from ..training import data
     from ..core.model import CapsNet
 
     dtypes = (dtype, dtype_b or dtype)
@@ -111,13 +110,8 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
         hi.load_state_dict(lo.state_dict())  # float32 weights, held exactly in float64
     if perturb and perturb[0] not in models[1].params:
         raise CapsNetError(f"--perturb-grad: no parameter {perturb[0]!r}; names: " + ", ".join(models[1].params))
-    model = models[0]
-    if model.input_shape == (1, 28, 28):
-        _, test = data.load_embedded()
-        x, y = test.x[:batch].astype(low), test.y[:batch]  # each model takes x in its own dtype
-    else:
-        rng = np.random.default_rng(seed)
-        x, y = rng.random((batch, *model.input_shape)).astype(low), rng.integers(0, model.n_classes, batch)
+    x, y, models[0].about_batch = _crosscheck_batch(models[0], checkpoint, batch, seed)
+    x = x.astype(low)  # each model takes x in its own dtype
     for k, model in enumerate(models):
         model.zero_grad()
         out = model.loss(x, y)
@@ -141,6 +135,30 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
     return rows, models
 
 
+def _crosscheck_batch(model, checkpoint, batch, seed):
+    """(x, y, what they are): the first test images of the checkpoint's own run, or of the embedded
+    digits for a seeded 28x28 network; random images and labels only where neither exists, said so."""
+    from ..training import checkpoint as ckpt_mod
+    from ..training import data
+    from ..training.recipe import data_options, settle
+
+    if checkpoint:
+        ckpt = ckpt_mod.load(checkpoint)
+        run = settle(argparse.Namespace(eval_only=True, no_progress=True), ckpt)
+        _, test = data.load(run.dataset, run.data_dir, **data_options(run))
+        if tuple(test.x.shape[1:]) != model.input_shape:
+            raise CapsNetError(f"the run's test images ({run.data_dir or run.dataset}) are {test.x.shape[1:]}, but "
+                               f"the model in {checkpoint} takes {model.input_shape}")
+        return test.images(slice(0, batch)), test.y[:batch], \
+            f"the first {min(batch, len(test))} test images of its run ({run.data_dir or run.dataset})"
+    if model.input_shape == (1, 28, 28):
+        _, test = data.load_embedded()
+        return test.x[:batch], test.y[:batch], f"{batch} test digits"
+    rng = np.random.default_rng(seed)
+    return rng.random((batch, *model.input_shape)), rng.integers(0, model.n_classes, batch), \
+        f"{batch} random images with random labels (seed {seed}; no data of this shape goes with a seeded network)"
+
+
 def cmd_crosscheck(args):
     dtypes = args.dtype if args.dtype_b in (None, args.dtype) else f"{args.dtype} vs {args.dtype_b}"
     if args.checkpoint and args.routing:
@@ -151,7 +169,7 @@ def cmd_crosscheck(args):
     tol = (args.rtol if args.rtol is not None else EM_FLOAT32_TOLERANCE
            if low == "float32" and _is_em(models[0]) else TOLERANCE[low])
     src = args.checkpoint or f"seeded initialisation (seed {args.seed})"
-    print(f"{models[0].B.label}  vs  {models[1].B.label}: {args.batch} test digits, weights from {src}")
+    print(f"{models[0].B.label}  vs  {models[1].B.label}: {models[0].about_batch}, weights from {src}")
     table = [{"tensor": r["tensor"], "kind": r["kind"], "max |a-b|": f"{r['max_abs']:.2e}",
               "max |a-b| / max |a|": f"{r['max_rel']:.2e}", "result": "agree" if r["max_rel"] <= tol else "DISAGREE"}
              for r in rows]

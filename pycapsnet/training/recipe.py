@@ -42,8 +42,8 @@ FOLDER_FLAGS = ("image_size", "channels", "test_fraction")  # how --dataset fold
 # --limit-test of a quick run: a checkpoint is scored on the whole test split unless told).
 EVALUATED_ON = ("dtype", "dataset", "data_dir", *FOLDER_FLAGS)
 ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
-                for k in ("routing", "routing_iters", "routing_grad", "em_lambda", "conv_channels", "primary_types",
-                          "share_spatial", "primary_conv")}
+                for k in ("routing", "routing_iters", "routing_grad", "em_lambda", "conv_channels", "conv_kernel",
+                          "conv_stride", "primary_types", "share_spatial", "primary_conv")}
 # What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": data.DATASETS, "data_dir": str,
                  "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
@@ -148,6 +148,11 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     routing_default = lambda k: ", ".join(f"{v[k]} ({r})" for r, v in ROUTING_DEFAULTS.items())
     p.add_argument("--conv-channels", type=positive_int,
                    help=f"conv1 channels (default, the papers': {routing_default('conv_channels')})")
+    p.add_argument("--conv-kernel", type=positive_int,
+                   help=f"conv1 kernel size (default: {routing_default('conv_kernel')})")
+    p.add_argument("--conv-stride", type=positive_int,
+                   help=f"conv1 stride: 2 or more shrinks the capsule grid of large images "
+                        f"(default: {routing_default('conv_stride')})")
     p.add_argument("--primary-types", type=positive_int,
                    help=f"primary capsule types (default: {routing_default('primary_types')})")
     p.add_argument("--share-spatial", action="store_true", default=None,
