@@ -16,6 +16,11 @@ CASES = {
                                      primary_conv="im2col"), 4),
     "28x28 materialised im2col": (dict(input_shape=(1, 28, 28), n_classes=10, primary_conv="im2col"), 8),
     "28x28 materialised fourier": (dict(input_shape=(1, 28, 28), n_classes=10), 8),
+    # two im2col chunks in PrimaryCaps' backward: one chunk's matrices are freed before the next's are made
+    "rgb 48x48 shared im2col, batch 64": (dict(input_shape=(3, 48, 48), n_classes=20, conv_channels=16,
+                                                primary_types=4, share_spatial=True, primary_conv="im2col"), 64),
+    "rgb 48x48 conv1 stride 2": (dict(input_shape=(3, 48, 48), n_classes=20, conv_channels=16, conv_stride=2,
+                                      primary_types=4, share_spatial=True), 16),
 }
 
 
@@ -34,6 +39,27 @@ def test_planned_peak_is_within_15_percent_of_a_measured_step(case, small_chunks
     cfg = CapsNetConfig(**overrides)
     planned, measured = plan(cfg, batch).peak, measured_peak(cfg, batch)
     assert abs(planned / measured - 1) <= 0.15, f"plan {planned / 2**20:.1f} MB, measured {measured / 2**20:.1f} MB"
+
+
+def test_the_largest_batch_the_plan_promises_fits_as_measured():
+    """The probe's case: 3x48x48, 20 classes, 16 channels, 4 types, shared, im2col, within 200 MiB."""
+    cfg = CapsNetConfig(input_shape=(3, 48, 48), n_classes=20, conv_channels=16, primary_types=4,
+                        share_spatial=True, primary_conv="im2col")
+    most = plan(cfg, 8).largest_batch(200 * 2**20)
+    assert most > 64
+    measured = measured_peak(cfg, most, steps=1)
+    assert abs(plan(cfg, most).peak / measured - 1) <= 0.15, (most, measured / 2**20)
+
+
+def test_a_batch_of_any_size_is_planned_at_once(capsys):
+    import time
+
+    t0 = time.perf_counter()
+    assert cli.main(["plan", "--batch-size", "100000000000", "--memory", "1e100GB"]) == 0
+    assert time.perf_counter() - t0 < 5
+    out = capsys.readouterr().out
+    assert "peak of the step at batch 100000000000: " in out and " TiB " in out
+    assert "largest batch within 1e100GB: 1,099,511,627,776 or more (the search stops there)" in out
 
 
 def test_the_largest_batch_is_the_last_one_that_fits():
@@ -76,7 +102,7 @@ def test_plan_command_prints_layers_peak_and_largest_batch(capsys):
     (["--memory", "80XB"], "cannot read memory size '80XB'"),
     (["--memory=-1GB"], "cannot read memory size"),
     (["--input-shape", "1", "10", "10"], "smaller than the receptive field"),
-    (["--memory", "1KB"], "none: not even one image fits"),
+    (["--memory", "1KB"], "none: not even one image fits; --share-spatial and --primary-conv im2col shrink the step"),
 ])
 def test_plan_command_bad_input_is_one_line(argv, words, capsys):
     rc = cli.main(["plan", *argv])

@@ -96,14 +96,22 @@ class Conv2d(Layer):
         k, s, p = self.k, self.stride, self.padding
         return (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
 
-    def chunks(self, n, h, w, itemsize):
-        """(images, output rows) blocks whose im2col matrices hold at most chunk_bytes each."""
+    def chunk_shape(self, n, h, w, itemsize):
+        """(images, output rows, number of chunks) of ``chunks``, in closed form (for any batch)."""
         oh, ow = self.output_hw(h, w)
         per_row = ow * self.k * self.k * self.c_in * itemsize  # X of one output row of one image
         rows = max(1, self.chunk_bytes // per_row)
         if rows >= oh:  # whole images
             step = rows // oh
-            return [(slice(a, min(a + step, n)), slice(0, oh)) for a in range(0, n, step)]
+            return min(step, n), oh, -(-n // step)
+        return 1, rows, n * -(-oh // rows)
+
+    def chunks(self, n, h, w, itemsize):
+        """(images, output rows) blocks whose im2col matrices hold at most chunk_bytes each."""
+        images, rows, _ = self.chunk_shape(n, h, w, itemsize)
+        oh = self.output_hw(h, w)[0]
+        if rows >= oh:
+            return [(slice(a, min(a + images, n)), slice(0, oh)) for a in range(0, n, images)]
         return [(slice(i, i + 1), slice(r, min(r + rows, oh))) for i in range(n) for r in range(0, oh, rows)]
 
     def _band(self, rows):
@@ -154,6 +162,7 @@ class Conv2d(Layer):
                     dx[sl, band] = dx_band  # whole images: no other chunk touches them
                 else:
                     dx[sl, band] += dx_band
+                del dcols, dx_band  # before the next chunk's X is made: one chunk's matrices at a time
         if dx is None or not p:
             return dx
         return dx[:, p:p + h, p:p + w, :]

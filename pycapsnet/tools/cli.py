@@ -276,7 +276,7 @@ def _machine_memory():
 
 def cmd_plan(args):
     from ..core.model import CapsNetConfig
-    from .plan import format_bytes, measured_peak, parse_memory, plan
+    from .plan import SEARCH_CAP, format_bytes, measured_peak, parse_memory, plan
 
     if args.network:
         from ..core import architecture
@@ -289,7 +289,8 @@ def cmd_plan(args):
     budget = parse_memory(args.memory) if args.memory else _machine_memory()
     cfg = CapsNetConfig(input_shape=tuple(args.input_shape), n_classes=args.classes, share_spatial=args.share_spatial,
                         primary_conv=args.primary_conv, routing_iters=args.routing_iters,
-                        conv_channels=args.conv_channels, primary_types=args.primary_types)
+                        conv_channels=args.conv_channels, conv_kernel=args.conv_kernel, conv_stride=args.conv_stride,
+                        primary_types=args.primary_types)
     p = plan(cfg, args.batch_size, args.dtype, args.optimizer)
     n = args.batch_size
     c, h, w = cfg.input_shape
@@ -308,7 +309,11 @@ def cmd_plan(args):
     if budget:
         most = p.largest_batch(budget)
         where = f"{args.memory}" if args.memory else f"{format_bytes(budget)} (this machine's memory; --memory to set)"
-        print(f"largest batch within {where}: " + (f"{most:,}" if most else "none: not even one image fits"))
+        shrink = [f for f, on in (("--share-spatial", cfg.share_spatial), ("--primary-conv im2col",
+                                                                            cfg.primary_conv == "im2col")) if not on]
+        print(f"largest batch within {where}: " + (
+            f"{most:,} or more (the search stops there)" if most == SEARCH_CAP else f"{most:,}" if most else
+            "none: not even one image fits" + (f"; {' and '.join(shrink)} shrink the step" if shrink else "")))
     if args.measure:
         measured = measured_peak(cfg, n, args.dtype, args.optimizer)
         print(f"measured (NumPy backend, tracemalloc): {format_bytes(measured)}, "
@@ -408,12 +413,15 @@ def build_parser():
     pl.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS), default="fourier")
     pl.add_argument("--routing-iters", type=positive_int, default=3)
     pl.add_argument("--conv-channels", type=positive_int, default=256)
+    pl.add_argument("--conv-kernel", type=positive_int, default=9)
+    pl.add_argument("--conv-stride", type=positive_int, default=1)
     pl.add_argument("--primary-types", type=positive_int, default=32)
     pl.add_argument("--batch-size", type=positive_int, default=32, help="batch to plan (default: 32)")
     pl.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
     pl.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     pl.add_argument("--memory", default=None,
-                    help="budget for the largest batch, e.g. 80GB or 512MB (default: this machine's memory)")
+                    help="budget for the largest batch, e.g. 80GB or 512MB, in powers of 1024 (GB as GiB) "
+                         "(default: this machine's memory)")
     pl.add_argument("--network", default=None, metavar="FILE.json",
                     help="a described network: refused, saying that plan does not model one yet")
     pl.add_argument("--measure", action="store_true",

@@ -35,6 +35,7 @@ from ..core.layers import Conv2d
 from ..core.model import CapsNetConfig, _geometry, decoder_sizes, param_shapes
 
 OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}
+SEARCH_CAP = 1 << 40  # largest_batch searches no further
 
 
 @dataclass
@@ -67,15 +68,16 @@ class Plan:
         return _slope(self.config, self.batch_size, self.itemsize, self.optimizer)
 
     def largest_batch(self, budget: int) -> int:
-        """The largest batch whose estimated peak fits ``budget`` bytes (0 if not even one)."""
+        """The largest batch whose estimated peak fits ``budget`` bytes (0 if not even one;
+        SEARCH_CAP if that many fit: the search stops there)."""
         fits = lambda n: _walk(self.config, n, self.itemsize, self.optimizer)[0] <= budget  # noqa: E731
         if not fits(1):
             return 0
+        if fits(SEARCH_CAP):
+            return SEARCH_CAP
         lo, hi = 1, 2
         while fits(hi):
             lo, hi = hi, hi * 2
-            if hi > 1 << 24:
-                return lo
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -123,14 +125,11 @@ def _im2col_work(conv: Conv2d, n, h, w, c_in, c_out, b):
     """(forward, backward) temporaries of ``Conv2d`` on (n, h, w, c_in), with its output (the
     forward makes the output, then adds the bias into a second array)."""
     oh, ow = conv.output_hw(h, w)
-    chunks = conv.chunks(n, h, w, b)
-    sl, rows = chunks[0]
-    images = sl.stop - sl.start
-    band_rows = rows.stop - rows.start
+    images, band_rows, n_chunks = conv.chunk_shape(n, h, w, b)
     x_chunk = images * band_rows * ow * conv.k * conv.k * c_in * b  # one chunk's im2col matrix
     y_chunk = images * band_rows * ow * c_out * b
     out = n * oh * ow * c_out * b
-    forward = max(out + x_chunk + (y_chunk if len(chunks) > 1 else 0), 2 * out)
+    forward = max(out + x_chunk + (y_chunk if n_chunks > 1 else 0), 2 * out)
     band_in = images * min(h, conv.stride * (band_rows - 1) + conv.k) * w * c_in * b
     backward = x_chunk + max(band_in, conv.k * conv.k * c_in * c_out * b)  # X and dW's part, then dX and its col2im
     return forward, backward, out
@@ -143,8 +142,8 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     shapes = param_shapes(cfg)
     count = {k: int(np.prod(s)) for k, s in shapes.items()}
     c, h, w = cfg.input_shape
-    k1, c1 = cfg.conv_kernel, cfg.conv_channels
-    h1, w1 = h - k1 + 1, w - k1 + 1
+    k1, s1, c1 = cfg.conv_kernel, cfg.conv_stride, cfg.conv_channels
+    h1, w1 = (h - k1) // s1 + 1, (w - k1) // s1 + 1
     P, _ = _geometry(cfg)
     T, K, J, D = cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim
     caps = T * K
@@ -159,7 +158,7 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     L.add(n * image)                                       # the batch x
 
     # ---- conv1 (im2col) + ReLU -----------------------------------------------------------------------
-    f1, b1, out1 = _im2col_work(_conv_shape(k1, 1, c), n, h, w, c, c1, b)
+    f1, b1, out1 = _im2col_work(_conv_shape(k1, s1, c), n, h, w, c, c1, b)
     L.touch(f1, "conv1 forward")
     L.add(out1)                                            # ReLU's output, kept for its backward
     L.touch(out1, "relu1 forward")                         # with conv1's output, freed after
@@ -305,14 +304,15 @@ def measured_peak(config: CapsNetConfig, batch_size: int, dtype: str = "float32"
 
 
 def format_bytes(nbytes: float) -> str:
-    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= size:
             return f"{nbytes / size:,.1f} {unit}"
     return f"{nbytes:,.0f} B"
 
 
 def parse_memory(text: str) -> int:
-    """'80GB', '512MB', '1.5 GiB', '4e9' -> bytes (powers of 1024 for the units)."""
+    """'80GB', '512MB', '1.5 GiB', '4e9' -> bytes.  The units are powers of 1024, GB as GiB: what
+    ``format_bytes`` prints, and what a GPU's or a machine's memory is quoted in."""
     units = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
              "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
     t = str(text).strip().upper().replace(" ", "")
