@@ -121,6 +121,33 @@ def test_checkpoint_is_backend_neutral(tmp_path):
         assert ckpt["header"]["epoch"] == 1 and ckpt["optim"]
 
 
+def _repacked(src, dst, change):
+    """A copy of the checkpoint ``src`` whose members ``change(dict)`` edits."""
+    with np.load(src) as z:
+        members = {k: z[k] for k in z.files}
+    change(members)
+    np.savez_compressed(dst, **members)
+    return str(dst)
+
+
+@pytest.mark.parametrize("change,said", [
+    (lambda m: m.update(extra=np.zeros(2**24, np.uint8)), "it holds a member 'extra' that no checkpoint of its network has"),
+    (lambda m: m.update({"param/conv1.b": np.zeros(2**22)}), "its member 'param/conv1.b' declares 33,554,560 bytes"),
+    (lambda m: m.update({"optim/m/conv1.b": np.zeros(2**22)}), "its member 'optim/m/conv1.b' declares"),
+])
+def test_a_checkpoint_member_larger_than_its_network_is_refused_before_it_is_read(tmp_path, monkeypatch, change, said):
+    model = CapsNet("numpy", seed=4, **SMALL)
+    path = checkpoint.save(str(tmp_path / "c.npz"), model, optim.Adam(model), epoch=1)
+    bad = _repacked(path, tmp_path / "bad.npz", change)
+    read = []
+    real = np.lib.npyio.NpzFile.__getitem__
+    monkeypatch.setattr(np.lib.npyio.NpzFile, "__getitem__", lambda z, k: read.append(k) or real(z, k))
+    with pytest.raises(CapsNetError, match=f"bad.npz is damaged: {said}"):
+        checkpoint.load(bad)
+    assert read == ["header"]  # nothing but the header was decompressed
+    assert checkpoint.load(path)["params"]  # the sound one loads
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     model = CapsNet("numpy", **SMALL)
     path = str(tmp_path / "c.npz")

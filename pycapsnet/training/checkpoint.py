@@ -73,23 +73,13 @@ def load(path: str) -> dict:
             f.seek(0)
             try:
                 with np.load(f, allow_pickle=False) as z:
-                    files_ = {k: z[k] for k in z.files}
+                    header, files_ = _read_checked(z, path, unreadable)
             except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+                if isinstance(e, CapsNetError):
+                    raise
                 raise CapsNetError(f"{unreadable}: a damaged or truncated .npz archive ({type(e).__name__}: {e})") from None
     except OSError as e:  # a directory named checkpoint.npz, no permission to read
         raise CapsNetError(f"cannot read the checkpoint {path}: {e.strerror or e}") from None
-    if "header" not in files_:
-        raise CapsNetError(f"{unreadable}: an .npz archive, but without the header pycapsnet writes "
-                           f"(it holds {', '.join(sorted(files_)[:5]) or 'no arrays'})")
-    try:
-        header = json.loads(str(files_.pop("header")))
-    except ValueError as e:
-        raise CapsNetError(f"{unreadable}: its header is not JSON ({e})") from None
-    if isinstance(header, dict) and header.get("format") != FORMAT:
-        raise CapsNetError(f"{path}: unknown checkpoint format {header.get('format')!r} (expected {FORMAT})")
-    problem = _header_problem(header)
-    if problem:
-        raise CapsNetError(f"{path} is damaged: {problem}; use another checkpoint, or train afresh")
     params = {k[6:]: v for k, v in files_.items() if k.startswith("param/")}
     optim = {k[6:]: v for k, v in files_.items() if k.startswith("optim/")}
     for kind, arrays in (("parameter", params), ("optimizer state", optim)):
@@ -100,6 +90,63 @@ def load(path: str) -> dict:
                 raise CapsNetError(f"{path}: {kind} {k} holds NaN or inf values (saved after its run "
                                    "diverged); use an earlier checkpoint, or train afresh")
     return {"header": header, "params": params, "optim": optim, "path": path}
+
+
+HEADER_LIMIT = 2**30  # bytes a header may declare (it holds the run's records: metrics, the data's files)
+
+
+def _read_checked(z, path: str, unreadable: str):
+    """(header, {member: array}) of an open .npz: the header read and checked first, then every
+    other member's declared size checked against what the header's network holds before any of
+    it is decompressed; a member no checkpoint of that network has is refused."""
+    sizes = {info.filename[:-4] if info.filename.endswith(".npy") else info.filename: info.file_size
+             for info in z.zip.infolist()}
+    if "header" not in sizes:
+        raise CapsNetError(f"{unreadable}: an .npz archive, but without the header pycapsnet writes "
+                           f"(it holds {', '.join(sorted(sizes)[:5]) or 'no arrays'})")
+    if sizes["header"] > HEADER_LIMIT:
+        raise CapsNetError(f"{path} is damaged: its header declares {sizes['header']:,} bytes, more than a "
+                           f"header holds ({HEADER_LIMIT:,} at most)")
+    try:
+        header = json.loads(str(z["header"]))
+    except ValueError as e:
+        raise CapsNetError(f"{unreadable}: its header is not JSON ({e})") from None
+    if isinstance(header, dict) and header.get("format") != FORMAT:
+        raise CapsNetError(f"{path}: unknown checkpoint format {header.get('format')!r} (expected {FORMAT})")
+    problem = _header_problem(header)
+    if problem:
+        raise CapsNetError(f"{path} is damaged: {problem}; use another checkpoint, or train afresh")
+    limits = _member_limits(header, path)
+    for name, size in sizes.items():
+        if name == "header":
+            continue
+        if name not in limits:
+            raise CapsNetError(f"{path} is damaged: it holds a member {name!r} that no checkpoint of its network "
+                               "has; use another checkpoint, or train afresh")
+        if size > limits[name]:
+            raise CapsNetError(f"{path} is damaged: its member {name!r} declares {size:,} bytes, but its network's "
+                               f"array there holds at most {limits[name]:,}; use another checkpoint, or train afresh")
+    return header, {k: z[k] for k in sizes if k != "header"}
+
+
+def _member_limits(header: dict, path: str) -> dict:
+    """Member name -> the most bytes it may declare: each parameter and its optimizer slots in
+    float64, with room for the .npy header; the optimizer's two scalars."""
+    if "config" in header:
+        from ..core.model import param_shapes
+
+        shapes = param_shapes(CapsNetConfig(**header["config"]))
+    else:
+        try:
+            shapes = {k: v.shape for k, v in architecture.build(header["architecture"], "numpy").state_dict().items()}
+        except CapsNetError as e:
+            raise CapsNetError(f"{path}: its recorded network cannot be rebuilt: {e}") from None
+    room = 1024
+    limits = {f"param/{k}": 8 * int(np.prod(s)) + room for k, s in shapes.items()}
+    for slot in ("m", "v", "buf"):  # Adam's and SGD's slots (optim.py)
+        limits.update({f"optim/{slot}/{k}": 8 * int(np.prod(s)) + room for k, s in shapes.items()})
+    limits.update({"optim/step_count": room, "optim/lr": room})
+    return limits
 
 
 def _header_problem(header) -> str | None:
