@@ -1,4 +1,6 @@
 """Model structure, parameter counts, the no-autograd guarantee, and clear errors for bad input."""
+import re
+
 import numpy as np
 import pytest
 
@@ -295,3 +297,24 @@ def test_routing_in_blocks_of_the_batch_is_routing_the_whole_batch(backend, laye
         np.testing.assert_allclose(du, du_ref, rtol=1e-12, atol=1e-14)
         for k in grads_ref:
             np.testing.assert_allclose(grads[k], grads_ref[k], rtol=1e-12, atol=1e-14, err_msg=k)
+
+
+@pytest.mark.parametrize("settings,said", [
+    (dict(recon_weight=float("nan")), "CapsNetConfig.recon_weight must be a finite number of at least 0, got nan"),
+    (dict(recon_weight=-1.0), "CapsNetConfig.recon_weight must be a finite number of at least 0"),
+    (dict(m_plus=2.0), "CapsNetConfig.m_plus must be a finite number from 0 to 1, got 2.0"),
+    (dict(lam=float("inf")), "CapsNetConfig.lam must be a finite number of at least 0, got inf"),
+    (dict(routing="em", em_lambda=float("inf")), "CapsNetConfig.em_lambda must be a finite number"),
+])
+def test_non_finite_or_absurd_settings_are_refused_at_construction(settings, said):
+    with pytest.raises(CapsNetError, match=re.escape(said)):
+        CapsNetConfig(**settings)
+
+
+@pytest.mark.parametrize("value", [1e30, -0.5, 255.0])
+def test_pixels_beyond_0_1_are_refused_not_turned_into_nan(value):
+    model = CapsNet("numpy", conv_channels=4, primary_types=2)
+    x = np.zeros((2, 1, 28, 28), np.float32)
+    x[1, 0, 3, 3] = value
+    with pytest.raises(CapsNetError, match=r"images must hold pixels in \[0, 1\], got values from .*8-bit pixels: x / 255"):
+        model.loss(x, [1, 2])

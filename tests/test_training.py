@@ -548,3 +548,16 @@ def test_seeded_float64_runs_agree_across_backends():
             opt.step()
     np.testing.assert_allclose(losses["torch"], losses["numpy"], rtol=1e-9)
     assert losses["numpy"][-1] < losses["numpy"][0]
+
+
+def test_run_files_get_the_permissions_the_umask_gives(tmp_path):
+    old = os.umask(0o022)
+    try:
+        assert trainer.main("numpy", ["--conv-channels", "4", "--primary-types", "2", "--limit", "16",
+                                      "--limit-test", "8", "--epochs", "1", "--no-progress",
+                                      "--out", str(tmp_path / "run")]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "run").iterdir()}
+    assert set(modes) >= {"checkpoint.npz", "metrics.jsonl", "curves.png", "reconstructions.png"}
+    assert set(modes.values()) == {0o644}, modes

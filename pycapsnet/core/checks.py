@@ -32,6 +32,15 @@ def require_batch_size(batch_size) -> None:
         raise CapsNetError(f"batch_size must be a whole number of at least 1, got {batch_size!r}")
 
 
+def check_setting(name: str, value, lo: float = 0.0, hi: float = float("inf")):
+    """``value`` as a float, after checking that it is a finite number within [lo, hi]."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not ok or not np.isfinite(value) or not lo <= value <= hi:
+        raise CapsNetError(f"{name} must be a finite number {f'from {lo:g} to {hi:g}' if hi < float('inf') else f'of at least {lo:g}'}"
+                           f", got {value!r}")
+    return float(value)
+
+
 def check_images(B, input_shape, x):
     """x as a device array of backend B, after checking that it is a finite float batch (N, C, H, W)
     of ``input_shape`` images.  A host array is checked on the host, before its copy to the
@@ -56,6 +65,11 @@ def check_images(B, input_shape, x):
                            "e.g. x.astype('float32') / 255")
     if not B.all_finite(x):
         raise CapsNetError("images contain NaN or inf values; clean the input data")
+    xp = np if isinstance(x, np.ndarray) else B.xp
+    lo, hi = float(xp.min(x)), float(xp.max(x))
+    if lo < 0 or hi > 1:  # the decoder's sigmoid reconstructs [0, 1]: pixels beyond it have no target
+        raise CapsNetError(f"images must hold pixels in [0, 1], got values from {lo:g} to {hi:g}; scale them "
+                           "(8-bit pixels: x / 255)")
     return B.asarray(x)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .checks import check_setting
+
 
 class MarginLoss:
     """L = mean_n sum_k  T_k max(0, m+ - |v_k|)^2 + lam (1 - T_k) max(0, |v_k| - m-)^2
@@ -16,7 +18,9 @@ class MarginLoss:
     name = "margin"
 
     def __init__(self, backend, m_plus=0.9, m_minus=0.1, lam=0.5):
-        self.B, self.m_plus, self.m_minus, self.lam = backend, m_plus, m_minus, lam
+        self.B = backend
+        self.m_plus, self.m_minus = check_setting("m_plus", m_plus, 0, 1), check_setting("m_minus", m_minus, 0, 1)
+        self.lam = check_setting("lam", lam)
         self.cache = None
 
     def set_epoch(self, epoch: int):
@@ -42,7 +46,7 @@ class ReconstructionLoss:
     Gradient: dL/dx_hat = weight * 2 (x_hat - x) / N."""
 
     def __init__(self, backend, weight=0.0005):
-        self.B, self.weight = backend, weight
+        self.B, self.weight = backend, check_setting("the reconstruction loss weight (recon_weight)", weight)
         self.cache = None
 
     def forward(self, recon, target):

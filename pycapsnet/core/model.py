@@ -27,7 +27,7 @@ import backends as _backends
 
 from . import architecture as arch
 from .capsules import PrimaryCaps
-from .checks import config_with
+from .checks import check_setting, config_with
 from ..errors import CapsNetError
 from .network import Network, Outputs  # noqa: F401  (Outputs: part of this module's public names)
 from .routing import MODES as ROUTING_MODES
@@ -102,6 +102,9 @@ class CapsNetConfig:
                                f"got {self.class_dim}")
         if not self.em_lambda > 0:
             raise CapsNetError(f"CapsNetConfig.em_lambda must be positive, got {self.em_lambda!r}")
+        for name, hi in (("em_lambda", float("inf")), ("recon_weight", float("inf")), ("m_plus", 1), ("m_minus", 1),
+                         ("lam", float("inf"))):
+            check_setting(f"CapsNetConfig.{name}", getattr(self, name), 0, hi)
         for name, allowed in (("routing_grad", ROUTING_MODES), ("primary_conv", tuple(PrimaryCaps.CONVS))):
             if getattr(self, name) not in allowed:
                 raise CapsNetError(f"CapsNetConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")

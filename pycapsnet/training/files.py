@@ -35,6 +35,7 @@ def atomic_write(path: str, write, text: bool = False) -> str:
             pass
     fd, tmp = tempfile.mkstemp(prefix=f"{PREFIX}{stem}-", suffix=suffix, dir=directory)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600: give it what an ordinary file gets
         with os.fdopen(fd, "w" if text else "wb") as f:
             write(f)
             f.flush()
@@ -46,6 +47,20 @@ def atomic_write(path: str, write, text: bool = False) -> str:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restored at once
+    os.umask(mask)
+    return mask
 
 
 def _sync_directory(directory: str) -> None:
