@@ -94,7 +94,7 @@ def inverse_temperatures(lam: float, iters: int):
     return [lam * (t + 1) / iters for t in range(iters)]
 
 
-def m_step(B, V, a_in, R, beta_u, beta_a, lam, eps, var_floor):
+def m_step(B, V, a_in, R, beta_u, beta_a, lam, eps, var_eps):
     """Returns (mu, var, r, z, a, d2): parent poses, variances, assigned mass, activation logits,
     activations, and the votes' squared deviations d²_ijh = (V_ijh - μ_jh)² (which the E-step reuses)."""
     xp = B.xp
@@ -104,7 +104,7 @@ def m_step(B, V, a_in, R, beta_u, beta_a, lam, eps, var_floor):
     mu = B.sum_children(w, V)                          # μ_jh = sum_i w_ij V_ijh  (N, P, C, H)
     d2 = V - mu[:, :, None]
     d2 *= d2                                           # d²_ijh (N, P, I, C, H)
-    var = B.sum_children(w, d2) + var_floor            # σ²_jh = sum_i w_ij d²_ijh + ε
+    var = B.sum_children(w, d2) + var_eps            # σ²_jh = sum_i w_ij d²_ijh + ε
     cost = r * (V.shape[-1] * beta_u + 0.5 * xp.sum(xp.log(var), axis=-1))
     z = lam * (beta_a - cost)
     return mu, var, r, z, sigmoid(xp, z), d2
@@ -122,7 +122,7 @@ def e_step(B, d2, var, z, group):
 
 
 def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fixed_assignments=None,
-               var_floor=1e-6):
+               var_eps=1e-6):
     """Returns (mu, a, trace); trace[t] = (R^t, mu^t, var^t, r^t, z^t, a^t) for the backward and for
     inspection.  ``fixed_assignments``: use this R in the last M-step (the function "final" differentiates)."""
     n, p, i, c, _ = V.shape
@@ -131,7 +131,7 @@ def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fi
     for t, lam in enumerate(lambdas):
         if t == len(lambdas) - 1 and fixed_assignments is not None:
             R = fixed_assignments
-        mu, var, r, z, a, d2 = m_step(B, V, a_in, R, beta_u, beta_a, lam, eps, var_floor)
+        mu, var, r, z, a, d2 = m_step(B, V, a_in, R, beta_u, beta_a, lam, eps, var_eps)
         trace.append((R, mu, var, r, z, a))
         if t < len(lambdas) - 1:
             R = e_step(B, d2, var, z, group)

@@ -57,7 +57,11 @@ class WindowGroup:
 
 class PrimaryMatrixCaps(Layer):
     """A 1x1 convolution from C_in channels to T capsule types: 16 pose entries and an activation
-    logit per type, a = sigmoid(logit).  h (N, H, W, C_in) -> (M (N, H, W, T, 16), a (N, H, W, T))."""
+    logit per type, a = sigmoid(logit).  h (N, H, W, C_in) -> (M (N, H, W, T, 16), a (N, H, W, T)).
+
+    The linear layer's T*17 output columns: first every type's 16 pose entries, type by type
+    (columns 16t .. 16t + 15, the 4x4 pose row by row), then the T activation logits (column
+    16T + t for type t)."""
 
     pose_scale = 8.0  # the pose columns' initial weights, times the fan-in initialisation's
 
@@ -105,7 +109,7 @@ class _EMLayer(Layer):
     spread loss's margin is out of reach (docs/performance.md, "The three routings")."""
 
     eps = 1e-6        # ε of the M-step's division by r_j
-    var_floor = 1e-6  # the ε added to σ²
+    var_eps = 1e-6  # the ε added to every σ²_jh (not a floor: σ² + ε, however large σ² is)
 
     def __init__(self, backend, n_slots, out_types, iters, routing_grad, lam, rng):
         super().__init__(backend)
@@ -142,7 +146,7 @@ class _EMLayer(Layer):
     def route_part(self, V, a_in, beta_a, group, sl):
         """EM routing of the samples ``sl`` of the batch (em_routing.py): (μ, a, trace)."""
         return em_forward(self.B, V, a_in, self.params["beta_u"], beta_a, self.lambdas, self.eps, group,
-                          var_floor=self.var_floor)
+                          var_eps=self.var_eps)
 
     def route_backward(self, V, a_in, group, dmu, da):
         """dV and da_in; adds dβ_u and d(λβ_a) = dβ_a / λ."""

@@ -129,7 +129,7 @@ def _freeze_final_coupling(layer):
         R = layer.assignments[-1]  # R^{T-1}: what "final" holds constant
         layer.route_part = lambda V, a_in, beta_a, group, sl: em_forward(
             B, V, a_in, layer.params["beta_u"], beta_a, layer.lambdas, layer.eps, group,
-            fixed_assignments=R[sl], var_floor=layer.var_floor)
+            fixed_assignments=R[sl], var_eps=layer.var_eps)
 
 
 # ---- single layers ------------------------------------------------------------------------------
