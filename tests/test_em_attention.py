@@ -383,3 +383,34 @@ def test_evaluation_releases_what_the_em_network_kept():
     m.predict(x)
     assert all(layer.cache is None for layer in layers)
     assert all(layer.trace is None for layer in (*m.convcaps, m.classcaps))
+
+
+def test_a_saturated_parent_keeps_its_exact_tiny_gradient():
+    """a_j = sigmoid(z_j) rounds to 1 once z_j > ~37: its slope is e^-z, not 1 - a_j = 0.  The
+    backward takes it from z; autograd of the same routing (log-sigmoid, float64) is the oracle."""
+    torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch")
+    rng = np.random.default_rng(3)
+    V, a_in = rng.standard_normal((2, 1, 5, 3, 16)), rng.uniform(0.2, 0.8, (2, 1, 5))
+    beta_u, beta_a, lambdas = np.full(3, 0.1), np.array([60.0, 0.5, -0.5]), [0.7, 1.0]  # parent 0: z ~ 50
+    mu, a, trace = em_forward(B64, V, a_in, beta_u, beta_a, lambdas)
+    assert a[..., 0].min() == 1.0 and trace[-1][4][..., 0].min() > 40
+    gmu, ga = rng.standard_normal(mu.shape), rng.standard_normal(a.shape)
+    _, _, dbeta_u, dbeta_a = em_backward(B64, V, a_in, beta_u, lambdas, trace, gmu, ga)
+
+    Vt, at = torch.tensor(V), torch.tensor(a_in)
+    bu, ba = torch.tensor(beta_u, requires_grad=True), torch.tensor(beta_a, requires_grad=True)
+    R = torch.full((2, 1, 5, 3), 1 / 3, dtype=torch.float64)
+    for t, lam in enumerate(lambdas):
+        Rp = R * at[..., None]
+        r = Rp.sum(2)
+        w = Rp / (r[:, :, None] + 1e-6)
+        m = torch.einsum("npic,npich->npch", w, Vt)
+        var = torch.einsum("npic,npich->npch", w, (Vt - m[:, :, None]) ** 2) + 1e-6
+        z = lam * (ba - r * (16 * bu + 0.5 * torch.log(var).sum(-1)))
+        if t < len(lambdas) - 1:
+            ln_p = -(((Vt - m[:, :, None]) ** 2) / (2 * var[:, :, None]) + 0.5 * torch.log(var[:, :, None])).sum(-1)
+            R = torch.softmax(torch.nn.functional.logsigmoid(z)[:, :, None] + ln_p, dim=-1)
+    ((m * torch.tensor(gmu)).sum() + (torch.sigmoid(z) * torch.tensor(ga)).sum()).backward()
+    assert 0 < abs(ba.grad[0].item()) < 1e-15  # the saturated parent's slope: tiny, and not zero
+    np.testing.assert_allclose(dbeta_a, ba.grad.numpy(), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(dbeta_u, bu.grad.numpy(), rtol=1e-8)

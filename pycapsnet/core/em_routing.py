@@ -31,9 +31,10 @@ Backward, mode "full".  Walk t from T-1 down to 0 carrying dR = dL/dR^{t+1} (non
 dμ and da are the incoming gradients), with d_ijh = V_ijh - μ_jh and q_ijh = d_ijh / σ²_jh:
   E-step t (t < T-1), R = R^{t+1}:
     dL_ij   = R_ij (dR_ij - group.sum(sum_j' R_ij' dR_ij'))        (softmax backward over the group)
-    dz_j    = (1 - a_j) sum_i dL_ij                                   (d ln sigmoid(z) / dz = 1 - a)
+    dz_j    = sigmoid(-z_j) sum_i dL_ij                         (d ln sigmoid(z) / dz = 1 - a, taken from z:
+                                                                 exact where a_j rounds to 1)
     dμ_jh   = sum_i dL_ij q_ijh,   dσ²_jh = ½ sum_i dL_ij (q²_ijh - 1/σ²_jh),   dV_ijh -= dL_ij q_ijh
-  (at T-1 instead: dz_j = da_j a_j (1 - a_j), dσ² = 0)
+  (at T-1 instead: dz_j = da_j a_j sigmoid(-z_j), dσ² = 0)
   M-step t:
     dβ_a += λ_t sum dz_j,   dcost_j = -λ_t dz_j,   dβ_u += H sum dcost_j r_j
     dr_j  = dcost_j sum_h (β_u + ½ ln σ²_jh),   dσ²_jh += dcost_j r_j / (2σ²_jh)
@@ -160,11 +161,13 @@ def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Ide
         R, mu, var, r, z, a = trace[t]
         d = V - mu[:, :, None]                                 # (N, P, I, C, H)
         if t == last:
-            dz, dmu_t, dvar = da * a * (1 - a), dmu, 0
+            # a (1 - a) = sigmoid(z) sigmoid(-z): from z, so that a saturated a_j (1 - a_j rounds to 0
+            # once z > ~37 in float64) keeps its exact, tiny slope e^-z
+            dz, dmu_t, dvar = da * a * sigmoid(xp, -z), dmu, 0
         else:  # E-step t made R^{t+1} from μ^t, σ²^t, z^t
             R1 = trace[t + 1][0]
             dL = R1 * (dR - group.sum(xp.sum(R1 * dR, axis=-1))[..., None])
-            dz = (1 - a) * xp.sum(dL, axis=2)
+            dz = sigmoid(xp, -z) * xp.sum(dL, axis=2)          # d ln sigmoid(z) / dz = sigmoid(-z) = 1 - a
             q = d / var[:, :, None]
             dLq = q * dL[..., None]                            # dL_ij q_ijh
             dV -= dLq
