@@ -414,3 +414,12 @@ def test_a_saturated_parent_keeps_its_exact_tiny_gradient():
     assert 0 < abs(ba.grad[0].item()) < 1e-15  # the saturated parent's slope: tiny, and not zero
     np.testing.assert_allclose(dbeta_a, ba.grad.numpy(), rtol=1e-6, atol=0)
     np.testing.assert_allclose(dbeta_u, bu.grad.numpy(), rtol=1e-8)
+
+
+def test_coordinate_addition_adds_row_then_column_as_the_paper_says():
+    from pycapsnet.core.matrix_capsules import ClassMatrixCaps
+
+    layer = ClassMatrixCaps(B64, (3, 5), 2, 4, rng=np.random.default_rng(0))
+    offsets = layer.offsets.reshape(3, 5, 16)
+    np.testing.assert_allclose(offsets[:, :, 3], np.repeat(((np.arange(3) + 0.5) / 3)[:, None], 5, axis=1))  # (0, 3): row
+    np.testing.assert_allclose(offsets[:, :, 7], np.repeat(((np.arange(5) + 0.5) / 5)[None, :], 3, axis=0))  # (1, 3): column

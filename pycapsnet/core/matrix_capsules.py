@@ -228,8 +228,8 @@ class ClassMatrixCaps(_EMLayer):
     """Class capsules: every child on the (GH, GW) grid votes for each of the J classes.
     W (T_in, J, 4, 4) is shared over positions (one transform per child type and class), and
     coordinate addition tells the parents where a vote came from: the scaled centre of the child's
-    grid cell, x = (column + ½) / GW and y = (row + ½) / GH, is added to the first two entries of the
-    vote's last column (entries (0, 3) and (1, 3)).  The offsets are constants, so dV passes to W and
+    grid cell, (row + ½) / GH and (column + ½) / GW, is added to the first two entries of the vote's
+    last column, in that order (entries (0, 3) and (1, 3)), as the paper says: "(row, column)".  The offsets are constants, so dV passes to W and
     M unchanged.  EM routing then runs with P = 1 and I = GH*GW*T_in children, each in one slot.
     (M (N, GH, GW, T_in, 16), a (N, GH, GW, T_in)) -> (μ (N, J, 16), a (N, J))."""
 
@@ -237,8 +237,8 @@ class ClassMatrixCaps(_EMLayer):
         super().__init__(backend, in_types, n_classes, iters, routing_grad, lam, rng)
         gh, gw = grid
         offsets = np.zeros((gh, gw, 1, 1, 16))
-        offsets[..., 3] = ((np.arange(gw) + 0.5) / gw)[None, :, None, None]
-        offsets[..., 7] = ((np.arange(gh) + 0.5) / gh)[:, None, None, None]
+        offsets[..., 3] = ((np.arange(gh) + 0.5) / gh)[:, None, None, None]  # entry (0, 3): the row
+        offsets[..., 7] = ((np.arange(gw) + 0.5) / gw)[None, :, None, None]  # entry (1, 3): the column
         self.offsets = backend.asarray(offsets.reshape(1, gh * gw, 1, 1, 16))  # (1, Q, 1, 1, 16)
         self.J = n_classes
 

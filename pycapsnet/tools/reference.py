@@ -99,8 +99,8 @@ class AutogradCapsNet:
         n, gh, gw, t, _ = M.shape
         V = torch.einsum("nqtab,tjbd->nqtjad", M.reshape(n, gh * gw, t, 4, 4), p["classcaps.W"])
         coord = torch.zeros(gh, gw, 4, 4, dtype=V.dtype, device=V.device)   # coordinate addition
-        coord[:, :, 0, 3] = ((torch.arange(gw, dtype=V.dtype) + 0.5) / gw)[None, :]
-        coord[:, :, 1, 3] = ((torch.arange(gh, dtype=V.dtype) + 0.5) / gh)[:, None]
+        coord[:, :, 0, 3] = ((torch.arange(gh, dtype=V.dtype) + 0.5) / gh)[:, None]      # the row
+        coord[:, :, 1, 3] = ((torch.arange(gw, dtype=V.dtype) + 0.5) / gw)[None, :]      # the column
         V = V + coord.reshape(1, gh * gw, 1, 1, 4, 4)
         V = V.reshape(n, gh * gw * t, cfg.n_classes, 16)
         child = torch.arange(gh * gw * t, device=V.device)                   # one slot per child
