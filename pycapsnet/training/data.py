@@ -289,14 +289,14 @@ def batches(split: Split, batch_size: int, rng: np.random.Generator | None = Non
 
 
 def load_folder(data_dir: str, image_size=None, channels=None, test_fraction: float = 0.2, seed: int = 0,
-                progress: bool = False, kept=frozenset()):
+                progress: bool = False, recorded=None):
     """(train, test) Splits from ``data_dir``: one sub-directory of images per class, or train/ and
     test/ each holding such sub-directories (the same classes).  Without them a seeded share
-    ``test_fraction`` of each class is held out, decided per file (folder.hash_split); ``kept``:
-    paths held out before, held out still.  ``image_size`` (H, W) resizes; by default every image
+    ``test_fraction`` of each class is held out, decided per file (folder.hash_split); ``recorded``:
+    path -> split of a run's record, which those files keep.  ``image_size`` (H, W) resizes; by default every image
     must have the first one's size.  ``channels`` 1 or 3, by default the first image's.  Images
     are stored as uint8 and become floats a batch at a time."""
-    x, y, files, classes, train, test = folder.load(data_dir, image_size, channels, test_fraction, seed, progress, kept)
+    x, y, files, classes, train, test = folder.load(data_dir, image_size, channels, test_fraction, seed, progress, recorded)
     source = os.path.abspath(data_dir)
     return (Split(x[train], y[train], source, classes, files[train]),
             Split(x[test], y[test], source, classes, files[test]))

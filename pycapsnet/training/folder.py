@@ -4,8 +4,8 @@ each holding them), decoded once into uint8 storage.
 What a run trained and tested on is recorded (``fingerprint``): each file's path, class, size,
 content hash and split.  ``changes`` compares two records, so that a resumed or evaluated run
 that would read other data is told what changed.  Without train/ and test/, each class's held-out
-files are those of lowest hash of path and seed, and a run's record keeps every file it held out
-held out: adding images never moves an image that was tested into training.
+files are those of lowest hash of path and seed, and a run's record keeps each file in its split:
+adding images never moves an image that was tested into training, nor the reverse.
 """
 from __future__ import annotations
 
@@ -175,22 +175,27 @@ def _share(path: str, seed: int) -> float:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=8).digest(), "big") / 2.0**64
 
 
-def hash_split(paths, y, fraction: float, seed: int, kept=frozenset(), classes=None):
-    """Indices (train, test): of each class, the round(``fraction`` x its size) files of lowest
-    hash share (at least one of a class of two or more), and every file held out before
-    (``kept``: paths, from the run's record).  A file's share depends on its path alone, so an
-    added file displaces at most one other from the held-out quota, and ``kept`` keeps that one
-    held out too.  A class of one image is trained on, never tested (said so)."""
+def hash_split(paths, y, fraction: float, seed: int, recorded=None, classes=None):
+    """Indices (train, test).  Of each class, the round(``fraction`` x its size) files of lowest
+    hash share are held out (at least one of a class of two or more); a file's share depends on its
+    path and the seed alone.  ``recorded`` (path -> "train" | "test", a run's record): those files
+    keep their split, and a file added since is held out when its share is below ``fraction``, so
+    that no file moves between the splits.  A class of one image is trained on, never tested (said so)."""
+    recorded = recorded or {}
     share = np.array([_share(p, seed) for p in paths])
-    test = np.array([p in kept for p in paths], bool)
+    known = np.array([p in recorded for p in paths], bool)
+    test = np.array([recorded.get(p) == "test" for p in paths], bool)
     alone = []
     for c in np.unique(y):
         mine = np.flatnonzero(y == c)
-        if len(mine) == 1:
+        if known[mine].any():  # a class the run has seen: the added files by their share alone
+            added = mine[~known[mine]]
+            test[added] = share[added] < fraction
+        elif len(mine) == 1:
             alone.append(classes[c] if classes else str(c))
-            continue
-        n_test = min(len(mine) - 1, max(1, round(fraction * len(mine))))
-        test[mine[np.argsort(share[mine], kind="stable")[:n_test]]] = True
+        else:
+            n_test = min(len(mine) - 1, max(1, round(fraction * len(mine))))
+            test[mine[np.argsort(share[mine], kind="stable")[:n_test]]] = True
     if alone:
         say(f"class{'es' if len(alone) > 1 else ''} {_some(alone)} {'have' if len(alone) > 1 else 'has'} one image: "
             "trained on, never tested (add images to test it)")
@@ -198,9 +203,9 @@ def hash_split(paths, y, fraction: float, seed: int, kept=frozenset(), classes=N
 
 
 def load(data_dir: str, image_size=None, channels=None, test_fraction: float = 0.2, seed: int = 0,
-         progress: bool = False, kept=frozenset()):
+         progress: bool = False, recorded=None):
     """(x, y, files, classes, train indices, test indices) of ``data_dir``; ``files``: per image
-    [relative path, size, content hash].  ``kept``: paths held out before, held out still."""
+    [relative path, size, content hash].  ``recorded``: the splits a run recorded (hash_split)."""
     data_dir = os.path.abspath(data_dir)
     halves = [d for d in ("train", "test") if os.path.isdir(os.path.join(data_dir, d))]
     if halves == ["train", "test"]:
@@ -227,7 +232,7 @@ def load(data_dir: str, image_size=None, channels=None, test_fraction: float = 0
     y = np.array([k for _, k, _ in files], np.int64)
     paths = [p for p, _, _ in files]
     if not halves:
-        train, test = hash_split(paths, y, test_fraction, seed, kept, classes)
+        train, test = hash_split(paths, y, test_fraction, seed, recorded, classes)
         if not len(test):
             raise CapsNetError(f"{data_dir}: no class has two images, so none can be held out for testing; add "
                                "images, or give train/ and test/ folders")
@@ -244,9 +249,9 @@ def fingerprint(train, test) -> list:
             for (path, size, digest), label in zip(split.files, split.y)]
 
 
-def held_out(record) -> frozenset:
-    """The paths a record held out for testing."""
-    return frozenset(r[0] for r in record if r[4] == "test")
+def splits(record) -> dict:
+    """Path -> "train" | "test", as a record has them."""
+    return {r[0]: r[4] for r in record}
 
 
 def changes(before: list, now: list) -> list:

@@ -344,4 +344,4 @@ def data_options(run: Run) -> dict:
     record = run.checkpoint["header"].get("data") if run.checkpoint else None
     return {"image_size": tuple(run.image_size) if run.image_size else None, "channels": run.channels,
             "test_fraction": run.test_fraction, "progress": run.progress,
-            "kept": folder.held_out(record) if record else frozenset()}  # held out before: held out still
+            "recorded": folder.splits(record) if record else None}  # each recorded file keeps its split
