@@ -163,7 +163,8 @@ def test_a_network_is_a_composition_under_dotted_names():
 @pytest.mark.parametrize("name", ["dynamic", "attention", "em"])
 def test_checkpoints_written_before_compositions_load_and_compute_the_same(name):
     """tests/data holds checkpoints that d4f17c0 (CapsNet as one hand-wired class) wrote after one
-    Adam step, and the loss, predictions and gradients it computed on a fixed batch, in float64."""
+    Adam step, and the loss, predictions and gradients it computed on a fixed batch, in float64
+    (EM's recomputed once its coordinate addition and saturated slope were corrected: the file's note)."""
     expected = json.loads((DATA / "d4f17c0-expected.json").read_text())[name]
     B = backends.get("numpy", dtype="float64")
     model, ckpt = checkpoint.load_model(str(DATA / f"d4f17c0-{name}.npz"), B)
