@@ -6,6 +6,14 @@ from __future__ import annotations
 import os
 import threading
 
+def machine_memory() -> int | None:
+    """Bytes of physical memory of this machine; None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def cpu_threads() -> int:
     """Host threads a CPU backend splits its memory-bound work over: ``PYCAPSNET_THREADS`` where it
     is set (any count), else the cores this process may use, fewer where OMP_NUM_THREADS asks for

@@ -68,7 +68,7 @@ def test_crosscheck_agrees_and_catches_a_perturbation(ckpt, capsys):
 def test_a_float32_backward_is_checked_against_the_float64_one(ckpt, capsys):
     """--dtype-b: side b in float32, side a in float64 (the backward gradcheck checks), from the same
     float32 weights; float32's rounding stays far inside the tolerance, a 0.1% error does not."""
-    rows, models = cli.crosscheck("numpy", "numpy", "float64", batch=2, config=SMALL, dtype_b="float32")
+    rows, models, _ = cli.crosscheck("numpy", "numpy", "float64", batch=2, config=SMALL, dtype_b="float32")
     hi, lo = models
     assert (hi.B.dtype, lo.B.dtype) == ("float64", "float32")
     for k, p in lo.params.items():  # the same numbers on both sides: float64 holds float32's exactly

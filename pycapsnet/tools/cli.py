@@ -84,7 +84,7 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
                dtype_b=None):
     """Run one batch on two backends with the same weights; per tensor, how far apart they are.
 
-    Returns rows {tensor, kind, max_abs, max_rel} with max_rel = max|a - b| / max|a| (the
+    Returns (rows, the two models, what the batch is): rows {tensor, kind, max_abs, max_rel} with max_rel = max|a - b| / max|a| (the
     tensor's own scale, so entries near zero do not inflate it).  ``perturb`` = (name, factor)
     multiplies side b's gradient of ``name`` by ``factor`` -- a check that the check can fail.
 
@@ -97,11 +97,13 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
 
     dtypes = (dtype, dtype_b or dtype)
     low = _lower_precision(*dtypes)
+    ckpt = ckpt_mod.load(checkpoint) if checkpoint else None  # read once, for both sides and the batch
     models, outputs = [], []
     for spec, dt in zip((spec_a, spec_b), dtypes):
         B = _backend(spec, dt)  # backends.get reads 'torch:cuda' as name and device
-        if checkpoint:
-            model, _ = ckpt_mod.load_model(checkpoint, B)
+        if ckpt:
+            model = ckpt_mod.model_of(ckpt, B)
+            ckpt_mod.restore_model(ckpt, model)
         else:
             model = CapsNet(B, seed=seed, **(config or {}))
         models.append(model)
@@ -110,7 +112,7 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
         hi.load_state_dict(lo.state_dict())  # float32 weights, held exactly in float64
     if perturb and perturb[0] not in models[1].params:
         raise CapsNetError(f"--perturb-grad: no parameter {perturb[0]!r}; names: " + ", ".join(models[1].params))
-    x, y, models[0].about_batch = _crosscheck_batch(models[0], checkpoint, batch, seed)
+    x, y, about = _crosscheck_batch(models[0], ckpt, batch, seed)
     x = x.astype(low)  # each model takes x in its own dtype
     for k, model in enumerate(models):
         model.zero_grad()
@@ -132,23 +134,21 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
         scale = float(np.abs(a).max(initial=0)) or 1.0
         diff = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max(initial=0))
         rows.append({"tensor": tensor, "kind": kind, "max_abs": diff, "max_rel": diff / scale})
-    return rows, models
+    return rows, models, about
 
 
-def _crosscheck_batch(model, checkpoint, batch, seed):
+def _crosscheck_batch(model, ckpt, batch, seed):
     """(x, y, what they are): the first test images of the checkpoint's own run, or of the embedded
     digits for a seeded 28x28 network; random images and labels only where neither exists, said so."""
-    from ..training import checkpoint as ckpt_mod
     from ..training import data
     from ..training.recipe import data_options, settle
 
-    if checkpoint:
-        ckpt = ckpt_mod.load(checkpoint)
+    if ckpt:
         run = settle(argparse.Namespace(eval_only=True, no_progress=True), ckpt)
         _, test = data.load(run.dataset, run.data_dir, **data_options(run))
         if tuple(test.x.shape[1:]) != model.input_shape:
             raise CapsNetError(f"the run's test images ({run.data_dir or run.dataset}) are {test.x.shape[1:]}, but "
-                               f"the model in {checkpoint} takes {model.input_shape}")
+                               f"the model in {ckpt['path']} takes {model.input_shape}")
         return test.images(slice(0, batch)), test.y[:batch], \
             f"the first {min(batch, len(test))} test images of its run ({run.data_dir or run.dataset})"
     if model.input_shape == (1, 28, 28):
@@ -163,13 +163,13 @@ def cmd_crosscheck(args):
     dtypes = args.dtype if args.dtype_b in (None, args.dtype) else f"{args.dtype} vs {args.dtype_b}"
     if args.checkpoint and args.routing:
         raise CapsNetError("--routing builds a seeded network; a --checkpoint brings its own: give one or the other")
-    rows, models = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, args.perturb,
+    rows, models, about = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, args.perturb,
                               config={"routing": args.routing} if args.routing else None, dtype_b=args.dtype_b)
     low = _lower_precision(args.dtype, args.dtype_b)
     tol = (args.rtol if args.rtol is not None else EM_FLOAT32_TOLERANCE
            if low == "float32" and _is_em(models[0]) else TOLERANCE[low])
     src = args.checkpoint or f"seeded initialisation (seed {args.seed})"
-    print(f"{models[0].B.label}  vs  {models[1].B.label}: {models[0].about_batch}, weights from {src}")
+    print(f"{models[0].B.label}  vs  {models[1].B.label}: {about}, weights from {src}")
     table = [{"tensor": r["tensor"], "kind": r["kind"], "max |a-b|": f"{r['max_abs']:.2e}",
               "max |a-b| / max |a|": f"{r['max_rel']:.2e}", "result": "agree" if r["max_rel"] <= tol else "DISAGREE"}
              for r in rows]
@@ -267,15 +267,10 @@ def cmd_evaluate(args):
 
 
 # ---- plan ---------------------------------------------------------------------------------------
-def _machine_memory():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def cmd_plan(args):
     from ..core.model import CapsNetConfig
+    from backends.host import machine_memory
+
     from .plan import SEARCH_CAP, format_bytes, measured_peak, parse_memory, plan
 
     if args.network:
@@ -286,7 +281,7 @@ def cmd_plan(args):
         raise CapsNetError(f"pycapsnet plan models the three built-in networks, set by its flags; it has no memory "
                            f"model yet for a described network (layers: {', '.join(kinds)}); run a few steps with "
                            "--limit and watch the process's memory instead")
-    budget = parse_memory(args.memory) if args.memory else _machine_memory()
+    budget = parse_memory(args.memory) if args.memory else machine_memory()
     cfg = CapsNetConfig(input_shape=tuple(args.input_shape), n_classes=args.classes, share_spatial=args.share_spatial,
                         primary_conv=args.primary_conv, routing_iters=args.routing_iters,
                         conv_channels=args.conv_channels, conv_kernel=args.conv_kernel, conv_stride=args.conv_stride,

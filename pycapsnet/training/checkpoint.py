@@ -74,9 +74,9 @@ def load(path: str) -> dict:
             try:
                 with np.load(f, allow_pickle=False) as z:
                     header, files_ = _read_checked(z, path, unreadable)
+            except CapsNetError:  # a ValueError, already saying what is wrong
+                raise
             except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-                if isinstance(e, CapsNetError):
-                    raise
                 raise CapsNetError(f"{unreadable}: a damaged or truncated .npz archive ({type(e).__name__}: {e})") from None
     except OSError as e:  # a directory named checkpoint.npz, no permission to read
         raise CapsNetError(f"cannot read the checkpoint {path}: {e.strerror or e}") from None

@@ -16,6 +16,8 @@ import re
 
 import numpy as np
 
+from backends.host import machine_memory
+
 from ..errors import CapsNetError
 from .log import say
 
@@ -23,15 +25,10 @@ SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 GREY_MODES = ("1", "L", "LA", "I", "F")  # besides the 16-bit ones, I;16*
 
 
-def _memory():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
+def _bytes(n: float) -> str:
+    from ..tools.plan import format_bytes  # for messages only: not imported unless one is said
 
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+    return format_bytes(n)
 
 
 # ---- what is in the folder ------------------------------------------------------------------------
@@ -87,7 +84,7 @@ def _open(path: str, raw: bytes | None = None):
         return Image.open(io.BytesIO(raw) if raw is not None else path)
     except Image.DecompressionBombError as e:
         pixels = re.search(r"\((\d+) pixels\)", str(e))
-        need = f" ({int(pixels[1]) / 1e6:,.0f} megapixels, {gib(3 * int(pixels[1]))} decoded in RGB)" if pixels else ""
+        need = f" ({int(pixels[1]) / 1e6:,.0f} megapixels, {_bytes(3 * int(pixels[1]))} decoded in RGB)" if pixels else ""
         raise CapsNetError(f"{path} declares an image too large to decode safely{need}: shrink it or remove it") from None
     except (OSError, Unidentified, SyntaxError, ValueError) as e:
         raise CapsNetError(f"cannot read the image {path}: {e}") from None
@@ -132,10 +129,10 @@ def _decode(files, image_size, channels, progress):
     if channels is None:  # from the images: the first one's
         channels = 1 if mode0 in GREY_MODES or mode0.startswith("I;16") else 3
     w, h = (image_size[1], image_size[0]) if image_size else size0
-    need, have = len(files) * channels * h * w, _memory()
+    need, have = len(files) * channels * h * w, machine_memory()
     if have and need > have:
         raise CapsNetError(f"{len(files)} images of {h}x{w} with {channels} channel{'s' if channels > 1 else ''} would "
-                           f"need {gib(need)} decoded, more than this machine's {gib(have)}: give a smaller "
+                           f"need {_bytes(need)} decoded, more than this machine's {_bytes(have)}: give a smaller "
                            "--image-size H W (or fewer images)")
     out = np.empty((len(files), channels, h, w), np.uint8)
     sums = []
@@ -161,9 +158,9 @@ def _decode(files, image_size, channels, progress):
                                "--image-size H W to resize them all to one size")
         try:
             a = _pixels(im, path, channels, (w, h))
+        except CapsNetError:  # a ValueError, already naming the file
+            raise
         except (OSError, ValueError) as e:
-            if isinstance(e, CapsNetError):
-                raise
             raise CapsNetError(f"cannot read the image {path}: {e}") from None
         out[k] = a[None] if channels == 1 else np.moveaxis(a, -1, 0)
     return out, sums
@@ -254,12 +251,19 @@ def splits(record) -> dict:
     return {r[0]: r[4] for r in record}
 
 
+def _classes_by_content(record) -> dict:
+    """Content hash -> the classes its files are in."""
+    classes = {}
+    for r in record:
+        classes.setdefault(r[3], set()).add(r[1])
+    return classes
+
+
 def changes(before: list, now: list) -> list:
     """What differs between two fingerprints, in phrases ([] if nothing): images moved to another
     class (by content), files added, removed or modified, images moved between the splits."""
     old, new = {r[0]: r for r in before}, {r[0]: r for r in now}
-    classes_of = lambda records: {d: {r[1] for r in records.values() if r[3] == d} for d in {r[3] for r in records.values()}}
-    old_classes, new_classes = classes_of(old), classes_of(new)
+    old_classes, new_classes = _classes_by_content(before), _classes_by_content(now)
     moved = {d for d in old_classes.keys() & new_classes.keys() if old_classes[d] != new_classes[d]}
     relabelled = sorted(p for p, r in new.items() if r[3] in moved)
     added = sorted(p for p in new.keys() - old.keys() if new[p][3] not in moved)
