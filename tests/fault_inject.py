@@ -10,7 +10,8 @@ POINT: inside the epoch's training, or in the order an epoch is committed (``run
   metrics     metrics.jsonl is in place
   curves      curves.png is in place (reconstructions.png is not yet)
 N: stop at the N-th such point of this process.  SIGNAL: SIGKILL (nothing runs after it) or SIGINT
-(Ctrl-C: the trainer's own handler runs).  Used by tests/test_faults.py.
+(Ctrl-C: the trainer's own handler runs).  Used by tests/test_faults.py.  Under torchrun,
+FAULT_INJECT_RANK=K stops rank K alone (tests/test_distributed.py).
 """
 import os
 import signal
@@ -32,7 +33,11 @@ def main():
     flags = sys.argv[sys.argv.index("--") + 1:]
     seen = {"count": 0}
 
+    only = os.environ.get("FAULT_INJECT_RANK")  # under torchrun: stop this one rank alone
+
     def hit():
+        if only is not None and os.environ.get("RANK") != only:
+            return
         seen["count"] += 1
         if seen["count"] == n:
             os.kill(os.getpid(), sig)

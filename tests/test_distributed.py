@@ -107,6 +107,26 @@ def test_a_process_that_dies_stops_the_others_with_a_message_and_the_checkpoint_
     assert checkpoint.load(str(out))["header"]["epoch"] == 1
 
 
+def test_under_torchrun_a_survivor_exits_4_with_its_one_message_over_repeated_kills(tmp_path):
+    """torchrun sends SIGTERM to the survivors when a process dies; the survivor may be waiting in a
+    collective that fails at the same moment.  Whichever comes first, it exits 4 with one line,
+    never 130 or -15, and no traceback of its own (torchrun's ChildFailedError summary is torchrun's)."""
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        run = _run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    "-m", "tests.fault_inject", "training", "3", "SIGKILL", "--",
+                    *TINY, "--limit", "32", "--batch-size", "8", "--epochs", "3", "--out", str(out)],
+                   env={"FAULT_INJECT_RANK": "1", "PYCAPSNET_COLLECTIVE_TIMEOUT": "60"}, timeout=200)
+        log = run.stdout + run.stderr
+        assert run.returncode != 0
+        assert "exitcode  : 4 (pid" in log and "exitcode  : -9" in log, log[-3000:]
+        ours = log.split("Traceback (most recent call last):")[0]  # what precedes torchrun's own summary
+        assert ours.count("error: another process of this run stopped") == 1, log[-3000:]
+        assert f"The last good checkpoint is {out} (epoch 1)." in ours, log[-3000:]
+        assert "KeyboardInterrupt" not in log and "Exception ignored" not in log and "interrupted" not in log
+        assert checkpoint.load(str(out))["header"]["epoch"] == 1
+
+
 def test_the_shards_of_a_batch_are_one_processs_batch():
     from pycapsnet.training import data, distributed
 

@@ -370,6 +370,32 @@ def test_train_on_idx_files_then_resume_and_evaluate_from_elsewhere_without_nami
     assert "resuming with --dataset embedded (the run so far used mnist)" in printed
     assert "96 train / 40 test images (embedded)" in printed, printed
 
+def test_changed_idx_files_are_refused_on_resume_and_evaluate(tmp_path, capsys):
+    """An IDX run records its four files (name, size, content hash) as a folder run records its images."""
+    from tests.test_data import write_mnist_dir
+
+    tr, te = data.load_embedded()
+    mnist, out = str(tmp_path / "mnist"), str(tmp_path / "o")
+    write_mnist_dir(mnist, data.Split(tr.x[:48], tr.y[:48]), data.Split(te.x[:16], te.y[:16]))
+    assert _main(FAST + ["--epochs", "1", "--dataset", "mnist", "--data-dir", mnist, "--out", out]) == 0
+    assert [r[0] for r in checkpoint.load(out)["header"]["data"]] == [
+        "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz"]
+    assert cli.main(["evaluate", out]) == 0
+    flipped = tr.y[:48].copy()
+    flipped[:5] = (flipped[:5] + 1) % 10  # five labels changed, sizes kept
+    data.write_idx(os.path.join(mnist, "train-labels-idx1-ubyte.gz"), flipped)
+    capsys.readouterr()
+    for argv in (["evaluate", out], ["train", "--no-progress", "--epochs", "2", "--resume", out]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "1 file(s) modified (train-labels-idx1-ubyte.gz)" in err and "--accept-changed-data" in err, err
+    assert cli.main(["train", "--no-progress", "--epochs", "2", "--resume", out, "--accept-changed-data"]) == 0
+    header = checkpoint.load(out)["header"]
+    assert header["data_changes"] == [{"epoch": 1, "changes": ["1 file(s) modified (train-labels-idx1-ubyte.gz)"]}]
+    assert cli.main(["evaluate", out]) == 0  # the new files are the record now
+
+
 def test_ctrl_c_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
     assert _main(FAST + ["--epochs", "1", "--out", out]) == 0

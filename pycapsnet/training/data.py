@@ -9,6 +9,7 @@ other images from a directory with one sub-directory of images per class (``load
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -222,6 +223,21 @@ def load_idx_dir(data_dir: str):
                            f"test images ({test.source}) are {'x'.join(map(str, test.x.shape[2:]))}: both splits "
                            "must hold images of one size")
     return train, test
+
+
+def idx_fingerprint(data_dir: str) -> list:
+    """What a run reads from IDX files, in a folder record's form (folder.fingerprint): per file
+    [name, "idx", size, content hash, split].  Names, not paths: the directory may move."""
+    record = []
+    for part, stems in IDX_FILES.items():
+        for stem in stems:
+            path = _find(data_dir, stem)
+            digest = hashlib.blake2b(digest_size=16)
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            record.append([os.path.basename(path), "idx", os.path.getsize(path), digest.hexdigest(), part])
+    return record
 
 
 def _check_labels(labels: np.ndarray, path: str) -> None:

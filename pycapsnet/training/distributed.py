@@ -34,6 +34,24 @@ class GroupFailed(RuntimeError):
     """A collective with the other processes failed: one of them stopped, or cannot be reached."""
 
 
+# SIGTERM is torchrun's word to the surviving processes when one of them fails (and a scheduler's
+# before a kill).  The handler only notes it; the process stops at its next collective, between
+# two steps.  Raising from the handler instead would land wherever Python happens to be: inside
+# the except clause of a collective that failed at the same moment, in a finalizer ("Exception
+# ignored ..."), or in an atexit hook, and the exit code would depend on which came first.
+_told_to_stop: list[int] = []
+
+
+def note_stop(signum, frame):
+    _told_to_stop.append(signum)
+
+
+def _stop_if_told():
+    if _told_to_stop:
+        raise GroupFailed("another process of this run stopped: torchrun (or a scheduler) told this one to stop "
+                          "with SIGTERM")
+
+
 def launched() -> bool:
     """Whether this process is one of several that torchrun (or the same variables) started."""
     return all(k in os.environ for k in ENVIRONMENT) and int(os.environ["WORLD_SIZE"]) > 1
@@ -107,11 +125,13 @@ class Group:
             raise GroupFailed(f"process {first - 1} of this run stopped (its message says why); stopping too")
 
     def _run(self, collective, x, **kwargs):
+        _stop_if_told()
         self.B.synchronize()  # the backend's queued work on x is done before the collective reads it
         tensor = self.B.as_torch(x)
         try:
             collective(tensor, **kwargs)
         except (RuntimeError, ValueError) as e:  # gloo: "Connection closed by peer", timeouts; NCCL errors
+            _stop_if_told()  # both at once: one message whichever came first
             raise GroupFailed(f"another process of this run stopped or cannot be reached "
                               f"({str(e).splitlines()[0]})") from None
         if tensor.is_cuda:  # NCCL ran on torch's stream; the backend may read x from another

@@ -279,16 +279,22 @@ class Training:
 
 
 def checked_data(run: Run, train_set, test_set) -> dict:
-    """What the run reads, for its checkpoint: a folder's fingerprint (folder.py) and the changes
-    accepted so far.  A resumed or evaluated run whose folder changed since its checkpoint recorded
-    it is refused, saying what changed, unless ``accept_changed_data``; then the change is recorded."""
-    if train_set.files is None:
+    """What the run reads, for its checkpoint: a folder's or the IDX files' fingerprint (folder.py)
+    and the changes accepted so far.  A resumed or evaluated run whose data changed since its
+    checkpoint recorded them is refused, saying what changed, unless ``accept_changed_data``; then
+    the change is recorded.  The embedded digits are part of the package: nothing to record."""
+    if train_set.files is not None:
+        now = folder.fingerprint(train_set, test_set)
+    elif run.data_dir:
+        now = data.idx_fingerprint(run.data_dir)
+    else:
         return {}
     header = run.checkpoint["header"] if run.checkpoint else {}
-    now, before = folder.fingerprint(train_set, test_set), header.get("data")
+    before = header.get("data")
     accepted = list(header.get("data_changes") or [])
-    if before is None:
-        if run.checkpoint:
+    same_source = (header.get("recipe") or {}).get("dataset") == run.dataset
+    if before is None or not same_source:
+        if run.checkpoint and same_source:
             say(f"{run.checkpoint['path']} does not record the images its run read (an earlier pycapsnet wrote "
                 "it): they cannot be checked; from now on they are recorded")
         return {"data": now, "data_changes": accepted}
@@ -365,10 +371,11 @@ def _terminated(signum, frame):
 
 def run(args, backend_name: str) -> int:
     """Run and turn expected failures into one clear line and an exit code (no traceback).  A
-    SIGTERM (what torchrun sends the other processes when one fails, and schedulers before a
-    kill) is handled as a Ctrl-C."""
+    SIGTERM (what schedulers send before a kill) is handled as a Ctrl-C; in a run of several
+    processes (torchrun sends it to the others when one fails) it stops this one at its next
+    collective, with exit code 4 like any other failure of the group."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)
+        signal.signal(signal.SIGTERM, distributed.note_stop if distributed.launched() else _terminated)
     directory = RunDir()
     try:
         train(describe(args, backend_name), directory)
