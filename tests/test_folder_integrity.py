@@ -150,7 +150,10 @@ def _png_header_only(path: Path, width: int, height: int):
                      + chunk(b"IEND", b""))
 
 
-def test_oversized_images_are_refused_before_anything_is_allocated(tmp_path, capsys):
+def test_oversized_images_are_refused_before_anything_is_allocated(tmp_path, capsys, monkeypatch):
+    memory = 16 * 2**30  # a 16 GiB machine, whatever this one has
+    monkeypatch.setattr(folder, "machine_memory", lambda: memory)
+    monkeypatch.setattr(trainer, "machine_memory", lambda: memory)
     _folder(tmp_path / "d", per_class=2)
     _png_header_only(tmp_path / "d" / "ant" / "aaa.png", 50000, 50000)
     argv = [*ARCH, "--dataset", "folder", "--data-dir", str(tmp_path / "d"), "--out", str(tmp_path / "o")]
@@ -160,8 +163,17 @@ def test_oversized_images_are_refused_before_anything_is_allocated(tmp_path, cap
     (tmp_path / "d" / "ant" / "aaa.png").unlink()
     assert trainer.main("numpy", [*argv, "--image-size", "100000", "100000"]) == 2
     err = capsys.readouterr().err
-    assert "6 images of 100000x100000 with 1 channel would need 55.9 GiB decoded, more than this machine's" in err
+    assert "6 images of 100000x100000 with 1 channel would need 279.4 GiB to decode, more than this machine's " \
+           "16.0 GiB" in err
     assert len(err.strip().splitlines()) == 1
+    # the set alone (5.0 GiB) fits; one image's working copies while it is resized do not
+    assert trainer.main("numpy", [*argv, "--image-size", "30000", "30000"]) == 2
+    assert "6 images of 30000x30000 with 1 channel would need 25.1 GiB to decode" in capsys.readouterr().err
+    # the images fit; the per-position transforms of the network for them do not
+    assert trainer.main("numpy", [*argv, "--image-size", "3000", "3000"]) == 2
+    err = capsys.readouterr().err
+    assert "the network for 3000x3000 images holds 10,935,173,080 parameters, 231.6 GiB" in err and "--share-spatial" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("flags,said", [

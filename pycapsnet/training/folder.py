@@ -120,6 +120,9 @@ def _pixels(im, path: str, channels: int, size) -> np.ndarray:
     return a if channels == 1 else np.repeat(a[..., None], 3, axis=-1)
 
 
+WORKING_BYTES = 24  # per pixel of one image while it is decoded (see _decode)
+
+
 def _decode(files, image_size, channels, progress):
     """(uint8 images (N, C, H, W), per-file (size, content hash)): each file read once, hashed,
     decoded and checked.  The set's memory is checked before anything is allocated."""
@@ -129,10 +132,12 @@ def _decode(files, image_size, channels, progress):
     if channels is None:  # from the images: the first one's
         channels = 1 if mode0 in GREY_MODES or mode0.startswith("I;16") else 3
     w, h = (image_size[1], image_size[0]) if image_size else size0
-    need, have = len(files) * channels * h * w, machine_memory()
+    # the set in uint8, and one image's working copies while it is resized and converted (up to
+    # 4-byte pixels resized, then float64 values for a 16-bit or float image's scaling)
+    need, have = len(files) * channels * h * w + WORKING_BYTES * h * w, machine_memory()
     if have and need > have:
         raise CapsNetError(f"{len(files)} images of {h}x{w} with {channels} channel{'s' if channels > 1 else ''} would "
-                           f"need {_bytes(need)} decoded, more than this machine's {_bytes(have)}: give a smaller "
+                           f"need {_bytes(need)} to decode, more than this machine's {_bytes(have)}: give a smaller "
                            "--image-size H W (or fewer images)")
     out = np.empty((len(files), channels, h, w), np.uint8)
     sums = []

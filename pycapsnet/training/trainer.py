@@ -23,7 +23,9 @@ import numpy as np
 import backends
 
 from ..core import architecture
-from ..core.model import CapsNet, CapsNetConfig
+from backends.host import machine_memory
+
+from ..core.model import CapsNet, CapsNetConfig, param_shapes
 from ..errors import BackendError, CapsNetError
 from . import checkpoint, data, distributed, folder, optim
 from .graph import CapturedEval, CapturedStep
@@ -129,6 +131,7 @@ class Training:
         data_shape, n_classes = tuple(int(d) for d in train_set.x.shape[1:]), len(train_set.classes)
         if run.network is None:
             cfg = CapsNetConfig(input_shape=data_shape, n_classes=n_classes, **run.architecture)
+            _check_parameters_fit(cfg, run.dtype)
             return CapsNet(B, cfg, seed=run.seed)
         arch = dict(architecture.load(run.network) if isinstance(run.network, str) else run.network)
         for key, value in (("input_shape", list(data_shape)), ("n_classes", n_classes)):
@@ -276,6 +279,23 @@ class Training:
             if not model.B.all_finite(a):
                 raise TrainingDiverged(self.directory.stopped(
                     f"{name} holds NaN or inf after epoch {epoch + 1}'s last update"))
+
+
+def _check_parameters_fit(cfg: CapsNetConfig, dtype: str) -> None:
+    """Refuse, before allocating, a network whose parameters with their gradients and Adam's two
+    moments (and the float64 draw that initialises the largest) exceed this machine's memory: the
+    per-position transforms of large images grow with H x W."""
+    shapes = param_shapes(cfg).values()
+    n, largest = sum(math.prod(s) for s in shapes), max(math.prod(s) for s in shapes)
+    need, have = 4 * n * np.dtype(dtype).itemsize + 8 * largest, machine_memory()
+    if have and need > have:
+        from ..tools.plan import format_bytes
+
+        h, w = cfg.input_shape[1:]
+        share = "" if cfg.routing == "em" or cfg.share_spatial else " or --share-spatial (one transform for all positions)"
+        raise CapsNetError(f"the network for {h}x{w} images holds {n:,} parameters, {format_bytes(need)} with their "
+                           f"gradients and Adam's moments, more than this machine's {format_bytes(have)}: give a "
+                           f"smaller --image-size H W, a larger --conv-stride{share}")
 
 
 def checked_data(run: Run, train_set, test_set) -> dict:
