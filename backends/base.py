@@ -45,6 +45,13 @@ def float_dtype_name(dtype) -> str | None:
         return None
 
 
+def library_of(a) -> str | None:
+    """'numpy', 'cupy' or 'torch' for an array of that library (by its type's module: nothing is
+    imported), else None."""
+    top = type(a).__module__.partition(".")[0]
+    return top if top in ("numpy", "cupy", "torch") else None
+
+
 class BackendError(RuntimeError):
     """A backend cannot be created: unknown name, missing library, missing device, bad dtype."""
 
@@ -80,6 +87,18 @@ class Backend(abc.ABC):
         return f"{self.name}:{self.device}/{self.dtype}"
 
     # ---- host transfers ------------------------------------------------------------------
+    library: str = "numpy"  # whose arrays this backend computes on
+
+    def native(self, a):
+        """``a`` as this backend's library holds it: an array of another library (a torch tensor
+        given to the numpy backend, a CuPy array to torch) converted -- through DLPack, without a
+        copy, where both sit on one GPU -- anything else as it is."""
+        lib = library_of(a)
+        return a if lib is None or lib == self.library else self._from_library(lib, a)
+
+    def _from_library(self, lib: str, a):
+        raise BackendError(f"the {self.name} backend cannot take a {lib} array; convert it to NumPy first")
+
     @abc.abstractmethod
     def asarray(self, a, dtype=None):
         """Host array (or scalar) -> backend array.  Floats become ``dtype or self.dtype``."""

@@ -29,6 +29,7 @@ class _CupyNamespace:
 
 class CupyBackend(NumpyBackend):
     name = "cupy"
+    library = "cupy"
     # the trainer records full batches as a CUDA graph (``capture``): a step op by op is hundreds of
     # kernel launches from Python, which cost more than the kernels (docs/performance.md, GPU)
     can_capture = True

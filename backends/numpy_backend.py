@@ -53,6 +53,16 @@ class NumpyBackend(Backend):
             a = a.astype(dtype or self.dtype, copy=False)
         return self.lib.asarray(a)
 
+    def _from_library(self, lib: str, a):
+        if lib == "torch":
+            a = a.detach()  # a tensor that requires grad: its values (pycapsnet computes its own gradients)
+            if self.lib is np or a.device.type == "cpu":
+                return a.cpu().numpy()
+            return self.lib.from_dlpack(a.contiguous())  # CUDA tensor -> CuPy, on its GPU
+        if lib == "cupy":  # to the NumPy backend: the device-to-host copy the user asked for
+            return a.get()
+        return a  # a NumPy array to CuPy: asarray copies it to the device
+
     def to_numpy(self, x) -> np.ndarray:
         self._check_host_transfer("reading an array on the host")
         return np.asarray(x)

@@ -108,6 +108,11 @@ class TorchBackend(Backend):
     def _device_kw(self):
         return {"device": self._device}
 
+    library = "torch"
+
+    def _from_library(self, lib: str, a):
+        return self.torch.from_dlpack(a) if lib == "cupy" else a  # NumPy: as_tensor takes it
+
     def asarray(self, a, dtype=None):
         t = self.torch
         if isinstance(a, t.Tensor):

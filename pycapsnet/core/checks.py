@@ -46,6 +46,7 @@ def check_images(B, input_shape, x):
     of ``input_shape`` images.  A host array is checked on the host, before its copy to the
     device: a GPU step then reads nothing back from the device before its loss."""
     c, h, w = input_shape
+    x = B.native(x)  # a torch tensor to the numpy backend, a CuPy array to torch, ...
     if not hasattr(x, "shape"):  # a nested list or tuple of pixels
         x = np.asarray(x)
     shape = tuple(x.shape)
@@ -76,6 +77,7 @@ def check_images(B, input_shape, x):
 
 def check_labels(B, n_classes, y, n):
     """y as a host int64 array of n class indices in [0, n_classes)."""
+    y = B.native(y)
     y_host = np.asarray(y) if isinstance(y, (np.ndarray, list, tuple)) else B.to_numpy(y)
     if y_host.ndim != 1 or y_host.shape[0] != n:
         raise CapsNetError(f"labels must be a 1-D array of {n} class indices, got shape {y_host.shape}")

@@ -1,0 +1,302 @@
+"""pycapsnet's layers and networks inside PyTorch models, with pycapsnet's own backward.
+
+    import backends, pycapsnet.torch as pct
+    from pycapsnet.core.capsules import ClassCaps
+    caps = pct.Layer(ClassCaps(backends.get("torch"), positions=36, types=32, in_dim=8, n_classes=10, out_dim=16))
+    v = caps(u)            # u (N, 36, 32, 8): a torch tensor, from a torch stem or anything else
+    loss = ...; loss.backward()   # through ClassCaps' hand-written backward
+
+``Layer(layer)`` wraps any pycapsnet layer (a ``Sequential`` of them too) built on the torch
+backend; ``Network(net)`` wraps a whole network: images (N, C, H, W) in, (v, scores,
+reconstruction) out, and ``.loss(x, y)`` its own losses.  Each call is one
+``torch.autograd.Function`` whose forward and backward are the layer's: nothing inside requires
+grad.  The parameters are ``nn.Parameter``s over the layer's own tensors (no copies), so optimizers,
+``state_dict`` and ``.to(device or dtype)`` work as on any module.
+
+Torch's rules hold: what a forward saved is set aside with its graph, so another forward before the
+backward changes nothing; a graph is backpropagated once (pycapsnet's backward consumes what its
+forward saved, so each backward works on a copy: ``retain_graph`` works); double backward is
+refused (``once_differentiable``: only first derivatives are written).
+This module imports torch; ``import pycapsnet`` does not import it.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+import backends
+from .core.layers import Layer as _CoreLayer
+from .core.network import Network as _CoreNetwork, Sequential
+from .core.checks import check_labels
+from .errors import CapsNetError
+
+# What a forward leaves on a layer for its backward
+SAVED = ("cache", "_cache", "trace", "in_shape")
+
+
+def _objects(root) -> list:
+    """Every pycapsnet object of a layer or network (layers, heads, losses), each once."""
+    found, todo = {}, [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in found or not type(obj).__module__.startswith("pycapsnet."):
+            continue
+        found[id(obj)] = obj
+        for value in vars(obj).values():
+            todo.extend(value if isinstance(value, (list, tuple)) else [value])
+    return list(found.values())
+
+
+def _slots(root) -> list:
+    """(dotted name, owning layer, key) of every parameter, in the order of ``root.params``."""
+    if isinstance(root, _CoreNetwork):
+        owners = list(root.layers())
+    elif isinstance(root, Sequential):
+        owners = list(root.named_layers())
+    else:
+        owners = [("", root)]
+    return [(f"{n}.{k}" if n else k, layer, k) for n, layer in owners for k in layer.params]
+
+
+class _Op:
+    """A wrapped pycapsnet object seen from torch: its parameters, by slot, and its saved state."""
+
+    def __init__(self, root):
+        self.root, self.B = root, root.B
+        self.slots, self.objects = _slots(root), _objects(root)
+
+    def bind(self, params):
+        """The layers compute with these tensors (the module's parameters, without autograd)."""
+        for (_, layer, k), p in zip(self.slots, params):
+            layer.params[k] = p.detach()
+
+    def saved(self) -> list:
+        return [(o, {a: getattr(o, a) for a in SAVED if hasattr(o, a)}) for o in self.objects]
+
+    @staticmethod
+    def emptied(saved) -> list:
+        return [(obj, {a: (v if a == "in_shape" else None) for a, v in attrs.items()}) for obj, attrs in saved]
+
+    def restore(self, saved) -> None:
+        for obj, attrs in saved:
+            for a, value in attrs.items():
+                setattr(obj, a, value)
+
+    def zero_grads(self):
+        for _, layer, k in self.slots:
+            layer.grads[k][...] = 0
+
+    def grads(self) -> list:
+        return [layer.grads[k].clone() for _, layer, k in self.slots]
+
+    def move(self, params) -> None:
+        """After ``Module.to``: a backend of the parameters' device and dtype, every tensor the
+        layers hold moved to it, gradients as zeros like their parameters, saved state dropped."""
+        dtype = str(params[0].dtype).replace("torch.", "") if params else self.B.dtype
+        device = str(params[0].device) if params else self.B.device
+        if (device, dtype) == (self.B.device, self.B.dtype):
+            return
+        B = backends.get("torch", device=device, dtype=dtype)
+        for obj in self.objects:
+            for a, value in vars(obj).items():
+                setattr(obj, a, _moved(value, B, self.B))
+            for a in SAVED:
+                if hasattr(obj, a) and a != "in_shape":
+                    setattr(obj, a, None)
+        self.B = B
+        self.bind(params)
+        for (_, layer, k), p in zip(self.slots, params):
+            layer.grads[k] = torch.zeros_like(p.detach())
+
+
+def _moved(value, B, old):
+    """``value`` on backend B: a backend replaced, a tensor moved (floats to B's dtype), dicts and
+    lists in place (a layer may share its dict of parameters with a part of it)."""
+    if value is old:
+        return B
+    if isinstance(value, torch.Tensor):
+        return value.to(B._device, B._float() if value.is_floating_point() else None)
+    if isinstance(value, dict):
+        for k in list(value):
+            value[k] = _moved(value[k], B, old)
+    elif isinstance(value, list):
+        value[:] = [_moved(v, B, old) for v in value]
+    return value
+
+
+def _parts(y) -> list:
+    return list(y) if isinstance(y, (tuple, list)) else [y]
+
+
+class _LayerOp(_Op):
+    def forward(self, xs):
+        y = self.root.forward(xs[0] if len(xs) == 1 else tuple(xs))
+        self.tuple_out = isinstance(y, tuple)  # matrix capsules: (poses, activations)
+        return _parts(y)
+
+    def backward(self, dys, input_grad):
+        self.zero_grads()
+        dx = self.root.backward(tuple(dys) if self.tuple_out else dys[0], input_grad=input_grad)
+        return _parts(dx), self.grads()
+
+
+class _NetworkOp(_Op):
+    """A network's forward: images (N, C, H, W) -> class capsules v, scores, and the reconstruction
+    from the capsule of class ``labels`` (the highest-scoring one without)."""
+    labels = None
+
+    def forward(self, xs):
+        net = self.root
+        out = net._forward(xs[0], self.labels, reconstruct=net.decoder is not None)
+        return [out.v, out.lengths] + ([out.reconstruction] if net.decoder is not None else [])
+
+    def backward(self, dys, input_grad):
+        net = self.root
+        self.zero_grads()
+        v, mask = net._cache["v"], net._cache["mask"]
+        dv = dys[0] if net.decoder is None else dys[0] + net.decoder.decode_backward(dys[2], v.shape, mask)
+        dx = net.body.backward(net.head.backward(dv, dys[1]), input_grad)
+        net._cache = None
+        return [None if dx is None else dx.permute(0, 3, 1, 2)], self.grads()
+
+
+class _LossOp(_Op):
+    """A network's own loss (class loss plus weighted reconstruction) of images and ``labels``."""
+    labels = None
+
+    def forward(self, xs):
+        return [self.root._loss(xs[0], self.labels).summary[0]]
+
+    def backward(self, dys, input_grad):
+        self.zero_grads()
+        dx = self.root.backward(input_grad=input_grad)
+        scale = dys[0]
+        return [None if dx is None else dx * scale], [g * scale for g in self.grads()]
+
+
+class _Capsule(torch.autograd.Function):
+    """One call of a wrapped pycapsnet computation, its forward and backward the op's own."""
+
+    @staticmethod
+    def forward(ctx, op, n_inputs, *tensors):
+        xs, params = tensors[:n_inputs], tensors[n_inputs:]
+        op.bind(params)
+        ys = op.forward([x.detach().clone() for x in xs])  # a layer may keep its input for backward
+        ctx.op, ctx.n_inputs, ctx.saved = op, n_inputs, op.saved()
+        ctx.empty = op.emptied(ctx.saved)
+        op.restore(ctx.empty)  # the graph holds the state, not the layers
+        ctx.shapes = [tuple(y.shape) for y in ys]
+        ctx.save_for_backward(*params)  # torch refuses the backward if they were changed in place since
+        return tuple(y.clone() for y in ys)  # the backward may write over arrays the forward returned
+
+    @staticmethod
+    @once_differentiable  # first derivatives only: differentiating the gradient is refused, saying so
+    def backward(ctx, *dys):
+        op, n = ctx.op, ctx.n_inputs
+        op.bind(ctx.saved_tensors)
+        op.restore(_cloned(ctx.saved))  # a copy: pycapsnet's backward consumes what it reads, and
+        dys = [op.B.zeros(s) if d is None else d.contiguous() for d, s in zip(dys, ctx.shapes)]  # torch may
+        wanted = ctx.needs_input_grad[2:2 + n]                                                # run it again
+        dxs, grads = op.backward(dys, any(wanted))
+        op.restore(ctx.empty)  # nothing of this graph stays on the layers
+        dxs = [dx if w else None for w, dx in zip(wanted, dxs)]
+        return (None, None, *dxs, *grads)
+
+
+def _cloned(value):
+    """A copy of every tensor in ``value`` (nested tuples, lists and dicts), the rest as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cloned(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    return value
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, root, op):
+        super().__init__()
+        if getattr(root.B, "name", None) != "torch":
+            raise CapsNetError(f"{type(root).__name__} is built on the {root.B.name} backend; pycapsnet.torch wraps "
+                               "layers built on the torch backend: build it with backends.get('torch', dtype=...)")
+        self._op = op
+        for name, layer, k in op.slots:
+            *path, leaf = name.split(".")
+            owner = self
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, torch.nn.Module())
+                owner = owner._modules[part]
+            owner.register_parameter(leaf, torch.nn.Parameter(layer.params[k]))  # the same storage
+
+    @property
+    def wrapped(self):
+        """The pycapsnet layer or network this module runs."""
+        return self._op.root
+
+    def _params(self) -> list:
+        return [self.get_parameter(name) for name, _, _ in self._op.slots]
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        self._op.move(self._params())
+        return self
+
+    def _call(self, op, xs):
+        B = op.B
+        for x in xs:
+            if not isinstance(x, torch.Tensor):
+                raise CapsNetError(f"{type(self).__name__} takes torch tensors, got {type(x).__name__}: "
+                                   "torch.as_tensor(x) first")
+            if x.is_floating_point() and (str(x.dtype) != f"torch.{B.dtype}" or x.device != B._device):
+                raise CapsNetError(f"an input is {str(x.dtype)[6:]} on {x.device}, but the module computes in "
+                                   f"{B.dtype} on {B.device}: x.to({B.device!r}, torch.{B.dtype}), or move the "
+                                   "module with .to()")
+        return _Capsule.apply(op, len(xs), *xs, *self._params())
+
+
+class Layer(_Module):
+    """A pycapsnet layer (or ``Sequential`` of layers) as a torch module: ``forward(*inputs)``
+    takes what the layer's forward takes (channels-last images; matrix capsules' (poses,
+    activations) as two tensors) and returns what it returns."""
+
+    def __init__(self, layer):
+        if not isinstance(layer, _CoreLayer):
+            raise CapsNetError(f"pycapsnet.torch.Layer wraps a pycapsnet layer, got {type(layer).__name__}; "
+                               "a whole network: pycapsnet.torch.Network")
+        super().__init__(layer, _LayerOp(layer))
+
+    def forward(self, *xs):
+        ys = self._call(self._op, xs)
+        return ys if self._op.tuple_out else ys[0]
+
+
+class Network(_Module):
+    """A pycapsnet network as a torch module: ``forward(x, y=None)`` -> (v (N, J, D), scores (N, J),
+    reconstruction (N, C, H, W) or None), the decoder fed the capsule of class y (the highest-scoring
+    one without y); ``loss(x, y)`` is the network's own loss, a scalar tensor."""
+
+    def __init__(self, network):
+        if not isinstance(network, _CoreNetwork):
+            raise CapsNetError(f"pycapsnet.torch.Network wraps a pycapsnet network, got {type(network).__name__}; "
+                               "a layer: pycapsnet.torch.Layer")
+        super().__init__(network, _NetworkOp(network))
+        self._loss_op = _LossOp(network)
+        self._loss_op.objects, self._loss_op.slots = self._op.objects, self._op.slots
+
+    def _labels(self, y, x):
+        B = self._op.B
+        return B.asarray(check_labels(B, self._op.root.n_classes, y, x.shape[0]))
+
+    def forward(self, x, y=None):
+        self._op.labels = None if y is None else self._labels(y, x)
+        ys = self._call(self._op, (x,))
+        return ys[0], ys[1], ys[2] if len(ys) > 2 else None
+
+    def loss(self, x, y):
+        self._loss_op.B = self._op.B
+        self._loss_op.labels = self._labels(y, x)
+        return self._call(self._loss_op, (x,))[0]
+
+

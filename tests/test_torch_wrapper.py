@@ -1,0 +1,213 @@
+"""pycapsnet.torch: pycapsnet layers and networks as torch modules whose backward is pycapsnet's own.
+
+torch.autograd.gradcheck (float64, finite differences against the Jacobian the hand-written backward
+gives) on every wrapped layer and on whole networks; a torch conv stem plus wrapped capsule layers
+trained with torch.optim.Adam ends where pycapsnet's own step and Adam end; torch's rules (another
+forward before a backward, a second backward, double backward, .to, state_dict) hold."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import backends
+from pycapsnet import CapsNet, CapsNetError
+from pycapsnet.core.capsules import AttentionCaps, ClassCaps, PrimaryCaps
+from pycapsnet.core.conv_caps import ConvCaps
+from pycapsnet.core.layers import Conv2d, ReLU
+from pycapsnet.core.losses import MarginLoss
+from pycapsnet.core.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
+from pycapsnet.core.network import LengthHead, Network, Sequential
+from pycapsnet.tools.gradcheck import SMALL, SMALL_EM, _freeze_final_coupling, away_from_init
+from pycapsnet.training import optim
+
+torch = pytest.importorskip("torch", reason="pycapsnet.torch needs PyTorch: pip install torch")
+import pycapsnet.torch as pct  # noqa: E402
+
+B = backends.get("torch", dtype="float64")
+
+
+def _r(rng, *shape, scale=1.0):
+    return scale * rng.standard_normal(shape)
+
+
+def _away(layer, rng, **scales):
+    """Parameters away from the tiny initialisation, where every term of the gradient counts."""
+    for k, s in scales.items():
+        layer.params[k][...] = B.asarray(_r(rng, *layer.params[k].shape, scale=s))
+    return layer
+
+
+def _layers():
+    """(label, layer, inputs as host arrays): every layer kind, both routing-gradient modes."""
+    rng = np.random.default_rng(0)
+    act = lambda *shape: rng.uniform(0.1, 0.9, shape)
+    cases = [("Conv2d 3x3/2", Conv2d(B, 3, 4, 3, 2, 1, rng=rng), (_r(rng, 2, 6, 7, 3),))]
+    for conv in ("fourier", "im2col"):
+        cases.append((f"PrimaryCaps {conv}", PrimaryCaps(B, 3, types=2, dim=4, kernel=3, stride=2, rng=rng, conv=conv),
+                      (_r(rng, 2, 7, 7, 3),)))
+    for mode in ("full", "final"):
+        for share in (False, True):
+            cc = ClassCaps(B, positions=4, types=2, in_dim=4, n_classes=3, out_dim=5, iters=3, routing_grad=mode,
+                           share_spatial=share, rng=rng)
+            cases.append((f"ClassCaps {mode}{' shared' if share else ''}", _away(cc, rng, W=0.5),
+                          (_r(rng, 3, 4, 2, 4, scale=0.5),)))
+        conv = ConvCaps(B, (5, 5), 2, 3, 3, 4, kernel=3, stride=2, iters=3, routing_grad=mode, rng=rng)
+        cases.append((f"ConvCaps {mode}", _away(conv, rng, W=0.5), (_r(rng, 2, 25, 2, 3, scale=0.5),)))
+        em_conv = ConvMatrixCaps(B, 2, 3, kernel=3, stride=2, iters=3, routing_grad=mode, lam=0.5, rng=rng)
+        em_cls = ClassMatrixCaps(B, (2, 3), 2, 4, iters=3, routing_grad=mode, lam=0.3, rng=rng)
+        cases.append((f"ConvMatrixCaps {mode}", _away(em_conv, rng, beta_u=0.3, lambda_beta_a=0.3),
+                      (_r(rng, 2, 5, 5, 2, 16), act(2, 5, 5, 2))))
+        cases.append((f"ClassMatrixCaps {mode}", _away(em_cls, rng, beta_u=0.3, lambda_beta_a=0.3),
+                      (_r(rng, 2, 2, 3, 2, 16), act(2, 2, 3, 2))))
+    for share in (False, True):
+        att = AttentionCaps(B, positions=4, types=2, in_dim=4, n_classes=3, out_dim=5, share_spatial=share, rng=rng)
+        cases.append((f"AttentionCaps{' shared' if share else ''}", _away(att, rng, W=0.5, bias=0.3),
+                      (_r(rng, 3, 4, 2, 4, scale=0.5),)))
+    cases.append(("PrimaryMatrixCaps", PrimaryMatrixCaps(B, 5, 3, rng=rng), (_r(rng, 2, 3, 4, 5),)))
+    return cases
+
+
+LAYERS = _layers()
+
+
+@pytest.mark.parametrize("label,layer,inputs", LAYERS, ids=[c[0] for c in LAYERS])
+def test_gradcheck_on_every_wrapped_layer(label, layer, inputs):
+    xs = tuple(torch.tensor(a, requires_grad=True) for a in inputs)
+    module = pct.Layer(layer)
+    if getattr(layer, "routing_grad", None) == "final":
+        # "final" is the exact gradient of routing with the last coupling held: hold it (as pycapsnet's
+        # own check does), from a forward on these inputs
+        layer.forward(xs[0].detach() if len(xs) == 1 else tuple(x.detach() for x in xs))
+        _freeze_final_coupling(layer)
+    params = tuple(module.parameters())
+
+    def fn(*tensors):
+        return pct._Capsule.apply(module._op, len(xs), *tensors)
+
+    eps = 1e-5 if "Matrix" in label else 1e-6  # EM: as pycapsnet's own check (gradcheck.em_layer_checks)
+    assert torch.autograd.gradcheck(fn, (*xs, *params), eps=eps, atol=1e-6, rtol=1e-5)
+
+
+NETWORKS = [("dynamic", SMALL), ("attention", {**SMALL, "routing": "attention"}), ("em", SMALL_EM)]
+
+
+@pytest.mark.parametrize("label,config", NETWORKS, ids=[n for n, _ in NETWORKS])
+def test_gradcheck_on_whole_networks_outputs_and_loss(label, config):
+    net = away_from_init(CapsNet(B, **config), 1)
+    module = pct.Network(net)
+    rng = np.random.default_rng(2)
+    x = torch.tensor(rng.random((2, *net.input_shape)), requires_grad=True)
+    y = torch.tensor(rng.integers(0, net.n_classes, 2))
+    params = tuple(module.parameters())
+    module._op.labels = module._labels(y, x)
+
+    def outputs(*tensors):
+        return pct._Capsule.apply(module._op, 1, *tensors)
+
+    def loss(*tensors):
+        module._loss_op.labels = module._labels(y, x)
+        return pct._Capsule.apply(module._loss_op, 1, *tensors)
+
+    eps = 1e-5 if label == "em" else 1e-6
+    for fn in (outputs, loss):
+        assert torch.autograd.gradcheck(fn, (x, *params), eps=eps, atol=1e-6, rtol=1e-5, fast_mode=True)
+    assert module.loss(x, y).item() == pytest.approx(net.loss(x.detach(), y).loss, rel=1e-14)
+
+
+def _stem_and_caps(seed):
+    """The same network twice: pycapsnet's (conv1, ReLU, PrimaryCaps, ClassCaps, lengths, margin
+    loss) and torch's (a torch Conv2d and ReLU with conv1's initial weights, then the capsule
+    layers wrapped, lengths and margin loss in torch)."""
+    def caps(rng):
+        return [("primary", PrimaryCaps(B, 6, types=4, dim=4, kernel=3, stride=2, rng=rng)),
+                ("classcaps", ClassCaps(B, positions=9, types=4, in_dim=4, n_classes=5, out_dim=6, rng=rng))]
+
+    rng = np.random.default_rng(seed)
+    conv1 = Conv2d(B, 1, 6, 3, rng=rng)
+    ours = Network(B, Sequential(B, [("conv1", conv1), ("relu", ReLU(B)), *caps(rng)]), LengthHead(B),
+                   MarginLoss(B), input_shape=(1, 9, 9), n_classes=5, class_dim=6)
+    rng = np.random.default_rng(seed)
+    Conv2d(B, 1, 6, 3, rng=rng)  # the same draws: the capsule layers start where ours start
+    stem = torch.nn.Conv2d(1, 6, 3, dtype=torch.float64)
+    with torch.no_grad():
+        stem.weight.copy_(conv1.params["W"].permute(3, 2, 0, 1))  # (kh, kw, C_in, C_out) -> (C_out, C_in, kh, kw)
+        stem.bias.copy_(conv1.params["b"])
+    return ours, stem, pct.Layer(Sequential(B, caps(rng)))
+
+
+def test_a_torch_stem_with_wrapped_capsules_trains_as_pycapsnets_own_step_and_adam():
+    ours, stem, caps = _stem_and_caps(seed=4)
+    caps.classcaps.W.data.mul_(20.0)  # transforms away from the tiny initialisation: routing that matters
+    ours.params["classcaps.W"][...] *= 20.0
+    model = torch.nn.Sequential(stem, torch.nn.ReLU())
+    opt_torch = torch.optim.Adam([*model.parameters(), *caps.parameters()], lr=3e-3)
+    opt_ours = optim.Adam(ours, lr=3e-3)
+    rng = np.random.default_rng(7)
+    for step in range(6):
+        x, y = rng.random((8, 1, 9, 9)), rng.integers(0, 5, 8)
+        out = ours.train_step_grads(x, y)
+        opt_ours.step()
+        opt_torch.zero_grad()
+        v = caps(model(torch.tensor(x)).permute(0, 2, 3, 1))   # channels-last into the capsule layers
+        lengths = torch.sqrt((v * v).sum(-1))
+        onehot = torch.nn.functional.one_hot(torch.tensor(y), 5).double()
+        loss = (onehot * torch.clamp(0.9 - lengths, min=0) ** 2
+                + 0.5 * (1 - onehot) * torch.clamp(lengths - 0.1, min=0) ** 2).sum(1).mean()
+        loss.backward()
+        opt_torch.step()
+        assert loss.item() == pytest.approx(out.loss, rel=1e-12, abs=1e-15)
+    theirs = {"conv1.W": stem.weight.detach().permute(2, 3, 1, 0), "conv1.b": stem.bias.detach(),
+              **{k: p.detach() for k, p in caps.named_parameters()}}
+    assert set(theirs) == set(ours.params)
+    for k, p in ours.params.items():
+        scale = float(p.abs().max())
+        assert float((theirs[k] - p).abs().max()) <= 1e-10 * scale, k
+
+
+def test_torchs_rules_hold():
+    rng = np.random.default_rng(1)
+    cc = _away(ClassCaps(B, positions=4, types=2, in_dim=4, n_classes=3, out_dim=5, rng=rng), rng, W=0.5)
+    module = pct.Layer(cc)
+    assert module.W.data_ptr() == cc.params["W"].data_ptr()  # the layer's own tensor, no copy
+    u1, u2 = (torch.tensor(_r(rng, 3, 4, 2, 4), requires_grad=True) for _ in range(2))
+    # another forward before the backward changes nothing of the first's gradient
+    module(u1).sum().backward()
+    alone = (u1.grad.clone(), module.W.grad.clone())
+    u1.grad, module.W.grad = None, None
+    first, second = module(u1), module(u2)
+    (first.sum() + 0 * second.sum()).backward()
+    assert torch.equal(u1.grad, alone[0]) and torch.equal(module.W.grad, alone[1])
+    # a second backward through one graph gives the same gradient again
+    module.W.grad = None
+    out = module(u1).sum()
+    out.backward(retain_graph=True)
+    once = module.W.grad.clone()
+    out.backward()
+    assert torch.allclose(module.W.grad, 2 * once, rtol=1e-14, atol=0)
+    # double backward: a clear error
+    (g,) = torch.autograd.grad((module(u1) ** 2).sum(), u1, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+    # state_dict round trip, and .to(float32) computes in float32 on a float32 backend
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    assert list(state) == ["W"]
+    module.float()
+    assert module.wrapped.B.dtype == "float32" and module(u1.float()).dtype == torch.float32
+    module.double()
+    module.load_state_dict(state)
+    assert torch.equal(module.W, state["W"])
+    with pytest.raises(CapsNetError, match="computes in float64"):
+        module(u1.float())
+
+
+def test_a_layer_of_another_backend_is_refused_in_one_line():
+    layer = ClassCaps(backends.get("numpy"), positions=4, types=2, in_dim=4, n_classes=3, out_dim=5)
+    with pytest.raises(CapsNetError, match="built on the numpy backend; .* backends.get\\('torch'"):
+        pct.Layer(layer)
+
+
+def test_importing_pycapsnet_imports_neither_torch_nor_cupy():
+    code = "import sys, pycapsnet, pycapsnet.training.trainer; print('torch' in sys.modules, 'cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
