@@ -138,7 +138,7 @@ def _geometry(cfg):
         raise CapsNetError(
             f"input {h}x{w} is smaller than the receptive field {field_px}x{field_px} of conv1 "
             f"({k1}x{k1}, stride {s1}) followed by PrimaryCaps ({k2}x{k2}, stride {s2}); use larger images or "
-            f"smaller kernels or strides (--conv-kernel, --conv-stride; primary_kernel in Python)")
+            f"smaller kernels or strides (--conv-kernel, --conv-stride, --primary-kernel, --primary-stride)")
     hw = ((h1 - k2) // s2 + 1, (w1 - k2) // s2 + 1)
     return hw[0] * hw[1], hw
 

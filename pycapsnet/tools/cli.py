@@ -266,6 +266,12 @@ def cmd_evaluate(args):
     return run(args, args.backend)
 
 
+def _predict(args):
+    from .predict import cmd_predict
+
+    return cmd_predict(args)
+
+
 # ---- plan ---------------------------------------------------------------------------------------
 def cmd_plan(args):
     from ..core.model import CapsNetConfig
@@ -396,6 +402,16 @@ def build_parser():
     add_limit_test(e)
     add_accept_changed_data(e)
     e.set_defaults(fn=cmd_evaluate)
+
+    pr = sub.add_parser("predict", help="the classes of image files, read as the run read its images")
+    pr.add_argument("run", help="a run's directory (or its checkpoint.npz)")
+    pr.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR", help="image files, or directories searched for them")
+    pr.add_argument("--top", type=int, default=1, help="the K best classes of each image (default: 1)")
+    pr.add_argument("--json", action="store_true", help="a JSON object per line instead of tab-separated text")
+    pr.add_argument("--backend", default="numpy", choices=NAMES)
+    pr.add_argument("--device", default=None)
+    pr.add_argument("--batch-size", type=positive_int, default=64, help="images per forward (default: 64)")
+    pr.set_defaults(fn=_predict)
 
     from ..core.capsules import PrimaryCaps
     from ..training.optim import NAMES as OPTIMIZERS

@@ -34,12 +34,13 @@ def _img(a):
     return a[0] if a.shape[0] == 1 else np.transpose(a, (1, 2, 0))
 
 
-def reconstruction_grid(images, recons, labels, preds, path, title=""):
+def reconstruction_grid(images, recons, labels, preds, path, title="", classes=None):
     """Rows of (input, reconstruction) pairs, each input captioned with label and prediction (red
     where they differ).  One image of all the tiles, drawn in one axes: a figure of one axes per
     tile costs most of a second to build, at every epoch.  ``recons`` None (a network without a
-    decoder): the captioned inputs alone."""
+    decoder): the captioned inputs alone.  ``classes``: names by index, for the captions."""
     plt = pyplot()
+    name = (lambda k: str(k)) if classes is None else (lambda k: str(classes[k])[:10])
     tiles = [(_img(a), None if recons is None else _img(b)) for a, b in zip(images, recons if recons is not None
                                                                           else images)]
     n, (h, w) = len(tiles), tiles[0][0].shape[:2]
@@ -57,12 +58,40 @@ def reconstruction_grid(images, recons, labels, preds, path, title=""):
         canvas[top:top + h, left:left + w] = x
         if r is not None:
             canvas[top + h:top + 2 * h, left:left + w] = r
-        ax.text(left + w / 2, top - 1, f"y={labels[i]} p={preds[i]}", ha="center", va="bottom", fontsize=7,
+        ax.text(left + w / 2, top - 1, f"{name(labels[i])}" if labels[i] == preds[i] else
+                f"{name(labels[i])}→{name(preds[i])}", ha="center", va="bottom", fontsize=7,
                 color="black" if labels[i] == preds[i] else "red")
     ax.imshow(np.clip(canvas, 0, 1), cmap="gray", vmin=0, vmax=1, interpolation="nearest")
     ax.axis("off")
     fig.suptitle(title or "inputs (odd rows) and reconstructions from the predicted capsule", fontsize=9)
     fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1 - 0.3 / (1.45 * rows * pair_rows))
+    return save(fig, path)
+
+
+def confusion_matrix(counts, classes, path, title=""):
+    """Counts (true class rows, predicted class columns) as a heat map, each row scaled by its
+    class's images, the counts written in the cells (where there is room)."""
+    plt = pyplot()
+    counts = np.asarray(counts)
+    J = len(classes)
+    share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    side = min(16, 2 + 0.45 * J)
+    fig, ax = plt.subplots(figsize=(side + 1, side))
+    im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
+    ticks = np.arange(J)
+    names = [str(c)[:16] for c in classes]
+    ax.set_xticks(ticks, names, rotation=90 if J > 6 else 0, fontsize=7)
+    ax.set_yticks(ticks, names, fontsize=7)
+    ax.set_xlabel("predicted class"), ax.set_ylabel("true class")
+    if J <= 30:
+        for i in range(J):
+            for j in range(J):
+                if counts[i, j]:
+                    ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=7,
+                            color="white" if share[i, j] > 0.5 else "black")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="share of the true class's images")
+    ax.set_title(title or "confusion matrix", fontsize=9)
+    fig.tight_layout()
     return save(fig, path)
 
 

@@ -41,6 +41,16 @@ class Split:
     def __len__(self):
         return len(self.y)
 
+    def __getitem__(self, i):
+        """Image i as float32 (C, H, W) in [0, 1] and its class index: the map-style dataset protocol
+        (``len`` and ``[i]``) that ``torch.utils.data.DataLoader`` takes, without importing torch."""
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"a Split is indexed by one image's position, got {type(i).__name__}; "
+                            "a subset: split.take(indices)")
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"image {i} of a split of {len(self)}")
+        return self.images(int(i)), int(self.y[i])
+
     def images(self, idx=slice(None)) -> np.ndarray:
         """Images ``idx`` as float32 in [0, 1]; uint8 storage is converted here, a batch at a time."""
         return as_float(self.x[idx])

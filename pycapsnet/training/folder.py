@@ -86,7 +86,10 @@ def _open(path: str, raw: bytes | None = None):
         pixels = re.search(r"\((\d+) pixels\)", str(e))
         need = f" ({int(pixels[1]) / 1e6:,.0f} megapixels, {_bytes(3 * int(pixels[1]))} decoded in RGB)" if pixels else ""
         raise CapsNetError(f"{path} declares an image too large to decode safely{need}: shrink it or remove it") from None
-    except (OSError, Unidentified, SyntaxError, ValueError) as e:
+    except Unidentified:
+        raise CapsNetError(f"cannot read the image {path}: its contents are not an image format Pillow "
+                           "decodes (a damaged or misnamed file?)") from None
+    except (OSError, SyntaxError, ValueError) as e:
         raise CapsNetError(f"cannot read the image {path}: {e}") from None
 
 
@@ -169,6 +172,24 @@ def _decode(files, image_size, channels, progress):
             raise CapsNetError(f"cannot read the image {path}: {e}") from None
         out[k] = a[None] if channels == 1 else np.moveaxis(a, -1, 0)
     return out, sums
+
+
+def read_image(path: str, channels: int, size) -> np.ndarray:
+    """One image file as a folder run reads its images: upright, resized to ``size`` (H, W) where
+    it differs, 1 or 3 channels -> uint8 (C, H, W).  CapsNetError naming the file if it cannot."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CapsNetError(f"cannot read the image {path}: {e.strerror or e}") from None
+    im = _upright(path, raw)
+    try:
+        a = _pixels(im, path, channels, (size[1], size[0]))
+    except CapsNetError:
+        raise
+    except (OSError, ValueError) as e:
+        raise CapsNetError(f"cannot read the image {path}: {e}") from None
+    return a[None] if channels == 1 else np.moveaxis(a, -1, 0)
 
 
 # ---- the split -----------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ FOLDER_FLAGS = ("image_size", "channels", "test_fraction")  # how --dataset fold
 EVALUATED_ON = ("dtype", "dataset", "data_dir", *FOLDER_FLAGS)
 ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
                 for k in ("routing", "routing_iters", "routing_grad", "em_lambda", "conv_channels", "conv_kernel",
-                          "conv_stride", "primary_types", "share_spatial", "primary_conv")}
+                          "conv_stride", "primary_types", "primary_dim", "primary_kernel", "primary_stride",
+                          "class_dim", "decoder_hidden", "share_spatial", "primary_conv")}
 # What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": data.DATASETS, "data_dir": str,
                  "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
@@ -155,6 +156,17 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                         f"(default: {routing_default('conv_stride')})")
     p.add_argument("--primary-types", type=positive_int,
                    help=f"primary capsule types (default: {routing_default('primary_types')})")
+    p.add_argument("--primary-kernel", type=positive_int,
+                   help=f"PrimaryCaps kernel size: 3 or 5 fits small images (default: {CapsNetConfig.primary_kernel})")
+    p.add_argument("--primary-stride", type=positive_int,
+                   help=f"PrimaryCaps stride (default: {CapsNetConfig.primary_stride})")
+    p.add_argument("--primary-dim", type=positive_int,
+                   help=f"primary capsule size (default: {CapsNetConfig.primary_dim})")
+    p.add_argument("--class-dim", type=positive_int,
+                   help=f"class capsule size (default: {CapsNetConfig.class_dim}; EM: the 4x4 pose, 16)")
+    p.add_argument("--decoder-hidden", type=positive_int, nargs="+", metavar="N",
+                   help="the decoder's hidden layer sizes (default: "
+                        f"{' '.join(map(str, CapsNetConfig.decoder_hidden))})")
     p.add_argument("--share-spatial", action="store_true", default=None,
                    help="one routing transform per primary capsule type, shared over positions")
     p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS),
@@ -209,6 +221,8 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     only the run's data and dtype (EVALUATED_ON), so that a model is scored on its own test split
     unless told otherwise.  ``network`` / ``model``: what ``fit`` was given (else --network's file)."""
     values = {k: getattr(args, k, None) for k in {**RECIPE, **ARCHITECTURE, "epochs": None}}
+    if values["decoder_hidden"] is not None:
+        values["decoder_hidden"] = tuple(values["decoder_hidden"])  # as CapsNetConfig holds it
     if values["data_dir"]:
         values["data_dir"] = os.path.abspath(values["data_dir"])  # saved so that a run resumed elsewhere finds it
     network = network if network is not None else getattr(args, "network", None)
@@ -270,7 +284,10 @@ IGNORED_BY = {
     "dynamic": {"em_lambda": "it is EM routing's inverse temperature"},
     "em": {"share_spatial": "the EM network's convolutional capsule layers share their transforms over "
                             "positions already",
-           "primary_conv": "the EM network's primary capsules are a 1x1 layer, not a convolution"},
+           "primary_conv": "the EM network's primary capsules are a 1x1 layer, not a convolution",
+           "primary_kernel": "the EM network's primary capsules are a 1x1 layer",
+           "primary_stride": "the EM network's primary capsules are a 1x1 layer",
+           "primary_dim": "the EM network's primary capsules are 4x4 pose matrices"},
 }
 
 

@@ -161,7 +161,7 @@ def save_reconstructions(model, split, path, n=16, title=""):
     out = model.forward(x)  # masked by the longest capsule, as at test time
     model.release()
     recons = None if out.reconstruction is None else model.B.to_numpy(out.reconstruction)
-    return plots.reconstruction_grid(x, recons, y, out.predictions, path, title)
+    return plots.reconstruction_grid(x, recons, y, out.predictions, path, title, classes=split.classes)
 
 
 def prepare_out_dir(path):

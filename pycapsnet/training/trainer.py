@@ -27,7 +27,7 @@ from backends.host import machine_memory
 
 from ..core.model import CapsNet, CapsNetConfig, param_shapes
 from ..errors import BackendError, CapsNetError
-from . import checkpoint, data, distributed, folder, optim
+from . import checkpoint, data, distributed, folder, optim, report
 from .graph import CapturedEval, CapturedStep
 from .log import progress, say, speaking
 from .recipe import Run, add_arguments, data_options, flag, settle
@@ -46,11 +46,12 @@ EVAL_BATCH = 100  # images per evaluation batch
 
 
 def evaluate(model, split: data.Split, batch_size: int = EVAL_BATCH, show: bool = False, group=None,
-             captured: CapturedEval | None = None):
+             captured: CapturedEval | None = None, confusion: np.ndarray | None = None):
     """(accuracy, mean loss) over a split; the loss uses the label mask, as in training.  A model
     whose outputs overflow gives a non-finite loss, without warnings: the caller checks it.  With a
     ``group`` (data-parallel training) each process scores its shard and the sums are shared.
-    ``captured``: a recorded evaluation (graph.py), which scores the batches of its size."""
+    ``captured``: a recorded evaluation (graph.py), which scores the batches of its size.
+    ``confusion`` (J, J): the counts of (true class, predicted class) are added into it."""
     n_all = len(split)
     if group is not None:
         split = split.take(group.part(n_all))
@@ -61,9 +62,13 @@ def evaluate(model, split: data.Split, batch_size: int = EVAL_BATCH, show: bool 
             out = captured(x, y) if captured is not None and len(y) == captured.batch_size else model.loss(x, y)
         correct += int((out.predictions == y).sum())
         loss_sum += out.loss * len(y)
+        if confusion is not None:
+            np.add.at(confusion, (y, out.predictions), 1)
     model.release()  # no backward follows: do not carry forward's caches into the next train step
     if group is not None:
         correct, loss_sum = group.sum_values([correct, loss_sum])
+        if confusion is not None:
+            confusion[...] = group.sum_values(confusion.ravel()).reshape(confusion.shape)
     return correct / n_all, loss_sum / n_all
 
 
@@ -144,13 +149,18 @@ class Training:
 
     def evaluate_only(self) -> dict:
         t0 = time.perf_counter()
-        acc, loss = evaluate(self.model, self.test_set, show=self.run.progress and speaking(), group=self.group)
+        J = len(self.test_set.classes)
+        confusion = np.zeros((J, J), np.int64)
+        acc, loss = evaluate(self.model, self.test_set, show=self.run.progress and speaking(), group=self.group,
+                             confusion=confusion)
         if not math.isfinite(loss):
             raise NotFinite(f"the model in {self.run.checkpoint['path']} gives a test loss of {loss}: its outputs "
                             f"are not finite (its largest weight is {_largest_weight(self.model):.3g}), so it has "
                             "no accuracy to report; evaluate an earlier checkpoint")
         say(f"test accuracy {100 * acc:.2f}%  loss {loss:.4f}  ({time.perf_counter() - t0:.1f} s)")
-        return {"test_acc": acc, "test_loss": loss}
+        if speaking():
+            report.per_class(confusion, self.test_set.classes, os.path.dirname(self.run.checkpoint["path"]))
+        return {"test_acc": acc, "test_loss": loss, "confusion": confusion.tolist()}
 
     def prepare(self):
         """(optimizer, first epoch, metrics records so far): the directory claimed, and on --resume
@@ -214,7 +224,10 @@ class Training:
             model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
             seen, correct, loss_sum, train_time = self._train_epoch(opt, captured, epoch)
             self._check_finite(opt, epoch)  # the epoch's last update has not been checked yet
-            test_acc, test_loss = evaluate(model, self.test_set, EVAL_BATCH, group=group, captured=captured_eval)
+            J = len(self.test_set.classes)
+            confusion = np.zeros((J, J), np.int64)
+            test_acc, test_loss = evaluate(model, self.test_set, EVAL_BATCH, group=group, captured=captured_eval,
+                                           confusion=confusion)
             if not math.isfinite(test_loss):
                 raise TrainingDiverged(self.directory.stopped(
                     f"the test loss became {test_loss} after epoch {epoch + 1} (the weights are finite, but the "
@@ -228,6 +241,8 @@ class Training:
             say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
                 f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s "
                 f"({last['train_samples_per_s']:.0f} samples/s)")
+            steps = (epoch + 1) * -(-len(self.train_set) // (run.batch_size * (group.world if group else 1)))
+            report.collapse(confusion, self.test_set.classes, steps)
             if group is None or group.writes:
                 self.directory.commit(model, opt, self.test_set, history, run.recipe, self.train_set.classes,
                                       **self.read)

@@ -1,0 +1,115 @@
+"""Predict: a trained run's classes for image files, each read as the run read its images.
+
+    import pycapsnet
+    run = pycapsnet.load("runs/mine")               # the checkpoint's network, class names, reading
+    run.predict(["cat.png", "dog.jpg"], top=2)      # [("cat.png", [("cat", 0.93), ("dog", 0.12)]), ...]
+    x = run.read("cat.png")                         # (C, H, W) float32 in [0, 1], as trained
+
+An image is read as a folder run reads its training images (folder.read_image): turned upright by
+its EXIF orientation, resized to the network's input size, in its number of channels, every bit
+depth scaled to [0, 1].  The score is the class capsule's length |v_j| (EM: its activation a_j).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import backends
+
+from ..errors import CapsNetError
+from ..training import checkpoint, data, folder
+
+
+class Run:
+    """A trained run, ready to classify images: ``model``, ``classes`` (names by index), ``read``
+    and ``predict``."""
+
+    def __init__(self, path: str, backend: str = "numpy", device: str | None = None, dtype: str | None = None):
+        ckpt = checkpoint.load(path)
+        header = ckpt["header"]
+        dtype = dtype or (header.get("recipe") or {}).get("dtype") or "float32"
+        self.model = checkpoint.model_of(ckpt, backends.get(backend, device=device, dtype=dtype))
+        checkpoint.restore_model(ckpt, self.model)
+        n = self.model.n_classes
+        self.classes = tuple(header.get("classes") or [str(k) for k in range(n)])
+        self.path = ckpt["path"]
+
+    def read(self, path: str) -> np.ndarray:
+        """The image file as the network takes it: float32 (C, H, W) in [0, 1]."""
+        c, h, w = self.model.input_shape
+        return data.as_float(folder.read_image(path, c, (h, w)))
+
+    def scores(self, x, batch_size: int = 64) -> np.ndarray:
+        """Class scores (N, J) of images (N, C, H, W), on the host."""
+        out = []
+        for a in range(0, len(x), batch_size):
+            out.append(self.model.B.to_numpy(self.model.forward(x[a:a + batch_size], reconstruct=False).lengths))
+            self.model.release()
+        return np.concatenate(out).astype(np.float64)
+
+    def predict(self, paths, top: int = 1) -> list:
+        """[(path, [(class name, score), ...]), ...]: the ``top`` best classes of each file, best first."""
+        if not paths:
+            return []
+        scores = self.scores(np.stack([self.read(p) for p in paths]))
+        best = np.argsort(-scores, axis=1, kind="stable")[:, :top]
+        return [(p, [(self.classes[j], float(s[j])) for j in order]) for p, s, order in zip(paths, scores, best)]
+
+
+def load(path: str, backend: str = "numpy", device: str | None = None, dtype: str | None = None) -> Run:
+    """A run (its directory or checkpoint file) ready to predict: ``Run``."""
+    return Run(path, backend, device, dtype)
+
+
+def image_files(targets) -> tuple:
+    """(image files, non-image files skipped): files as given, directories searched for images."""
+    found, skipped = [], []
+    for t in targets:
+        if os.path.isdir(t):
+            for root, dirs, names in os.walk(t):
+                dirs.sort()
+                for name in sorted(names):
+                    (found if name.lower().endswith(folder.SUFFIXES) else skipped).append(os.path.join(root, name))
+        else:
+            found.append(t)
+    return list(dict.fromkeys(found)), skipped  # a file named twice (given, and in a directory given) once
+
+
+def cmd_predict(args) -> int:
+    """``pycapsnet predict RUN IMAGE_OR_DIR...``: a line per file, best class first (tab-separated:
+    path, then class and score for each of the ``--top`` classes; ``--json``: a JSON object per
+    line); files that cannot be read are named after the others, with exit 2."""
+    import json
+    import sys
+
+    if args.top < 1:
+        raise CapsNetError(f"--top must be at least 1, got {args.top}")
+    run = load(args.run, args.backend, args.device)
+    files, skipped = image_files(args.images)
+    if skipped:
+        print(f"skipped {len(skipped)} file(s) that are not images ({', '.join(folder.SUFFIXES)}): "
+              f"{folder._some(skipped)}", file=sys.stderr)
+    if not files:
+        raise CapsNetError(f"no image files in {' '.join(args.images)}")
+    top, failed = min(args.top, len(run.classes)), []
+    for a in range(0, len(files), args.batch_size):
+        readable = []
+        for path in files[a:a + args.batch_size]:
+            try:
+                readable.append((path, run.read(path)))
+            except CapsNetError as e:
+                failed.append(str(e))
+        if not readable:
+            continue
+        scores = run.scores(np.stack([x for _, x in readable]))
+        for (path, _), s in zip(readable, scores):
+            best = [(run.classes[j], float(s[j])) for j in np.argsort(-s, kind="stable")[:top]]
+            if args.json:
+                print(json.dumps({"path": path, "top": [{"class": c, "score": v} for c, v in best]}))
+            else:
+                print("\t".join([path, *(f"{c}\t{v:.4f}" for c, v in best)]))
+        sys.stdout.flush()
+    for message in failed:
+        print(f"error: {message}", file=sys.stderr)
+    return 2 if failed else 0

@@ -1,0 +1,128 @@
+"""Using a trained folder run: ``pycapsnet predict`` on image files, ``pycapsnet.load`` in Python,
+``evaluate`` per class with a confusion matrix, the collapse warning, and the splits as datasets."""
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import pycapsnet
+from pycapsnet.tools import cli
+from pycapsnet.training import checkpoint, data, trainer
+
+SHAPES = ("disc", "square", "bar")
+
+
+def _shape_images(root, per_class=12, size=16, seed=0):
+    """Three classes of small RGB images: a red disc, a green square, a blue bar, placed at random on noise."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[:size, :size]
+    for c, colour in zip(SHAPES, ([220, 40, 40], [40, 220, 40], [40, 40, 220])):
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            a = rng.integers(0, 90, (size, size, 3)).astype(np.uint8)
+            y, x = rng.integers(4, size - 4, 2)
+            mask = {"disc": (yy - y) ** 2 + (xx - x) ** 2 < 9, "square": (abs(yy - y) < 3) & (abs(xx - x) < 3),
+                    "bar": (abs(yy - y) < 2) & (abs(xx - x) < 4)}[c]
+            a[mask] = colour
+            Image.fromarray(a).save(root / c / f"{c}{i:02d}.png")
+    return root
+
+
+ARCH = ["--conv-channels", "8", "--primary-types", "2", "--conv-kernel", "3", "--primary-kernel", "3",
+        "--class-dim", "8", "--decoder-hidden", "32", "64", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    images, out = _shape_images(root / "images"), root / "run"
+    assert trainer.main("numpy", [*ARCH, "--dataset", "folder", "--data-dir", str(images), "--batch-size", "4",
+                                  "--epochs", "4", "--out", str(out)]) == 0
+    return images, out
+
+
+def test_predict_prints_a_line_per_file_and_names_unreadable_ones_after(run, tmp_path, capsys):
+    images, out = run
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"not an image")
+    (tmp_path / "notes.txt").write_text("a file beside the images")
+    Image.fromarray(np.zeros((40, 30, 3), np.uint8)).save(tmp_path / "big.jpg")  # resized to the run's 16x16
+    capsys.readouterr()
+    assert cli.main(["predict", str(out), str(bad), str(images / "disc" / "disc00.png"), str(tmp_path),
+                     "--top", "2"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert [line.split("\t")[0] for line in lines] == [str(images / "disc" / "disc00.png"), str(tmp_path / "big.jpg")]
+    for line in lines:
+        path, c1, s1, c2, s2 = line.split("\t")
+        assert {c1, c2} <= set(SHAPES) and c1 != c2 and float(s1) >= float(s2)
+    err = captured.err.strip().splitlines()
+    assert err[0].startswith("skipped 1 file(s) that are not images") and "notes.txt" in err[0]
+    assert err[1:] == [f"error: cannot read the image {bad}: its contents are not an image format Pillow "
+                       "decodes (a damaged or misnamed file?)"]
+
+
+def test_predict_as_json_and_from_python_agree_with_the_models_own_scores(run, capsys):
+    images, out = run
+    files = sorted(str(p) for p in (images / "bar").iterdir())[:5]
+    assert cli.main(["predict", str(out), *files, "--json", "--top", "3"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    loaded = pycapsnet.load(str(out))
+    assert loaded.classes == tuple(sorted(SHAPES))
+    assert [(r["path"], [(t["class"], pytest.approx(t["score"], rel=1e-6)) for t in r["top"]]) for r in records] \
+        == loaded.predict(files, top=3)
+    # the pixels the run trained or tested on: read() is the folder's decoding, x / 255
+    tr, te = data.load_folder(str(images), seed=0)
+    split = {tuple(split.files[k])[0]: (split, k) for split in (tr, te) for k in range(len(split))}
+    for path, record in zip(files, records):
+        own, k = split[os.path.relpath(path, images)]
+        np.testing.assert_array_equal(loaded.read(path), own.images(k))
+        scores = loaded.model.B.to_numpy(loaded.model.forward(own.images(slice(k, k + 1)), reconstruct=False).lengths)
+        assert record["top"][0]["class"] == loaded.classes[int(np.argmax(scores[0]))]
+
+
+def test_evaluate_prints_per_class_accuracy_and_writes_the_confusion_matrix(run, capsys):
+    images, out = run
+    capsys.readouterr()
+    assert cli.main(["evaluate", str(out)]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads((out / "confusion.json").read_text())
+    counts = np.array(record["counts"])
+    assert record["classes"] == sorted(SHAPES) and counts.shape == (3, 3)
+    header = checkpoint.load(str(out))["header"]
+    assert counts.sum() == sum(1 for r in header["data"] if r[4] == "test")
+    acc = float(printed.split("test accuracy ")[1].split("%")[0])
+    assert acc == pytest.approx(100 * np.trace(counts) / counts.sum(), abs=0.01)
+    for k, name in enumerate(record["classes"]):
+        assert f"  {name:<6}  {100 * counts[k, k] / counts[k].sum():6.2f}%  of {counts[k].sum()} images" in printed
+    assert (out / "confusion.png").stat().st_size > 1000
+
+
+def test_a_run_predicting_one_class_for_everything_says_so(tmp_path, capsys):
+    images = _shape_images(tmp_path / "images", per_class=10)
+    # the paper's network, one step an epoch: it predicts one class for every test image
+    assert trainer.main("numpy", ["--no-progress", "--dataset", "folder", "--data-dir", str(images),
+                                  "--conv-channels", "16", "--primary-types", "4", "--conv-kernel", "3",
+                                  "--epochs", "1", "--batch-size", "32", "--out", str(tmp_path / "o")]) == 0
+    printed = capsys.readouterr().out
+    assert "warning: all 6 test images are predicted as " in printed and "after 1 training step:" in printed
+    assert "--batch-size" in printed
+
+
+def test_the_splits_are_map_style_datasets_a_torch_dataloader_takes(run):
+    torch = pytest.importorskip("torch")
+    images, _ = run
+    for split in (data.load_embedded()[1], data.load_folder(str(images))[0]):
+        x0, y0 = split[0]
+        assert x0.dtype == np.float32 and x0.shape == split.x.shape[1:] and y0 == int(split.y[0])
+        loader = torch.utils.data.DataLoader(split, batch_size=5, shuffle=False)
+        x, y = next(iter(loader))
+        np.testing.assert_array_equal(x.numpy(), split.images(slice(0, 5)))
+        np.testing.assert_array_equal(y.numpy(), split.y[:5])
+        assert len(split) == len(split.y)
+    with pytest.raises(IndexError):
+        split[len(split)]
+    with pytest.raises(TypeError, match="split.take"):
+        split[0:2]
