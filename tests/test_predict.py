@@ -126,3 +126,45 @@ def test_the_splits_are_map_style_datasets_a_torch_dataloader_takes(run):
         split[len(split)]
     with pytest.raises(TypeError, match="split.take"):
         split[0:2]
+
+
+def test_validation_split_best_checkpoint_and_early_stop_survive_resume(tmp_path, capsys):
+    images, out = _shape_images(tmp_path / "images", per_class=12), tmp_path / "run"
+    flags = [*ARCH, "--dataset", "folder", "--data-dir", str(images), "--batch-size", "4", "--out", str(out)]
+    assert trainer.main("numpy", [*flags, "--epochs", "2", "--val-fraction", "0.25"]) == 0
+    printed = capsys.readouterr().out
+    assert "validation: 6 of the training images held out (--val-fraction 0.25)" in printed  # 30 train: 10 a class
+    header = checkpoint.load(str(out))["header"]
+    assert header["recipe"]["val_fraction"] == 0.25 and all("val_acc" in r for r in header["history"])
+    best = max(header["history"], key=lambda r: (r["val_acc"], -r["epoch"]))["epoch"]
+    assert checkpoint.load(str(out / "best.npz"))["header"]["epoch"] == best
+    # resumed: the same validation images, the flag taken from the run; a learning rate of ~0 keeps
+    # the validation accuracy where it is, so --early-stop 2 stops two epochs after the best
+    assert cli.main(["train", "--no-progress", "--resume", str(out), "--epochs", "9", "--lr", "1e-12",
+                     "--early-stop", "2"]) == 0
+    printed = capsys.readouterr().out
+    header = checkpoint.load(str(out))["header"]
+    best = max(header["history"], key=lambda r: (r["val_acc"], -r["epoch"]))["epoch"]
+    assert header["epoch"] == best + 2 < 9
+    assert "early stop: no better validation accuracy in 2 epochs" in printed
+    assert checkpoint.load(str(out / "best.npz"))["header"]["epoch"] == best
+    # an early-stopped run resumed says so instead of training
+    assert cli.main(["train", "--no-progress", "--resume", str(out), "--epochs", "9"]) == 0
+    assert "resume with a larger --early-stop to train on" in capsys.readouterr().out
+    assert checkpoint.load(str(out))["header"]["epoch"] == header["epoch"]
+    assert cli.main(["train", "--no-progress", "--early-stop", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "--early-stop needs --val-fraction" in capsys.readouterr().err
+
+
+def test_progress_in_a_log_is_plain_lines_about_every_tenth_of_an_epoch(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "pycapsnet", "train", "--conv-channels", "8", "--primary-types", "2",
+                          "--limit", "200", "--limit-test", "20", "--batch-size", "10", "--epochs", "1",
+                          "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "\r" not in run.stdout + run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.startswith("  epoch 1/1: ")]
+    assert [line.split(": ")[1].split(" ")[0] for line in lines] == [f"{k}/20" for k in range(2, 20, 2)]
+    assert all("samples/s, loss " in line and ", acc " in line and "ETA " in line for line in lines)

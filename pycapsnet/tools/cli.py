@@ -61,19 +61,25 @@ def cmd_gradcheck(args):
     from . import gradcheck
 
     B = _backend(args.backend, args.dtype)
+    gradcheck.require_float64(B)  # before the table's header: a float32 run is refused in one line
+    cols = {"layer": 40, "tensor": 22, "max abs err": 11, "max rel err": 11, "entries": 7, "kinks": 5, "result": 6}
+    print(f"finite-difference checks on {B.label} ({args.samples} sampled entries per tensor, "
+          f"fourth-order central differences)")
+    print("  ".join(c.ljust(w) for c, w in cols.items()).rstrip())
+    print("  ".join("-" * w for w in cols.values()), flush=True)
+
+    def row(r):  # printed as each tensor is checked: the whole run takes minutes
+        cells = [r.layer, r.tensor, f"{r.max_abs:.2e}", f"{r.max_rel:.2e}", r.n_checked, r.kinks,
+                 "pass" if r.passed else "FAIL"]
+        print("  ".join(str(v).ljust(w) for v, w in zip(cells, cols.values())).rstrip(), flush=True)
+
     if args.network:
         if args.routing:
             raise CapsNetError("--routing picks built-in networks to check; --network brings its own: give one or the other")
-        results = gradcheck.run_network(B, args.network, samples=args.samples, tol=args.tol, seed=args.seed)
+        results = gradcheck.run_network(B, args.network, samples=args.samples, tol=args.tol, seed=args.seed, report=row)
     else:
         results = gradcheck.run_all(B, samples=args.samples, tol=args.tol, seed=args.seed,  # refuses float32
-                                    routing=args.routing)
-    print(f"finite-difference checks on {B.label} ({args.samples} sampled entries per tensor, "
-          f"fourth-order central differences)")
-    rows = [{"layer": r.layer, "tensor": r.tensor, "max abs err": f"{r.max_abs:.2e}",
-             "max rel err": f"{r.max_rel:.2e}", "entries": r.n_checked, "kinks": r.kinks,
-             "result": "pass" if r.passed else "FAIL"} for r in results]
-    print(format_table(rows, ["layer", "tensor", "max abs err", "max rel err", "entries", "kinks", "result"]))
+                                    routing=args.routing, report=row)
     failed = [r for r in results if not r.passed]
     print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed (tolerance {results[0].tol:g} relative)")
     return 1 if failed else 0
@@ -163,6 +169,7 @@ def cmd_crosscheck(args):
     dtypes = args.dtype if args.dtype_b in (None, args.dtype) else f"{args.dtype} vs {args.dtype_b}"
     if args.checkpoint and args.routing:
         raise CapsNetError("--routing builds a seeded network; a --checkpoint brings its own: give one or the other")
+    print(f"forward and backward on {args.a} and on {args.b} ({dtypes}) ...", flush=True)
     rows, models, about = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, args.perturb,
                               config={"routing": args.routing} if args.routing else None, dtype_b=args.dtype_b)
     low = _lower_precision(args.dtype, args.dtype_b)

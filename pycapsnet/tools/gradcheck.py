@@ -382,13 +382,15 @@ def layer_checks_of(B, model, samples=20, eps=1e-5, tol=1e-6, seed=0, batch=2):
     return results
 
 
-def run_network(B, description, samples=20, tol=1e-6, seed=0):
+def run_network(B, description, samples=20, tol=1e-6, seed=0, report=None):
     """Every layer of the described network, then its whole loss (``pycapsnet gradcheck --network``)."""
     require_float64(B)
     description = arch.load(description) if isinstance(description, str) else description
-    layers = layer_checks_of(B, arch.build(description, B, seed=seed), samples, 1e-5, tol, seed)
+    results = _Reported(report)
+    results += layer_checks_of(B, arch.build(description, B, seed=seed), samples, 1e-5, tol, seed)
     # a fresh build for the whole loss: the layer checks left "final" layers holding their coupling
-    return layers + network_checks(B, arch.build(description, B, seed=seed), "network", samples, 1e-5, tol, seed=seed)
+    results += network_checks(B, arch.build(description, B, seed=seed), "network", samples, 1e-5, tol, seed=seed)
+    return list(results)
 
 
 def require_float64(B):
@@ -416,14 +418,15 @@ MODEL_CHECKS = {
 }
 
 
-def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6, seed=0, routing=None):
+def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6, seed=0, routing=None,
+            report=None):
     """Every layer check, then the full-loss checks of each routing (MODEL_CHECKS); ``routing``: that
-    routing's layers and network only."""
+    routing's layers and network only.  ``report(check)`` is called on each as it is done."""
     B = _backends.get(backend, device=device, dtype=dtype)
     require_float64(B)
     eps = 1e-5
     routings = list(MODEL_CHECKS) if routing is None else [routing]
-    results = []
+    results = _Reported(report)
     for r in routings:
         results += LAYER_CHECKS[r](B, samples, eps, tol, seed)
     for r in routings:
@@ -431,4 +434,20 @@ def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6,
             results += model_checks(B, samples, eps, tol, seed=seed, **config)
     if routing in (None, "dynamic"):
         results += composed_checks(B, samples, eps, tol, seed=seed)
-    return results
+    return list(results)
+
+
+class _Reported(list):
+    """A list of results that hands each group to ``report`` as it is added (the CLI prints them
+    as they are checked, not all at the end)."""
+
+    def __init__(self, report=None):
+        super().__init__()
+        self.report = report
+
+    def __iadd__(self, results):
+        self.extend(results)
+        if self.report is not None:
+            for r in results:
+                self.report(r)
+        return self

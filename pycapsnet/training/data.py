@@ -63,6 +63,22 @@ class Split:
     def head(self, n: int) -> "Split":
         return self.take(slice(0, n))
 
+    def held_out(self, fraction: float, seed: int) -> tuple:
+        """(the rest, the held-out share): ``fraction`` of each class (rounded, at least one of a
+        class of two or more), seeded; both keep this split's order."""
+        rng = np.random.default_rng([seed, 1729])
+        held = []
+        for c in range(len(self.classes)):
+            members = np.flatnonzero(self.y == c)
+            k = min(len(members) - 1, max(1, round(fraction * len(members)))) if len(members) > 1 else 0
+            held.append(rng.permutation(members)[:k])
+        mask = np.zeros(len(self), bool)
+        mask[np.concatenate(held).astype(np.int64)] = True
+        if mask.all() or not mask.any():
+            raise CapsNetError(f"--val-fraction {fraction} of {len(self)} training images leaves "
+                               f"{'nothing to train on' if mask.all() else 'no image to validate on'}")
+        return self.take(np.flatnonzero(~mask)), self.take(np.flatnonzero(mask))
+
     def limited(self, n: int, seed: int) -> "Split":
         """At most ``n`` images.  The embedded and IDX sets come shuffled: their first n.  A folder's
         come sorted by path, often by class: a seeded subset with each class in proportion."""

@@ -30,7 +30,7 @@ from .log import say
 #           value other than the checkpoint's: refused.
 RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "seed": 0, "shift": 2, "batch_size": 32,
           "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None,
-          "image_size": None, "channels": None, "test_fraction": 0.2}
+          "image_size": None, "channels": None, "test_fraction": 0.2, "val_fraction": None, "early_stop": None}
 EPOCHS = 12  # where --epochs is left out (not part of RECIPE: a resumed run is not held to its total)
 # A routing's own recipe where the common one does not suit it: EM routing does not leave chance level
 # at lr 2e-3 and batch 32 (public EM code also trains at 1e-2), it is still rising after 12 epochs, and
@@ -49,7 +49,8 @@ ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": data.DATASETS, "data_dir": str,
                  "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
                  "shift": nonnegative_int, "batch_size": positive_int, "limit": positive_int,
-                 "limit_test": positive_int, "channels": (1, 3), "image_size": list, "test_fraction": fraction}
+                 "limit_test": positive_int, "channels": (1, 3), "image_size": list, "test_fraction": fraction,
+                 "val_fraction": fraction, "early_stop": positive_int}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,8 @@ class Run:
     image_size: tuple | None
     channels: int | None
     test_fraction: float
+    val_fraction: float | None  # a seeded share of each class of the training split, held out for validation
+    early_stop: int | None  # stop after this many epochs without a better validation accuracy
     epochs: int
     architecture: dict  # ARCHITECTURE's flags, for a built-in network (CapsNetConfig's fields)
     network: object = None  # a description (dict) or its JSON file, for a described network
@@ -139,6 +142,11 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--test-fraction", type=fraction,
                    help="--dataset folder without train/ and test/: the share of each class held out for "
                         f"testing, seeded (default: {d['test_fraction']})")
+    p.add_argument("--val-fraction", type=fraction,
+                   help="hold out this share of each class of the training images for validation (seeded): "
+                        "each epoch is scored on it, and best.npz keeps the epoch that scored best")
+    p.add_argument("--early-stop", type=positive_int, metavar="N",
+                   help="with --val-fraction: stop after N epochs without a better validation accuracy")
     p.add_argument("--shift", type=nonnegative_int,
                    help=f"random shift augmentation in pixels, 0 = off (default: {d['shift']}; --routing em: "
                         f"{em['shift']})")
@@ -242,6 +250,9 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     for k, v in {**RECIPE, "epochs": EPOCHS, **ROUTING_RECIPE.get(values["routing"], {})}.items():
         if values[k] is None:
             values[k] = v
+    if values["early_stop"] is not None and values["val_fraction"] is None:
+        raise CapsNetError("--early-stop needs --val-fraction F: it stops on the validation accuracy (never on the "
+                           "test split, which would then no longer be a test)")
     return Run(backend=backend or getattr(args, "backend", None), device=getattr(args, "device", None),
                **{k: values[k] for k in (*RECIPE, "epochs")},
                architecture={} if described else {k: values[k] for k in ARCHITECTURE},

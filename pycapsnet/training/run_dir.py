@@ -20,6 +20,7 @@ from .argtypes import make_writable_dir
 from .log import say
 
 CHECKPOINT = "checkpoint.npz"
+BEST = "best.npz"  # with --val-fraction: the epoch of the best validation accuracy
 METRICS = "metrics.jsonl"
 PICTURES = ("curves.png", "reconstructions.png")
 
@@ -52,16 +53,22 @@ class RunDir:
             say(f"--overwrite: the earlier run's checkpoint, metrics and pictures in {path} stay until this "
                 "run's first epoch is saved")
 
-    def commit(self, model, opt, test_set, history, recipe: dict, classes, **read) -> None:
+    def commit(self, model, opt, test_set, history, recipe: dict, classes, best: bool = False, **read) -> None:
         """The epoch, committed: first the checkpoint, which holds the records too; from then on the
         epoch is done, and a run stopped before the rest is written resumes after it (``reconcile``
-        rewrites what lags).  Then metrics.jsonl, then the pictures.  ``read``: what the run read
-        (the header's ``data`` and ``data_changes``)."""
+        rewrites what lags).  Then metrics.jsonl, then the pictures.  ``best``: the epoch has the best
+        validation accuracy so far, and best.npz gets it too.  ``read``: what the run read (the
+        header's ``data`` and ``data_changes``)."""
         record = history[-1]
         epoch = record["epoch"]
         with _ctrl_c_held():
-            checkpoint.save(os.path.join(self.path, CHECKPOINT), model, opt, epoch=epoch,
-                            test_acc=record["test_acc"], recipe=recipe, history=history, classes=list(classes), **read)
+            meta = dict(epoch=epoch, test_acc=record["test_acc"], recipe=recipe, history=history,
+                        classes=list(classes), **read)
+            checkpoint.save(os.path.join(self.path, CHECKPOINT), model, opt, **meta)
+            if best:  # the best validation accuracy so far: its weights, a checkpoint of their own
+                checkpoint.save(os.path.join(self.path, BEST), model, opt, **meta)
+            elif self.replacing and os.path.exists(os.path.join(self.path, BEST)):
+                os.remove(os.path.join(self.path, BEST))  # the replaced run's: not this run's best
             self.last_good, self.replacing = (self.path, epoch), None
             write_metrics(self.path, history)
             draw(model, test_set, self.path, history)

@@ -57,7 +57,7 @@ def evaluate(model, split: data.Split, batch_size: int = EVAL_BATCH, show: bool 
         split = split.take(group.part(n_all))
     correct, loss_sum = 0, 0.0
     n_batches = (len(split) + batch_size - 1) // batch_size
-    for x, y in progress(data.batches(split, batch_size), n_batches, "eval", not show):
+    for x, y in progress(data.batches(split, batch_size), n_batches, "eval", not show, batch=batch_size):
         with model.B.quiet_float_errors():
             out = captured(x, y) if captured is not None and len(y) == captured.batch_size else model.loss(x, y)
         correct += int((out.predictions == y).sum())
@@ -101,6 +101,10 @@ class Training:
             train_set = train_set.limited(run.limit, run.seed)
         if run.limit_test is not None:
             test_set = test_set.limited(run.limit_test, run.seed)
+        self.val_set = None
+        if run.val_fraction and not run.eval_only:
+            train_set, self.val_set = train_set.held_out(run.val_fraction, run.seed)
+            say(f"validation: {len(self.val_set)} of the training images held out (--val-fraction {run.val_fraction})")
         for name, split in (("test", test_set),) if run.eval_only else (("train", train_set), ("test", test_set)):
             if tuple(split.x.shape[1:]) != model.input_shape:
                 model_from = f"the model in {ckpt['path']}" if ckpt else "the model, built for the train images,"
@@ -219,6 +223,8 @@ class Training:
             if len(self.test_set) >= EVAL_BATCH:
                 captured_eval = CapturedEval(model, EVAL_BATCH)
         last = {}
+        if self._stops_early(history, resuming=True):
+            return last
         for epoch in range(start, run.epochs):
             opt.lr = optim.exponential_lr(run.lr, run.lr_decay, epoch)
             model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
@@ -236,18 +242,34 @@ class Training:
                     "test_loss": test_loss, "test_acc": test_acc, "train_seconds": round(train_time, 2),
                     "train_samples_per_s": round(seen / train_time, 1), "backend": B.label,
                     "processes": group.world if group else 1}
+            if self.val_set is not None:
+                last["val_acc"], last["val_loss"] = evaluate(model, self.val_set, EVAL_BATCH, group=group)
             history.append(last)
             # said before the commit: a Ctrl-C held during the save names this epoch as the last good one
-            say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%  "
+            val = f"  val {100 * last['val_acc']:.2f}%" if self.val_set is not None else ""
+            say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%{val}  "
                 f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s "
                 f"({last['train_samples_per_s']:.0f} samples/s)")
             steps = (epoch + 1) * -(-len(self.train_set) // (run.batch_size * (group.world if group else 1)))
             report.collapse(confusion, self.test_set.classes, steps)
             if group is None or group.writes:
                 self.directory.commit(model, opt, self.test_set, history, run.recipe, self.train_set.classes,
+                                      best=self.val_set is not None and best_epoch(history) == epoch + 1,
                                       **self.read)
+            if self._stops_early(history):
+                break
         say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {self.directory.path}")
         return last
+
+    def _stops_early(self, history, resuming=False) -> bool:
+        """Whether --early-stop N ends the run: N epochs since the best validation accuracy."""
+        patience, best = self.run.early_stop, best_epoch(history)
+        if not patience or best is None or history[-1]["epoch"] - best < patience:
+            return False
+        again = " (resume with a larger --early-stop to train on)" if resuming else ""
+        say(f"early stop: no better validation accuracy in {history[-1]['epoch'] - best} epochs (the best, "
+            f"{100 * history[best - 1]['val_acc']:.2f}%, at epoch {best}, is in best.npz){again}")
+        return True
 
     def _train_epoch(self, opt, captured, epoch):
         """One pass over the shuffled, shifted training split, a progress bar showing the running loss
@@ -259,7 +281,7 @@ class Training:
         size = run.batch_size * (group.world if group else 1)
         n_batches = (len(train_set) + size - 1) // size
         bar = progress(data.batches(train_set, size, rng, run.shift, group.part if group else None), n_batches,
-                       f"epoch {epoch + 1}/{run.epochs}", not run.progress or not speaking())
+                       f"epoch {epoch + 1}/{run.epochs}", not run.progress or not speaking(), batch=size)
         seen = correct = 0
         loss_sum = 0.0
         t0 = time.perf_counter()
@@ -294,6 +316,12 @@ class Training:
             if not model.B.all_finite(a):
                 raise TrainingDiverged(self.directory.stopped(
                     f"{name} holds NaN or inf after epoch {epoch + 1}'s last update"))
+
+
+def best_epoch(history) -> int | None:
+    """The epoch of the highest validation accuracy (the first of equals); None without validation."""
+    scored = [r for r in history if "val_acc" in r]
+    return max(scored, key=lambda r: (r["val_acc"], -r["epoch"]))["epoch"] if scored else None
 
 
 def _check_parameters_fit(cfg: CapsNetConfig, dtype: str) -> None:
