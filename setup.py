@@ -23,7 +23,8 @@ setup(
     extras_require={
         "torch": ["torch>=2.1"],
         "cupy": ["cupy-cuda12x>=13"],
-        "test": ["pytest>=7", "torch>=2.1"],
+        "test": ["pytest>=7", "torch>=2.1", "tensorboard>=2.10"],
+        "tensorboard": ["tensorboard>=2.10"],
     },
     entry_points={"console_scripts": ["pycapsnet=pycapsnet.tools.cli:main"]},
     scripts=["train_numpy.py", "train_cupy.py", "train_torch.py"],

@@ -168,3 +168,31 @@ def test_progress_in_a_log_is_plain_lines_about_every_tenth_of_an_epoch(tmp_path
     lines = [line for line in run.stdout.splitlines() if line.startswith("  epoch 1/1: ")]
     assert [line.split(": ")[1].split(" ")[0] for line in lines] == [f"{k}/20" for k in range(2, 20, 2)]
     assert all("samples/s, loss " in line and ", acc " in line and "ETA " in line for line in lines)
+
+
+def test_log_csv_and_tensorboard_record_step_groups_and_epochs_and_continue_on_resume(tmp_path):
+    import csv
+
+    out, table, events = tmp_path / "run", tmp_path / "scalars.csv", tmp_path / "tb"
+    flags = ["--no-progress", "--conv-channels", "8", "--primary-types", "2", "--limit", "100", "--limit-test", "20",
+             "--batch-size", "10", "--out", str(out), "--log-csv", str(table)]
+    assert trainer.main("numpy", [*flags, "--epochs", "1", "--tensorboard", str(events)]) == 0
+    assert trainer.main("numpy", [*flags, "--epochs", "2", "--resume", str(out)]) == 0
+    rows = list(csv.DictReader(table.open()))
+    steps = [r for r in rows if r["kind"] == "steps"]
+    assert [int(r["step"]) for r in steps] == list(range(1, 21))  # 10 steps an epoch, a group of 1: 2 epochs
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    history = checkpoint.load(str(out))["header"]["history"]
+    assert [(int(r["epoch"]), int(r["step"])) for r in epochs] == [(1, 10), (2, 20)]
+    for r, h in zip(epochs, history):
+        assert float(r["test_acc"]) == pytest.approx(h["test_acc"], rel=1e-5)
+        assert float(r["loss"]) == pytest.approx(h["train_loss"], rel=1e-5)
+    for r in steps:
+        assert float(r["loss"]) == pytest.approx(float(r["margin"]) + float(r["reconstruction"]), rel=1e-4)
+    tb = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
+                             reason="--tensorboard needs pip install -e '.[tensorboard]'")
+    acc = tb.EventAccumulator(str(events))
+    acc.Reload()
+    assert {"train_steps/loss", "epoch/loss", "test/acc"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("train_steps/loss")] == list(range(1, 11))
+    assert acc.Scalars("test/acc")[0].value == pytest.approx(history[0]["test_acc"], rel=1e-6)

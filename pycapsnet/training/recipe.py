@@ -86,6 +86,8 @@ class Run:
     accept_changed_data: bool = False  # go on when the data differ from what the run recorded (trainer)
     overwrite: bool = False
     progress: bool = True
+    log_csv: str | None = None  # --log-csv FILE: scalars per group of steps and per epoch (scalars.py)
+    tensorboard: str | None = None  # --tensorboard DIR: the same, as TensorBoard events
     graph: bool = True  # record the step where the backend can (a CUDA graph)
 
     @property
@@ -194,6 +196,10 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh even if --out already holds a checkpoint (it is replaced)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (per-epoch lines only)")
+    p.add_argument("--log-csv", metavar="FILE", help="append the loss parts, accuracy, lr and samples/s of every "
+                   "tenth of an epoch, and each epoch's test (and validation) scores, to a CSV file")
+    p.add_argument("--tensorboard", metavar="DIR", help="write the same scalars as TensorBoard events into DIR "
+                   '(needs pip install -e ".[tensorboard]")')
     p.add_argument("--no-graph", action="store_true",
                    help="launch the step's and the evaluation's operations one by one even where the backend "
                         "can record them once and replay them (a CUDA graph on torch:cuda and CuPy, which is faster)")
@@ -260,7 +266,8 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
                out=getattr(args, "out", None),
                eval_only=evaluating, accept_changed_data=bool(getattr(args, "accept_changed_data", False)),
                overwrite=bool(getattr(args, "overwrite", False)),
-               progress=not getattr(args, "no_progress", False), graph=not getattr(args, "no_graph", False))
+               progress=not getattr(args, "no_progress", False), graph=not getattr(args, "no_graph", False),
+               log_csv=getattr(args, "log_csv", None), tensorboard=getattr(args, "tensorboard", None))
 
 
 def _refuse_architecture_flags(given, ckpt, cfg, network, described, values, evaluating):

@@ -32,6 +32,7 @@ from .graph import CapturedEval, CapturedStep
 from .log import progress, say, speaking
 from .recipe import Run, add_arguments, data_options, flag, settle
 from .run_dir import RunDir
+from .scalars import Scalars, Steps
 
 
 class NotFinite(RuntimeError):
@@ -225,6 +226,8 @@ class Training:
         last = {}
         if self._stops_early(history, resuming=True):
             return last
+        writes = group is None or group.writes
+        self.scalars = Scalars(run.log_csv, run.tensorboard) if writes else Scalars()
         for epoch in range(start, run.epochs):
             opt.lr = optim.exponential_lr(run.lr, run.lr_decay, epoch)
             model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
@@ -245,6 +248,10 @@ class Training:
             if self.val_set is not None:
                 last["val_acc"], last["val_loss"] = evaluate(model, self.val_set, EVAL_BATCH, group=group)
             history.append(last)
+            self.scalars.add("epoch", epoch + 1, self.steps_done, {
+                "loss": last["train_loss"], "acc": last["train_acc"], "lr": opt.lr,
+                "samples_per_s": last["train_samples_per_s"],
+                **{k: last[k] for k in ("test_loss", "test_acc", "val_loss", "val_acc") if k in last}})
             # said before the commit: a Ctrl-C held during the save names this epoch as the last good one
             val = f"  val {100 * last['val_acc']:.2f}%" if self.val_set is not None else ""
             say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%{val}  "
@@ -285,6 +292,8 @@ class Training:
         seen = correct = 0
         loss_sum = 0.0
         t0 = time.perf_counter()
+        self.steps_done = epoch * n_batches  # the global step, for --log-csv / --tensorboard
+        group_of = Steps(self.scalars, epoch + 1, max(1, n_batches // 10), opt.lr)
         for step, (x, y) in enumerate(bar):
             n = min(size, len(train_set) - step * size)  # the global batch (the last may be smaller)
             replayed = captured is not None and len(y) == captured.batch_size
@@ -302,6 +311,8 @@ class Training:
             seen += n
             correct += step_correct
             loss_sum += step_loss
+            self.steps_done += 1
+            group_of.add(self.steps_done, n, step_loss, step_correct, None if group is not None else out.parts)
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{100 * correct / seen:.1f}%")
         B.synchronize()
@@ -424,6 +435,8 @@ def train(run: Run, directory: RunDir | None = None) -> dict:
         training = Training(run, directory)
         return training.evaluate_only() if run.eval_only else training.train()
     finally:
+        if training is not None and getattr(training, "scalars", None) is not None:
+            training.scalars.close()
         if training is not None and training.group is not None:
             training.group.close()
 
