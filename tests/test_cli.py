@@ -102,18 +102,33 @@ def test_gpu_crosscheck(ckpt):
     assert cli.main(["crosscheck", "--a", "torch:cpu", "--b", "torch:cuda", "--checkpoint", ckpt]) == 0
 
 
-def test_inspect_writes_three_pictures(ckpt, tmp_path):
+def test_inspect_writes_three_pictures(ckpt, tmp_path, capsys):
     out = str(tmp_path / "ins")
     assert cli.main(["inspect", ckpt, "--out", out, "--index", "3"]) == 0
+    assert (f"coupling.npz: the coupling coefficients c_ij of test image 3, one array per routing iteration "
+            "(iteration_1, iteration_2, iteration_3), each (144, 10): 144 input capsules x 10 classes"
+            in capsys.readouterr().out)
     for name in ["reconstructions.png", "perturbation.png", "coupling.png"]:
         with open(os.path.join(out, name), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
     c = np.load(os.path.join(out, "coupling.npz"))
     assert len(c.files) == 3  # one (I, J) matrix per routing iteration
-    first = c["arr_0"]
+    first = c["iteration_1"]
     assert first.shape == (6 * 6 * 4, 10)
     np.testing.assert_allclose(first, 0.1, rtol=1e-6)  # b = 0: uniform coupling in iteration 1
-    np.testing.assert_allclose(c["arr_2"].sum(1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(c["iteration_3"].sum(1), 1.0, rtol=1e-5)
+
+
+def test_bare_pycapsnet_prints_its_help_and_version_says_which(capsys):
+    import pycapsnet
+
+    assert cli.main([]) == 0
+    assert "{gradcheck,crosscheck,inspect,train,evaluate,predict,plan}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"pycapsnet {pycapsnet.__version__}"
+    assert cli.main(["plan", "--routing", "attention"]) == 2
+    assert "models the memory of dynamic routing's network only" in capsys.readouterr().err
 
 
 def test_inspect_into_a_file_is_an_error_not_a_traceback(ckpt, capsys):

@@ -252,9 +252,13 @@ def cmd_inspect(args):
         written.append(plots.activation_bars(activations, os.path.join(args.out, "activations.png"), names, y, pred,
                                              f"class activations a_j per EM iteration, test image {args.index} "
                                              f"(label {names[y]}, predicted {names[pred]})"))
-    files.atomic_write(os.path.join(args.out, "coupling.npz"), lambda f: np.savez(f, *couplings))
+    arrays = {f"iteration_{r + 1}": c for r, c in enumerate(couplings)}
+    files.atomic_write(os.path.join(args.out, "coupling.npz"), lambda f: np.savez(f, **arrays))
     for p in written:
         print(p)
+    i, j = couplings[0].shape
+    print(f"{os.path.join(args.out, 'coupling.npz')}: the {what} of test image {args.index}, one array per routing "
+          f"iteration ({', '.join(arrays)}), each ({i}, {j}): {i} {'child' if em else 'input'} capsules x {j} classes")
     return 0
 
 
@@ -294,6 +298,9 @@ def cmd_plan(args):
         raise CapsNetError(f"pycapsnet plan models the three built-in networks, set by its flags; it has no memory "
                            f"model yet for a described network (layers: {', '.join(kinds)}); run a few steps with "
                            "--limit and watch the process's memory instead")
+    if args.routing != "dynamic":
+        raise CapsNetError(f"pycapsnet plan models the memory of dynamic routing's network only, not yet of --routing "
+                           f"{args.routing}'s; run a few steps with --limit and watch the process's memory instead")
     budget = parse_memory(args.memory) if args.memory else machine_memory()
     cfg = CapsNetConfig(input_shape=tuple(args.input_shape), n_classes=args.classes, share_spatial=args.share_spatial,
                         primary_conv=args.primary_conv, routing_iters=args.routing_iters,
@@ -349,6 +356,9 @@ def build_parser():
 
     p = argparse.ArgumentParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .. import __version__
+
+    p.add_argument("--version", action="version", version=f"pycapsnet {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     specs = ", ".join(sorted({*NAMES, "torch:cuda"}))  # what --backend, --a and --b take
 
@@ -427,6 +437,8 @@ def build_parser():
     pl.add_argument("--input-shape", type=positive_int, nargs=3, metavar=("C", "H", "W"), default=(1, 28, 28),
                     help="image channels, height, width (default: 1 28 28)")
     pl.add_argument("--classes", type=positive_int, default=10, help="number of classes (default: 10)")
+    pl.add_argument("--routing", choices=("dynamic", "attention", "em"), default="dynamic",
+                    help="the built-in network to plan; plan models dynamic routing's memory (default)")
     pl.add_argument("--share-spatial", action="store_true", help="one ClassCaps transform per capsule type")
     pl.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS), default="fourier")
     pl.add_argument("--routing-iters", type=positive_int, default=3)
@@ -449,7 +461,11 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare ``pycapsnet``: what it can do
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
     try:
         return args.fn(args)
     except (CapsNetError, BackendError, ValueError) as e:
