@@ -22,7 +22,6 @@ LONG = {
     "pip install -e . && python train_numpy.py": f"python train_numpy.py {QUICK_MODEL}",
     "python train_numpy.py": f"python train_numpy.py {QUICK_MODEL} --out quick-run",
     "pycapsnet train": f"pycapsnet train {QUICK_MODEL} --out quick-train",
-    "python benchmarks/bench.py": "python benchmarks/bench.py --quick --no-reference --rounds 1 --json bench.json",
     # every check, fewer entries per tensor (the default 20 is most of this test's time; tests/test_cli.py
     # runs it at 6 and checks its table and its failure)
     "pycapsnet gradcheck": "pycapsnet gradcheck --samples 3",
@@ -34,6 +33,12 @@ LONG = {
         "json.dump(c()['ConvCaps network routing=full'], open('net.json', 'w'))\" "
         "&& pycapsnet gradcheck --network net.json --samples 3",
     'pip install -e ".[cupy]"': (None, "CuPy installs on a CUDA machine only"),
+    'pip install -e ".[tensorboard]"': (None, "the test command installs tensorboard (the [test] extra)"),
+    # two images of the README's names, for the run the README's Python example trained
+    "pycapsnet predict runs/mine photo.jpg more_images/ --top 3":
+        "python -c \"import os, numpy as np; from PIL import Image; os.makedirs('more_images'); "
+        "[Image.fromarray((255 * np.random.rand(28, 28)).astype('uint8')).save(p) "
+        "for p in ('photo.jpg', 'more_images/a.png')]\" && pycapsnet predict runs/mine photo.jpg more_images/ --top 3",
     'pip install -e ".[torch]"': (None, "the test command installs torch (the [test] extra)"),
     "bash benchmarks/gpu_check.sh": (None, "needs a CUDA GPU; benchmarks/gpu_check.sh is run on one"),
     "torchrun --standalone --nproc_per_node 2 train_numpy.py --out runs/parallel":
