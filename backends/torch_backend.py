@@ -75,6 +75,13 @@ class TorchBackend(Backend):
     # copies nothing) and writes into a new tensor (or the one given).
     _numpy = None  # a NumpyBackend whose products run this backend's (None: PyTorch's own)
 
+    @property
+    def tracks_writes(self) -> bool:
+        """Whether every in-place write to a tensor goes through PyTorch, which counts it in the
+        tensor's version (pycapsnet.torch learns from that what a backward writes over): not where
+        NumPy writes products into the tensors' memory."""
+        return self._numpy is None
+
     def matmul(self, a, b):
         if self._numpy is None or a.ndim < 2 or b.ndim < 2:
             return a @ b

@@ -20,7 +20,6 @@ from pycapsnet import CapsNet
 
 
 def _step_times(fn, steps, sync):
-    fn()  # warm-up: allocator, plans
     times = []
     for _ in range(steps):
         sync()
@@ -35,7 +34,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
     B = backends.get("torch", device=args.device, dtype=args.dtype)
@@ -54,10 +53,12 @@ def main():
         module.loss(x, y).backward()
 
     sync = B.synchronize
-    rows = {}
-    for _ in range(2):  # interleaved rounds: the machine's drift falls on both alike
+    rows = {"direct": [], "wrapper": []}
+    for name, fn in (("direct", direct), ("wrapper", wrapped)):
+        _step_times(fn, 1, sync)  # warm-up
+    for _ in range(args.steps):  # alternate steps: the machine's drift falls on both alike
         for name, fn in (("direct", direct), ("wrapper", wrapped)):
-            rows.setdefault(name, []).extend(_step_times(fn, args.steps, sync))
+            rows[name].extend(_step_times(fn, 1, sync))
     d, w = statistics.median(rows["direct"]), statistics.median(rows["wrapper"])
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")),

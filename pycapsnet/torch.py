@@ -15,7 +15,7 @@ grad.  The parameters are ``nn.Parameter``s over the layer's own tensors (no cop
 
 Torch's rules hold: what a forward saved is set aside with its graph, so another forward before the
 backward changes nothing; a graph is backpropagated once (pycapsnet's backward consumes what its
-forward saved, so each backward works on a copy: ``retain_graph`` works); double backward is
+forward saved, so each backward works on copies of what it writes over: ``retain_graph`` works); double backward is
 refused (``once_differentiable``: only first derivatives are written).
 This module imports torch; ``import pycapsnet`` does not import it.
 """
@@ -64,6 +64,57 @@ class _Op:
     def __init__(self, root):
         self.root, self.B = root, root.B
         self.slots, self.objects = _slots(root), _objects(root)
+        # Where in the saved state a backward writes (dû over û, ...): learned from the tensors'
+        # version counters, so that each backward copies those alone (and what it has not seen yet)
+        self.written, self.unwritten = set(), set()
+
+    def for_backward(self, saved) -> tuple:
+        """(the saved state for one backward, what to learn from after it): a copy of every tensor
+        a backward may write over, the rest as they are, a tensor held in two places copied once."""
+        copy_all = not getattr(self.B, "tracks_writes", False)
+        paths = {}  # id -> the paths of one tensor
+
+        def find(value, path):
+            if isinstance(value, torch.Tensor):
+                paths.setdefault(id(value), []).append(path)
+            elif isinstance(value, (tuple, list, dict)):
+                for k, v in (value.items() if isinstance(value, dict) else enumerate(value)):
+                    find(v, path + (k,))
+
+        for n, (_, attrs) in enumerate(saved):
+            for a, value in attrs.items():
+                find(value, (n, a))
+        made = {}
+
+        def take(value):
+            if isinstance(value, torch.Tensor):
+                if id(value) not in made:
+                    where = paths[id(value)]
+                    copy = copy_all or any(p in self.written or p not in self.unwritten for p in where)
+                    t = value.clone() if copy else value
+                    made[id(value)] = (t, t._version, copy, where)
+                return made[id(value)][0]
+            if isinstance(value, (tuple, list)):
+                return type(value)(take(v) for v in value)
+            if isinstance(value, dict):
+                return {k: take(v) for k, v in value.items()}
+            return value
+
+        state = [(obj, {a: take(v) for a, v in attrs.items()}) for obj, attrs in saved]
+        return state, list(made.values())
+
+    def learn(self, used) -> bool:
+        """After a backward: note where it wrote; True if it wrote over an original (not a copy),
+        which spoils the graph's state for another backward."""
+        spoiled = False
+        for t, version, copied, where in used:
+            if t._version != version:
+                self.written.update(where)
+                self.unwritten.difference_update(where)
+                spoiled |= not copied
+            elif copied:
+                self.unwritten.update(p for p in where if p not in self.written)
+        return spoiled
 
     def bind(self, params):
         """The layers compute with these tensors (the module's parameters, without autograd)."""
@@ -182,7 +233,7 @@ class _Capsule(torch.autograd.Function):
         xs, params = tensors[:n_inputs], tensors[n_inputs:]
         op.bind(params)
         ys = op.forward([x.detach().clone() for x in xs])  # a layer may keep its input for backward
-        ctx.op, ctx.n_inputs, ctx.saved = op, n_inputs, op.saved()
+        ctx.op, ctx.n_inputs, ctx.saved, ctx.spoiled = op, n_inputs, op.saved(), False
         ctx.empty = op.emptied(ctx.saved)
         op.restore(ctx.empty)  # the graph holds the state, not the layers
         ctx.shapes = [tuple(y.shape) for y in ys]
@@ -193,25 +244,21 @@ class _Capsule(torch.autograd.Function):
     @once_differentiable  # first derivatives only: differentiating the gradient is refused, saying so
     def backward(ctx, *dys):
         op, n = ctx.op, ctx.n_inputs
+        if ctx.spoiled:
+            raise RuntimeError("this graph's first backward wrote over what a pycapsnet layer's forward saved, so it "
+                               "cannot be backpropagated again: run the forward again")
         op.bind(ctx.saved_tensors)
-        op.restore(_cloned(ctx.saved))  # a copy: pycapsnet's backward consumes what it reads, and
-        dys = [op.B.zeros(s) if d is None else d.contiguous() for d, s in zip(dys, ctx.shapes)]  # torch may
-        wanted = ctx.needs_input_grad[2:2 + n]                                                # run it again
+        # pycapsnet's backward may write over what it reads (dû over û): it gets copies of those
+        # tensors, so that torch can run it again (retain_graph, gradcheck)
+        state, used = op.for_backward(ctx.saved)
+        op.restore(state)
+        dys = [op.B.zeros(s) if d is None else d.contiguous() for d, s in zip(dys, ctx.shapes)]
+        wanted = ctx.needs_input_grad[2:2 + n]
         dxs, grads = op.backward(dys, any(wanted))
         op.restore(ctx.empty)  # nothing of this graph stays on the layers
+        ctx.spoiled = op.learn(used)
         dxs = [dx if w else None for w, dx in zip(wanted, dxs)]
         return (None, None, *dxs, *grads)
-
-
-def _cloned(value):
-    """A copy of every tensor in ``value`` (nested tuples, lists and dicts), the rest as it is."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cloned(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    return value
 
 
 class _Module(torch.nn.Module):
