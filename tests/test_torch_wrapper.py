@@ -211,3 +211,16 @@ def test_importing_pycapsnet_imports_neither_torch_nor_cupy():
     code = "import sys, pycapsnet, pycapsnet.training.trainer; print('torch' in sys.modules, 'cupy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_a_backend_takes_arrays_of_another_library():
+    """A torch tensor (even one that requires grad) to the numpy backend, a NumPy array to torch:
+    converted, the same result as the backend's own arrays."""
+    rng = np.random.default_rng(0)
+    x, y = rng.random((3, 1, 14, 14)), np.array([0, 2, 1])
+    ours = CapsNet(backends.get("numpy", dtype="float64"), seed=0, **SMALL)
+    theirs = CapsNet(B, seed=0, **SMALL)
+    want = ours.loss(x, y).loss
+    assert ours.loss(torch.tensor(x, requires_grad=True), torch.tensor(y)).loss == want
+    assert theirs.loss(x, y).loss == pytest.approx(want, rel=1e-12)
+    np.testing.assert_array_equal(ours.predict(torch.tensor(x)), ours.predict(x))
