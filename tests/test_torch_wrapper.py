@@ -224,3 +224,22 @@ def test_a_backend_takes_arrays_of_another_library():
     assert ours.loss(torch.tensor(x, requires_grad=True), torch.tensor(y)).loss == want
     assert theirs.loss(x, y).loss == pytest.approx(want, rel=1e-12)
     np.testing.assert_array_equal(ours.predict(torch.tensor(x)), ours.predict(x))
+
+
+CUDA = backends.gpu_unavailable_reason("torch")
+
+
+@pytest.mark.skipif(CUDA is not None, reason=f"torch:cuda: {CUDA}")
+def test_on_a_gpu_the_wrapped_layer_passes_gradcheck_and_moves_with_to():
+    rng = np.random.default_rng(5)
+    gpu = backends.get("torch", device="cuda", dtype="float64")
+    cc = ClassCaps(gpu, positions=4, types=2, in_dim=4, n_classes=3, out_dim=5, rng=rng)
+    cc.params["W"][...] = gpu.asarray(_r(rng, *cc.params["W"].shape, scale=0.5))
+    module = pct.Layer(cc)
+    u = torch.tensor(_r(rng, 3, 4, 2, 4, scale=0.5), device="cuda", requires_grad=True)
+    assert torch.autograd.gradcheck(lambda u, W: pct._Capsule.apply(module._op, 1, u, W)[0], (u, module.W))
+    on_cpu = module(u).detach().cpu()
+    module.cpu()  # the layers follow the module: a CPU backend, CPU tensors
+    assert module.wrapped.B.device == "cpu" and torch.allclose(module(u.detach().cpu()), on_cpu, rtol=1e-12)
+    module.cuda()
+    assert module.wrapped.B.device.startswith("cuda") and module(u).is_cuda

@@ -169,7 +169,6 @@ def cmd_crosscheck(args):
     dtypes = args.dtype if args.dtype_b in (None, args.dtype) else f"{args.dtype} vs {args.dtype_b}"
     if args.checkpoint and args.routing:
         raise CapsNetError("--routing builds a seeded network; a --checkpoint brings its own: give one or the other")
-    print(f"forward and backward on {args.a} and on {args.b} ({dtypes}) ...", file=sys.stderr, flush=True)
     rows, models, about = crosscheck(args.a, args.b, args.dtype, args.checkpoint, args.batch, args.seed, args.perturb,
                               config={"routing": args.routing} if args.routing else None, dtype_b=args.dtype_b)
     low = _lower_precision(args.dtype, args.dtype_b)
