@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from pycapsnet.tools import cli
-from pycapsnet.training import checkpoint, data, folder, trainer
+from pycapsnet.training import checkpoint, data, folder, preflight, trainer
 
 ARCH = ["--conv-channels", "4", "--primary-types", "2", "--no-progress", "--batch-size", "8"]
 CLASSES = ("ant", "bee", "cow")
@@ -153,7 +153,7 @@ def _png_header_only(path: Path, width: int, height: int):
 def test_oversized_images_are_refused_before_anything_is_allocated(tmp_path, capsys, monkeypatch):
     memory = 16 * 2**30  # a 16 GiB machine, whatever this one has
     monkeypatch.setattr(folder, "machine_memory", lambda: memory)
-    monkeypatch.setattr(trainer, "machine_memory", lambda: memory)
+    monkeypatch.setattr(preflight, "machine_memory", lambda: memory)
     _folder(tmp_path / "d", per_class=2)
     _png_header_only(tmp_path / "d" / "ant" / "aaa.png", 50000, 50000)
     argv = [*ARCH, "--dataset", "folder", "--data-dir", str(tmp_path / "d"), "--out", str(tmp_path / "o")]

@@ -208,7 +208,7 @@ def cmd_inspect(args):
     from ..training import checkpoint as ckpt_mod
     from ..training import data, files
     from ..training.recipe import data_options, settle
-    from ..training.trainer import checked_data
+    from ..training.preflight import checked_data
     from ..training.run_dir import prepare_out_dir, save_reconstructions
     from . import plots
 
