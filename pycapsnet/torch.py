@@ -61,12 +61,18 @@ def _slots(root) -> list:
 class _Op:
     """A wrapped pycapsnet object seen from torch: its parameters, by slot, and its saved state."""
 
-    def __init__(self, root):
-        self.root, self.B = root, root.B
-        self.slots, self.objects = _slots(root), _objects(root)
+    def __init__(self, root, like: "_Op | None" = None):
+        self.root = root
+        # the same layers as another op of this root (a network's outputs and its loss): found once
+        self.slots, self.objects = (like.slots, like.objects) if like else (_slots(root), _objects(root))
         # Where in the saved state a backward writes (dû over û, ...): learned from the tensors'
         # version counters, so that each backward copies those alone (and what it has not seen yet)
         self.written, self.unwritten = set(), set()
+
+    @property
+    def B(self):
+        """The backend the layers compute on (``move`` replaces it on every layer, the root too)."""
+        return self.root.B
 
     def for_backward(self, saved) -> tuple:
         """(the saved state for one backward, what to learn from after it): a copy of every tensor
@@ -148,13 +154,13 @@ class _Op:
         if (device, dtype) == (self.B.device, self.B.dtype):
             return
         B = backends.get("torch", device=device, dtype=dtype)
+        old = self.B
         for obj in self.objects:
             for a, value in vars(obj).items():
-                setattr(obj, a, _moved(value, B, self.B))
+                setattr(obj, a, _moved(value, B, old))
             for a in SAVED:
                 if hasattr(obj, a) and a != "in_shape":
                     setattr(obj, a, None)
-        self.B = B
         self.bind(params)
         for (_, layer, k), p in zip(self.slots, params):
             layer.grads[k] = torch.zeros_like(p.detach())
@@ -222,7 +228,7 @@ class _LossOp(_Op):
         self.zero_grads()
         dx = self.root.backward(input_grad=input_grad)
         scale = dys[0]
-        return [None if dx is None else dx * scale], [g * scale for g in self.grads()]
+        return [None if dx is None else dx * scale], [layer.grads[k] * scale for _, layer, k in self.slots]
 
 
 class _Capsule(torch.autograd.Function):
@@ -329,8 +335,7 @@ class Network(_Module):
             raise CapsNetError(f"pycapsnet.torch.Network wraps a pycapsnet network, got {type(network).__name__}; "
                                "a layer: pycapsnet.torch.Layer")
         super().__init__(network, _NetworkOp(network))
-        self._loss_op = _LossOp(network)
-        self._loss_op.objects, self._loss_op.slots = self._op.objects, self._op.slots
+        self._loss_op = _LossOp(network, like=self._op)
 
     def _labels(self, y, x):
         B = self._op.B
@@ -342,7 +347,6 @@ class Network(_Module):
         return ys[0], ys[1], ys[2] if len(ys) > 2 else None
 
     def loss(self, x, y):
-        self._loss_op.B = self._op.B
         self._loss_op.labels = self._labels(y, x)
         return self._call(self._loss_op, (x,))[0]
 

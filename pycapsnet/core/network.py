@@ -310,17 +310,20 @@ class Network:
         self.backward()
         return out
 
-    def predict(self, x, batch_size: int = 256):
-        """Class indices (host int64 array) by the highest class score, ``batch_size`` images at a
-        time: a forward holds some MB per 28x28 image (û alone is I x J x D floats), so a whole
-        test set at once would hold gigabytes."""
+    def scores(self, x, batch_size: int = 256) -> np.ndarray:
+        """Class scores (host (N, J)), ``batch_size`` images at a time: a forward holds some MB per
+        28x28 image (û alone is I x J x D floats), so a whole test set at once would hold gigabytes."""
         require_batch_size(batch_size)
         x = check_images(self.B, self.input_shape, x)
         scores = []
         for a in range(0, x.shape[0], batch_size):
             scores.append(self.B.to_numpy(self._forward(x[a:a + batch_size], None, reconstruct=False).lengths))
             self.release()
-        return np.argmax(np.concatenate(scores), axis=1).astype(np.int64)
+        return np.concatenate(scores)
+
+    def predict(self, x, batch_size: int = 256):
+        """Class indices (host int64 array) by the highest class score (``scores``)."""
+        return np.argmax(self.scores(x, batch_size), axis=1).astype(np.int64)
 
     def release(self):
         """Drop what forward kept for a backward (the PrimaryCaps spectra and û alone are hundreds

@@ -40,21 +40,17 @@ class Run:
         c, h, w = self.model.input_shape
         return data.as_float(folder.read_image(path, c, (h, w)))
 
-    def scores(self, x, batch_size: int = 64) -> np.ndarray:
-        """Class scores (N, J) of images (N, C, H, W), on the host."""
-        out = []
-        for a in range(0, len(x), batch_size):
-            out.append(self.model.B.to_numpy(self.model.forward(x[a:a + batch_size], reconstruct=False).lengths))
-            self.model.release()
-        return np.concatenate(out).astype(np.float64)
+    def best(self, x, top: int = 1, batch_size: int = 64) -> list:
+        """Per image of x (N, C, H, W): its ``top`` best classes, best first, as [(name, score), ...]."""
+        scores = self.model.scores(x, batch_size).astype(np.float64)
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :top]
+        return [[(self.classes[j], float(s[j])) for j in row] for s, row in zip(scores, order)]
 
     def predict(self, paths, top: int = 1) -> list:
         """[(path, [(class name, score), ...]), ...]: the ``top`` best classes of each file, best first."""
         if not paths:
             return []
-        scores = self.scores(np.stack([self.read(p) for p in paths]))
-        best = np.argsort(-scores, axis=1, kind="stable")[:, :top]
-        return [(p, [(self.classes[j], float(s[j])) for j in order]) for p, s, order in zip(paths, scores, best)]
+        return list(zip(paths, self.best(np.stack([self.read(p) for p in paths]), top)))
 
 
 def load(path: str, backend: str = "numpy", device: str | None = None, dtype: str | None = None) -> Run:
@@ -102,9 +98,7 @@ def cmd_predict(args) -> int:
                 failed.append(str(e))
         if not readable:
             continue
-        scores = run.scores(np.stack([x for _, x in readable]))
-        for (path, _), s in zip(readable, scores):
-            best = [(run.classes[j], float(s[j])) for j in np.argsort(-s, kind="stable")[:top]]
+        for (path, _), best in zip(readable, run.best(np.stack([x for _, x in readable]), top, args.batch_size)):
             if args.json:
                 print(json.dumps({"path": path, "top": [{"class": c, "score": v} for c, v in best]}))
             else:

@@ -66,14 +66,10 @@ class Split:
     def held_out(self, fraction: float, seed: int) -> tuple:
         """(the rest, the held-out share): ``fraction`` of each class (rounded, at least one of a
         class of two or more), seeded; both keep this split's order."""
-        rng = np.random.default_rng([seed, 1729])
-        held = []
-        for c in range(len(self.classes)):
-            members = np.flatnonzero(self.y == c)
-            k = min(len(members) - 1, max(1, round(fraction * len(members)))) if len(members) > 1 else 0
-            held.append(rng.permutation(members)[:k])
+        counts = np.bincount(self.y, minlength=len(self.classes))
+        take = [min(n - 1, max(1, round(fraction * n))) if n > 1 else 0 for n in counts]
         mask = np.zeros(len(self), bool)
-        mask[np.concatenate(held).astype(np.int64)] = True
+        mask[self._drawn(take, np.random.default_rng([seed, 1729]))] = True
         if mask.all() or not mask.any():
             raise CapsNetError(f"--val-fraction {fraction} of {len(self)} training images leaves "
                                f"{'nothing to train on' if mask.all() else 'no image to validate on'}")
@@ -93,8 +89,12 @@ class Split:
         # the images left over go to the largest remainders, ties in a seeded order
         order = np.lexsort((rng.random(len(counts)), -(quota - take)))
         take[order[:n - take.sum()]] += 1
+        return self.take(self._drawn(take, rng))
+
+    def _drawn(self, take, rng) -> np.ndarray:
+        """Indices of ``take[c]`` images of each class c, drawn at random, in this split's order."""
         idx = [rng.permutation(np.flatnonzero(self.y == c))[:k] for c, k in enumerate(take)]
-        return self.take(np.sort(np.concatenate(idx)))
+        return np.sort(np.concatenate(idx)).astype(np.int64)
 
 
 def as_float(x: np.ndarray) -> np.ndarray:

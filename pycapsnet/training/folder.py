@@ -154,42 +154,39 @@ def _decode(files, image_size, channels, progress):
         except ImportError:
             pass
     for k, (_, _, path) in enumerate(bar):
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except OSError as e:
-            raise CapsNetError(f"cannot read the image {path}: {e.strerror or e}") from None
+        raw = _read(path)
         sums.append((len(raw), hashlib.blake2b(raw, digest_size=16).hexdigest()))
         im = _upright(path, raw)
         if im.size != (w, h) and not image_size:
             raise CapsNetError(f"{path} is {im.size[1]}x{im.size[0]} but {first} is {h}x{w}: give "
                                "--image-size H W to resize them all to one size")
-        try:
-            a = _pixels(im, path, channels, (w, h))
-        except CapsNetError:  # a ValueError, already naming the file
-            raise
-        except (OSError, ValueError) as e:
-            raise CapsNetError(f"cannot read the image {path}: {e}") from None
-        out[k] = a[None] if channels == 1 else np.moveaxis(a, -1, 0)
+        out[k] = _channels_first(im, path, channels, (w, h))
     return out, sums
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CapsNetError(f"cannot read the image {path}: {e.strerror or e}") from None
+
+
+def _channels_first(im, path: str, channels: int, size) -> np.ndarray:
+    """The decoded image's uint8 pixels (C, H, W), resized to ``size`` (W, H) where it differs."""
+    try:
+        a = _pixels(im, path, channels, size)
+    except CapsNetError:  # a ValueError, already naming the file
+        raise
+    except (OSError, ValueError) as e:
+        raise CapsNetError(f"cannot read the image {path}: {e}") from None
+    return a[None] if channels == 1 else np.moveaxis(a, -1, 0)
 
 
 def read_image(path: str, channels: int, size) -> np.ndarray:
     """One image file as a folder run reads its images: upright, resized to ``size`` (H, W) where
     it differs, 1 or 3 channels -> uint8 (C, H, W).  CapsNetError naming the file if it cannot."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise CapsNetError(f"cannot read the image {path}: {e.strerror or e}") from None
-    im = _upright(path, raw)
-    try:
-        a = _pixels(im, path, channels, (size[1], size[0]))
-    except CapsNetError:
-        raise
-    except (OSError, ValueError) as e:
-        raise CapsNetError(f"cannot read the image {path}: {e}") from None
-    return a[None] if channels == 1 else np.moveaxis(a, -1, 0)
+    return _channels_first(_upright(path, _read(path)), path, channels, (size[1], size[0]))
 
 
 # ---- the split -----------------------------------------------------------------------------------

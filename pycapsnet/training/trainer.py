@@ -256,8 +256,7 @@ class Training:
             say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%{val}  "
                 f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s "
                 f"({last['train_samples_per_s']:.0f} samples/s)")
-            steps = (epoch + 1) * -(-len(self.train_set) // (run.batch_size * (group.world if group else 1)))
-            report.collapse(confusion, self.test_set.classes, steps)
+            report.collapse(confusion, self.test_set.classes, self.steps_done)
             if group is None or group.writes:
                 self.directory.commit(model, opt, self.test_set, history, run.recipe, self.train_set.classes,
                                       best=self.val_set is not None and best_epoch(history) == epoch + 1,
