@@ -16,6 +16,7 @@ What flows between layers, per sample (``Flow``):
     image    (H, W, C) channels-last
     vector   capsules (P, T, K): P positions of a (H, W) grid, or no grid (P = 1) after a routing layer
     matrix   (M (H, W, T, 16), a (H, W, T)) on a grid, or (μ (J, 16), a (J)) after class capsules
+    flat     (F) features: a flattened image or capsules, a Linear layer's output (the baseline CNN)
 """
 from __future__ import annotations
 
@@ -30,22 +31,25 @@ from .capsules import AttentionCaps, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
 from ..errors import CapsNetError
 from .init import he_uniform, routed_std
-from .layers import Conv2d, Linear, ReLU, Sigmoid
-from .losses import MarginLoss, ReconstructionLoss, SpreadLoss
+from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU, Sigmoid
+from .losses import MarginLoss, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
-from .network import ActivationHead, LengthHead, MaskedDecoder, Network, Sequential
+from .network import ActivationHead, LengthHead, LogitsHead, MaskedDecoder, Network, Sequential
 
 
 @dataclass(frozen=True)
 class Flow:
     """What one sample carries between two layers: kind "image" (grid (H, W), C channels),
-    "vector" (grid or None, T capsule types, K dims) or "matrix" (grid or None, T types, 4x4 poses)."""
+    "vector" (grid or None, T capsule types, K dims), "matrix" (grid or None, T types, 4x4 poses) or
+    "flat" (no grid, T features)."""
     kind: str
     grid: tuple | None
     types: int
     dim: int = 16
 
     def __str__(self):
+        if self.kind == "flat":
+            return f"{self.types} features"
         if self.kind == "image":
             return f"a {self.grid[0]}x{self.grid[1]} image of {self.types} channels"
         what = f"capsule{'s' if self.grid is None else ' types'} of {self.dim}D" if self.kind == "vector" \
@@ -65,6 +69,22 @@ def conv2d(channels, kernel, stride=1, padding=0, name=None):
 
 def relu(name=None):
     return _part("relu", name)
+
+
+def max_pool(kernel=2, stride=None, name=None):
+    return _part("max_pool", name, kernel=kernel, stride=stride)
+
+
+def flatten(name=None):
+    return _part("flatten", name)
+
+
+def linear(features, name=None):
+    return _part("linear", name, features=features)
+
+
+def dropout(rate=0.5, name=None):
+    return _part("dropout", name, rate=rate)
 
 
 def primary_caps(types, dim, kernel=9, stride=2, conv="fourier", name=None):
@@ -109,16 +129,21 @@ def spread_loss():
     return {"loss": "spread"}
 
 
+def cross_entropy():
+    return {"loss": "cross_entropy"}
+
+
 def decoder(hidden=(512, 1024), weight=0.0005):
     return {"hidden": list(hidden), "weight": weight}
 
 
 def network(body, head="lengths", loss=None, decoder=decoder(), input_shape=None, n_classes=None):
-    """A whole description.  ``head``: "lengths" (vector capsules) or "activations" (matrix
-    capsules); ``loss`` defaults to the head's: margin for lengths, spread for activations;
-    ``decoder`` None: no reconstruction.  input_shape (C, H, W) and n_classes may be left None for
-    the trainer to take from the data."""
-    loss = loss or (margin_loss() if head == "lengths" else spread_loss())
+    """A whole description.  ``head``: "lengths" (vector capsules), "activations" (matrix
+    capsules) or "logits" (a CNN's last Linear layer); ``loss`` defaults to the head's: margin for
+    lengths, spread for activations, cross-entropy for logits; ``decoder`` None: no reconstruction
+    (a CNN has none).  input_shape (C, H, W) and n_classes may be left None for the trainer to take
+    from the data."""
+    loss = loss or DEFAULT_LOSS.get(head, margin_loss)()
     return {"input_shape": None if input_shape is None else list(input_shape), "n_classes": n_classes,
             "body": list(body), "head": head, "loss": loss, "decoder": decoder}
 
@@ -131,6 +156,28 @@ def _conv2d(B, flow, rng, channels, kernel, stride=1, padding=0):
 
 def _relu(B, flow, rng):
     return ReLU(B), flow
+
+
+def _max_pool(B, flow, rng, kernel=2, stride=None):
+    layer = MaxPool2d(B, kernel, stride)
+    return layer, Flow("image", _fits(layer.output_hw(*_need(flow, "image").grid), kernel, layer.stride), flow.types)
+
+
+def _flatten(B, flow, rng):
+    if flow.kind == "matrix":
+        raise _Misfit("it takes an image, vector capsules or features")
+    size = math.prod(flow.grid or (1,)) * flow.types * (1 if flow.kind in ("image", "flat") else flow.dim)
+    return Flatten(B), Flow("flat", None, size, 1)
+
+
+def _linear(B, flow, rng, features):
+    return Linear(B, _need(flow, "flat").types, features, rng=rng, init=he_uniform), Flow("flat", None, features, 1)
+
+
+def _dropout(B, flow, rng, rate=0.5):
+    if flow.kind == "matrix":
+        raise _Misfit("it takes an image, vector capsules or features")
+    return Dropout(B, rate, seed=int(rng.integers(2**63))), flow
 
 
 def _primary_caps(B, flow, rng, types, dim, kernel=9, stride=2, conv="fourier"):
@@ -187,11 +234,13 @@ def _class_matrix_caps(B, flow, rng, capsules, iters=2, routing_grad="full", em_
     return layer, Flow("matrix", None, capsules)
 
 
-LAYERS = {"conv2d": _conv2d, "relu": _relu, "primary_caps": _primary_caps, "dynamic_caps": _dynamic_caps,
+LAYERS = {"conv2d": _conv2d, "relu": _relu, "max_pool": _max_pool, "flatten": _flatten, "linear": _linear,
+          "dropout": _dropout, "primary_caps": _primary_caps, "dynamic_caps": _dynamic_caps,
           "attention_caps": _attention_caps, "conv_caps": _conv_caps, "primary_matrix_caps": _primary_matrix_caps,
           "conv_matrix_caps": _conv_matrix_caps, "class_matrix_caps": _class_matrix_caps}
-HEADS = {"lengths": ("vector", LengthHead), "activations": ("matrix", ActivationHead)}
-LOSSES = {"margin": MarginLoss, "spread": SpreadLoss}
+HEADS = {"lengths": ("vector", LengthHead), "activations": ("matrix", ActivationHead), "logits": ("flat", LogitsHead)}
+LOSSES = {"margin": MarginLoss, "spread": SpreadLoss, "cross_entropy": SoftmaxCrossEntropy}
+DEFAULT_LOSS = {"lengths": margin_loss, "activations": spread_loss, "logits": cross_entropy}
 
 
 class _Misfit(Exception):
@@ -280,9 +329,13 @@ def assemble(B, arch: dict, seed: int = 0) -> dict:
         raise CapsNetError(f"unknown head {head!r}; use one of {', '.join(HEADS)}")
     kind, head_cls = HEADS[head]
     if flow.kind != kind or flow.grid is not None or flow.types != n_classes:
-        raise CapsNetError(f"the head '{head}' takes {n_classes} {kind} capsules without a grid (one per class), "
-                           f"but the body's last layer {last} emits {flow}")
-    loss = dict(arch.get("loss") or (margin_loss() if head == "lengths" else spread_loss()))
+        what = f"{n_classes} features (one logit per class)" if kind == "flat" else \
+            f"{n_classes} {kind} capsules without a grid (one per class)"
+        raise CapsNetError(f"the head '{head}' takes {what}, but the body's last layer {last} emits {flow}")
+    if kind == "flat" and arch.get("decoder"):
+        raise CapsNetError("the head 'logits' has no class capsules for a decoder to reconstruct from: "
+                           "describe the network with decoder=None")
+    loss = dict(arch.get("loss") or DEFAULT_LOSS[head]())
     loss_cls = LOSSES.get(loss.pop("loss", None))
     if loss_cls is None:
         raise CapsNetError(f"unknown loss in {arch.get('loss')}; use one of {', '.join(LOSSES)}")

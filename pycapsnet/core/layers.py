@@ -1,4 +1,4 @@
-"""Plain layers: Conv2d, ReLU, Sigmoid, Linear.
+"""Plain layers: Conv2d, ReLU, Sigmoid, Linear, and for a baseline CNN MaxPool2d, Flatten, Dropout.
 
 The contract every layer in pycapsnet follows (CS231n style):
 
@@ -21,8 +21,11 @@ import numpy as np
 
 
 class Layer:
+    capturable = True  # False: a step through it cannot be recorded and replayed (graph.py)
+
     def __init__(self, backend):
         self.B = backend
+        self.training = True
         self.params: dict = {}
         self.grads: dict = {}
         self.cache = None
@@ -40,6 +43,19 @@ class Layer:
 
     def backward(self, dy, input_grad=True):  # pragma: no cover - interface
         raise NotImplementedError
+
+    def walk(self):
+        """This layer and the layers it is made of, depth first."""
+        yield self
+        for part in vars(self).values():
+            if isinstance(part, Layer) and part is not self:
+                yield from part.walk()
+
+    def train(self, mode: bool = True):
+        """Training (True) or evaluation (False) mode, here and in the layers this one is made of:
+        only Dropout behaves differently."""
+        for layer in self.walk():
+            layer.training = mode
 
     def release(self):
         """Drop what forward kept for a backward (and a routing layer's trace of its iterations),
@@ -222,3 +238,93 @@ class Linear(Layer):
         self.grads["W"] += self.B.matmul(xp.matrix_transpose(x), dy)
         self.grads["b"] += xp.sum(dy, axis=0)
         return self.B.matmul(dy, xp.matrix_transpose(self.params["W"])) if input_grad else None
+
+
+class MaxPool2d(Layer):
+    """Max-pooling of channels-last images over k x k windows, stride s (default k):
+
+        y[n, oh, ow, c] = max_{i, j < k} x[n, s*oh + i, s*ow + j, c]
+
+    The maximum's gradient goes to the entry it came from: dx[argmax of a window] += dy.  The
+    windows are visited as k*k strided slices of x (one per offset (i, j)), each compared with y;
+    the first offset that equals y takes dy, so a tie sends it to one entry only, as an argmax does."""
+
+    def __init__(self, backend, kernel=2, stride=None):
+        super().__init__(backend)
+        self.k, self.stride = kernel, stride or kernel
+
+    def output_hw(self, h, w):
+        return (h - self.k) // self.stride + 1, (w - self.k) // self.stride + 1
+
+    def _offsets(self, x):
+        """(rows, cols) slices of x that offset (i, j) of every window reads, one per offset."""
+        oh, ow = self.output_hw(*x.shape[1:3])
+        s = self.stride
+        return [(slice(i, i + s * (oh - 1) + 1, s), slice(j, j + s * (ow - 1) + 1, s))
+                for i in range(self.k) for j in range(self.k)]
+
+    def forward(self, x):
+        # x: (N, H, W, C) -> y: (N, OH, OW, C)
+        xp = self.B.xp
+        offsets = self._offsets(x)
+        y = x[:, offsets[0][0], offsets[0][1], :]
+        for rows, cols in offsets[1:]:
+            y = xp.maximum(y, x[:, rows, cols, :])
+        self.cache = (x, y)
+        return y
+
+    def backward(self, dy, input_grad=True):
+        xp = self.B.xp
+        (x, y), self.cache = self.cache, None
+        dx = self.B.zeros(tuple(x.shape), dtype=self.B.dtype_name(x))
+        open_ = xp.ones_like(y, dtype=xp.bool)  # windows whose maximum has not taken dy yet
+        for rows, cols in self._offsets(x):
+            hit = (x[:, rows, cols, :] == y) & open_
+            dx[:, rows, cols, :] += dy * hit  # overlapping windows (s < k) add up
+            open_ = open_ & ~hit
+        return dx
+
+
+class Flatten(Layer):
+    """(N, ...) -> (N, F): a channels-last image flattens in (row, column, channel) order."""
+
+    def forward(self, x):
+        self.cache = tuple(x.shape)
+        return self.B.xp.reshape(x, (x.shape[0], -1))
+
+    def backward(self, dy, input_grad=True):
+        shape, self.cache = self.cache, None
+        return self.B.xp.reshape(dy, shape)
+
+
+class Dropout(Layer):
+    """Inverted dropout (Srivastava et al. 2014): in training each entry is kept with probability
+    1 - p and scaled by 1 / (1 - p), so that evaluation (the identity) sees the same expected value:
+
+        y = x * m,   m = [u >= p] / (1 - p),   u ~ U(0, 1);      dx = dy * m
+
+    The mask is drawn on the host from the layer's own seeded generator, so every backend draws the
+    same masks.  ``hold``: keep the last mask (a gradient check perturbs the input under one mask).
+    A drawn mask is data that changes every step, so a step through this layer is not captured."""
+
+    capturable = False
+
+    def __init__(self, backend, rate=0.5, seed=0):
+        super().__init__(backend)
+        if not 0 <= rate < 1:
+            raise ValueError(f"the dropout rate must be in [0, 1), got {rate!r}")
+        self.rate, self.rng, self.hold, self.mask = rate, np.random.default_rng(seed), False, None
+
+    def forward(self, x):
+        if not self.training or self.rate == 0:
+            self.cache = None
+            return x
+        if not (self.hold and self.mask is not None and tuple(self.mask.shape) == tuple(x.shape)):
+            keep = self.rng.random(tuple(x.shape)) >= self.rate
+            self.mask = self.B.asarray(keep / (1 - self.rate), dtype=self.B.dtype_name(x))
+        self.cache = self.mask
+        return x * self.mask
+
+    def backward(self, dy, input_grad=True):
+        mask, self.cache = self.cache, None
+        return dy if mask is None else dy * mask

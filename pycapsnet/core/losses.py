@@ -1,4 +1,5 @@
-"""Margin loss (Sabour et al. 2017, eq. 4), spread loss (Hinton et al. 2018) and reconstruction loss.
+"""Margin loss (Sabour et al. 2017, eq. 4), spread loss (Hinton et al. 2018), reconstruction loss, and
+softmax cross-entropy for the baseline CNN.
 Each is a mean over the batch;
 ``backward()`` returns the gradient of that mean."""
 from __future__ import annotations
@@ -98,3 +99,33 @@ class SpreadLoss:
         e, onehot, n = self.cache
         self.cache = None
         return (2 * e - 2 * onehot * self.B.xp.sum(e, axis=1, keepdims=True)) / n
+
+
+class SoftmaxCrossEntropy:
+    """The baseline CNN's loss on class logits z (N, J), with p = softmax(z):
+
+        L = mean_n ( log sum_j e^{z_nj} - z_nt ) = mean_n -log p_nt,        t the label
+
+    computed from z - max_j z (the same L, no overflow).  Gradient:  dL/dz = (p - T) / N, T one-hot.
+    ``onehot`` may hold several 1s per row (a sample of two digits): L then sums -log p over them."""
+
+    name = "cross_entropy"
+
+    def __init__(self, backend):
+        self.B, self.cache = backend, None
+
+    def set_epoch(self, epoch: int):
+        """Cross-entropy has no schedule."""
+
+    def forward(self, z, onehot):
+        xp = self.B.xp
+        shifted = z - xp.max(z, axis=1, keepdims=True)
+        log_norm = xp.log(xp.sum(xp.exp(shifted), axis=1, keepdims=True))   # log sum_j e^{z_j - max}
+        log_p = shifted - log_norm                                          # (N, J)
+        self.cache = (xp.exp(log_p), onehot, z.shape[0])
+        return -xp.sum(onehot * log_p) / z.shape[0]
+
+    def backward(self):
+        p, onehot, n = self.cache
+        self.cache = None
+        return (p * self.B.xp.sum(onehot, axis=1, keepdims=True) - onehot) / n

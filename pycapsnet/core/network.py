@@ -61,6 +61,11 @@ class Sequential(Layer):
             dy = self.layers[k].backward(dy, input_grad=input_grad or k > 0)
         return dy
 
+    def walk(self):
+        yield self
+        for layer in self.layers:
+            yield from layer.walk()
+
     def release(self):
         for layer in self.layers:
             layer.release()
@@ -91,6 +96,16 @@ class ActivationHead(Layer):
 
     def backward(self, dv, dscores):
         return dv, dscores
+
+
+class LogitsHead(Layer):
+    """A CNN's class logits z (N, J) -> (z, z): no capsules, the logits are the scores."""
+
+    def forward(self, z):
+        return z, z
+
+    def backward(self, dv, dscores):
+        return dv + dscores
 
 
 class MaskedDecoder(Sequential):
@@ -173,6 +188,7 @@ class Network:
         self.decoder, self.recon_loss = decoder, recon_loss
         self.input_shape, self.n_classes, self.class_dim = tuple(input_shape), n_classes, class_dim
         self.architecture = architecture
+        self.training = True
         self._eye = backend.asarray(np.eye(n_classes))  # row j: the one-hot mask of class j
         self._cache = None
         named = list(self.layers())
@@ -207,6 +223,23 @@ class Network:
     @property
     def grads(self) -> dict:
         return {f"{n}.{k}": g for n, l in self.layers() for k, g in l.grads.items()}
+
+    def parts(self):
+        """Every layer of the network, parameters or not (the body's, the head, the decoder's)."""
+        for part in (self.body, self.head, self.decoder):
+            if part is not None:
+                yield from part.walk()
+
+    def train(self, mode: bool = True):
+        """Training (True, the default) or evaluation mode: Dropout drops only in training."""
+        self.training = mode
+        for layer in self.parts():
+            layer.training = mode
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a step can be recorded once and replayed (graph.py): not through a Dropout."""
+        return all(getattr(layer, "capturable", True) for layer in self.parts())
 
     def n_params(self) -> int:
         return int(sum(np.prod(p.shape) for p in self.params.values()))
@@ -315,10 +348,14 @@ class Network:
         28x28 image (û alone is I x J x D floats), so a whole test set at once would hold gigabytes."""
         require_batch_size(batch_size)
         x = check_images(self.B, self.input_shape, x)
-        scores = []
-        for a in range(0, x.shape[0], batch_size):
-            scores.append(self.B.to_numpy(self._forward(x[a:a + batch_size], None, reconstruct=False).lengths))
-            self.release()
+        scores, mode = [], self.training
+        self.train(False)
+        try:
+            for a in range(0, x.shape[0], batch_size):
+                scores.append(self.B.to_numpy(self._forward(x[a:a + batch_size], None, reconstruct=False).lengths))
+                self.release()
+        finally:
+            self.train(mode)
         return np.concatenate(scores)
 
     def predict(self, x, batch_size: int = 256):

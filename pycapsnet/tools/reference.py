@@ -201,20 +201,25 @@ def dynamic_route(u_hat, iters, final=False):
 
 
 class AutogradNetwork(AutogradCapsNet):
-    """A network of vector capsules from a description (architecture.py) -- conv2d, relu,
-    primary_caps, dynamic_caps, conv_caps; the lengths head, margin loss, decoder -- under autograd,
-    written from the description alone: the oracle for compositions (stacked routing, ConvCaps)."""
+    """A network from a description (architecture.py) -- conv2d, relu, max_pool, flatten, linear,
+    dropout, primary_caps, dynamic_caps, conv_caps; the lengths or logits head, margin or
+    cross-entropy loss, decoder -- under autograd, written from the description alone: the oracle
+    for compositions (stacked routing, ConvCaps, the baseline CNN).  ``masks``: each Dropout's mask
+    by layer name (channels-last, as the layer drew it), or the model's last ones (``from_model``)."""
 
-    def __init__(self, description, params, device="cpu", dtype=torch.float32):
+    def __init__(self, description, params, device="cpu", dtype=torch.float32, masks=None):
         super().__init__(None, params, device, dtype)
         self.arch = description
+        self.masks = {k: torch.as_tensor(np.asarray(m), dtype=dtype, device=device) for k, m in (masks or {}).items()}
 
     @classmethod
     def from_model(cls, model, device="cpu", dtype=torch.float32):
-        return cls(model.architecture, model.state_dict(), device, dtype)
+        masks = {name: model.B.to_numpy(layer.mask) for name, layer in model.body
+                 if getattr(layer, "mask", None) is not None and layer.training}
+        return cls(model.architecture, model.state_dict(), device, dtype, masks)
 
     def forward(self, x, y=None):
-        p, names, h, grid = self.params, {}, x, None
+        p, names, h, grid, image = self.params, {}, x, None, True  # image: h is (N, C, H, W)
         for spec in self.arch["body"]:
             kind = spec["layer"]
             names[kind] = names.get(kind, 0) + 1
@@ -224,9 +229,18 @@ class AutogradNetwork(AutogradCapsNet):
                              padding=spec.get("padding", 0))
             elif kind == "relu":
                 h = F.relu(h)
+            elif kind == "max_pool":
+                h = F.max_pool2d(h, spec.get("kernel", 2), spec.get("stride") or spec.get("kernel", 2))
+            elif kind == "flatten":
+                h, image = (h.permute(0, 2, 3, 1) if image else h).reshape(h.shape[0], -1), False  # channels-last order
+            elif kind == "linear":
+                h = h @ p[name + ".W"] + p[name + ".b"]
+            elif kind == "dropout":
+                m = self.masks[name]
+                h = h * (m.permute(0, 3, 1, 2) if image else m.reshape(h.shape))
             elif kind == "primary_caps":
                 s = self.conv(h, name, spec.get("stride", 2))                       # (N, T*K, H2, W2)
-                grid = s.shape[2:]
+                grid, image = s.shape[2:], False
                 h = squash(s.permute(0, 2, 3, 1).reshape(s.shape[0], -1, spec["types"], spec["dim"]))
             elif kind == "dynamic_caps":
                 W = p[name + ".W"]                                                   # (P|1, T, J, D, K)
@@ -238,8 +252,12 @@ class AutogradNetwork(AutogradCapsNet):
                 h, grid = self.conv_capsules(h, grid, name, spec)
             else:
                 raise ValueError(f"the autograd reference has no {kind}")
+        if self.arch.get("head") == "logits":
+            return h, h, None
         v = h
         lengths = v.norm(dim=-1)
+        if not self.arch.get("decoder"):
+            return v, lengths, None
         n, J = v.shape[0], v.shape[1]
         mask = F.one_hot(y if y is not None else lengths.argmax(1), J).to(v.dtype)
         z = (v * mask[..., None]).reshape(n, -1)
@@ -262,10 +280,13 @@ class AutogradNetwork(AutogradCapsNet):
         return v.reshape(n, oh * ow, W.shape[1], W.shape[2]), (oh, ow)
 
     def loss(self, x, y):
-        v, lengths, recon = self.forward(x, y)
+        v, scores, recon = self.forward(x, y)
         loss = self.arch.get("loss") or {}
-        t = F.one_hot(y, lengths.shape[1]).to(lengths.dtype)
-        margin = (t * F.relu(loss.get("m_plus", 0.9) - lengths) ** 2
-                  + loss.get("lam", 0.5) * (1 - t) * F.relu(lengths - loss.get("m_minus", 0.1)) ** 2).sum(1).mean()
-        rec = self.arch["decoder"]["weight"] * ((recon - x) ** 2).sum() / x.shape[0]
-        return margin + rec, margin, rec
+        if loss.get("loss", "cross_entropy" if self.arch.get("head") == "logits" else "margin") == "cross_entropy":
+            class_loss = F.cross_entropy(scores, y)
+        else:
+            t = F.one_hot(y, scores.shape[1]).to(scores.dtype)
+            class_loss = (t * F.relu(loss.get("m_plus", 0.9) - scores) ** 2
+                          + loss.get("lam", 0.5) * (1 - t) * F.relu(scores - loss.get("m_minus", 0.1)) ** 2).sum(1).mean()
+        rec = 0 if recon is None else self.arch["decoder"]["weight"] * ((recon - x) ** 2).sum() / x.shape[0]
+        return class_loss + rec, class_loss, rec

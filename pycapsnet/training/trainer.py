@@ -57,13 +57,17 @@ def evaluate(model, split: data.Split, batch_size: int = EVAL_BATCH, show: bool 
         split = split.take(group.part(n_all))
     correct, loss_sum = 0, 0.0
     n_batches = (len(split) + batch_size - 1) // batch_size
-    for x, y in progress(data.batches(split, batch_size), n_batches, "eval", not show, batch=batch_size):
-        with model.B.quiet_float_errors():
-            out = captured(x, y) if captured is not None and len(y) == captured.batch_size else model.loss(x, y)
-        correct += int((out.predictions == y).sum())
-        loss_sum += out.loss * len(y)
-        if confusion is not None:
-            np.add.at(confusion, (y, out.predictions), 1)
+    model.train(False)  # Dropout, if any, drops nothing
+    try:
+        for x, y in progress(data.batches(split, batch_size), n_batches, "eval", not show, batch=batch_size):
+            with model.B.quiet_float_errors():
+                out = captured(x, y) if captured is not None and len(y) == captured.batch_size else model.loss(x, y)
+            correct += int((out.predictions == y).sum())
+            loss_sum += out.loss * len(y)
+            if confusion is not None:
+                np.add.at(confusion, (y, out.predictions), 1)
+    finally:
+        model.train(True)
     model.release()  # no backward follows: do not carry forward's caches into the next train step
     if group is not None:
         correct, loss_sum = group.sum_values([correct, loss_sum])
@@ -215,9 +219,9 @@ class Training:
         # Where the backend can record a step and replay it (a CUDA graph), full batches go through
         # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
         # Evaluation likewise, in batches of EVAL_BATCH.  (Not in a data-parallel run: the gradients'
-        # sum across processes sits inside the step.)
+        # sum across processes sits inside the step; nor through a Dropout, whose mask is new each step.)
         captured = captured_eval = None
-        if B.can_capture and run.graph and not group:
+        if B.can_capture and run.graph and not group and model.capturable:
             if len(self.train_set) >= run.batch_size:
                 captured = CapturedStep(model, opt, run.batch_size)
             if len(self.test_set) >= EVAL_BATCH:

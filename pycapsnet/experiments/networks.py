@@ -1,0 +1,39 @@
+"""The two networks the paper's experiments compare (Sabour, Frosst & Hinton 2017, §5 and §6), as
+descriptions (architecture.py) for any input size:
+
+    capsnet       conv1 9x9/1, 256, ReLU -> PrimaryCaps 9x9/2, 32 x 8D -> 10 class capsules of 16D,
+                  routing r times (r = 1: the mean of the predictions, no agreement); decoder
+                  512-1024 on the masked class capsules, or none (Table 1's "no reconstruction")
+    baseline_cnn  three 5x5/1 convolutions ('same' padding) of 256, 256 and 128 channels, the first
+                  two max-pooled 2x2, each ReLU'd, two fully connected layers of 328 and 192,
+                  dropout before the last (10-way) layer, softmax cross-entropy: the paper's
+                  baseline, whose pooling the paper does not give.  Pooling before the ReLU is the
+                  same function (max and ReLU commute) at a quarter of the ReLU's work.
+"""
+from __future__ import annotations
+
+from ..core import architecture as A
+
+
+def capsnet(input_shape, n_classes=10, iters=3, reconstruction=True, decoder_hidden=(512, 1024)):
+    body = [A.conv2d(256, 9, name="conv1"), A.relu(name="relu1"),
+            A.primary_caps(32, 8, kernel=9, stride=2, name="primary"),
+            A.dynamic_caps(n_classes, 16, iters=iters, name="classcaps")]
+    return A.network(body, decoder=A.decoder(decoder_hidden) if reconstruction else None,
+                     input_shape=input_shape, n_classes=n_classes)
+
+
+def baseline_cnn(input_shape, n_classes=10, channels=(256, 256, 128), hidden=(328, 192), kernel=5, dropout=0.5,
+                 pooled=2):
+    """``pooled``: how many of the convolutions (the first ones) are max-pooled 2x2."""
+    body = []
+    for k, c in enumerate(channels, start=1):
+        body.append(A.conv2d(c, kernel, padding=kernel // 2, name=f"conv{k}"))
+        if k <= pooled:
+            body.append(A.max_pool(2, name=f"pool{k}"))
+        body.append(A.relu(name=f"relu{k}"))
+    body.append(A.flatten(name="flatten"))
+    for k, h in enumerate(hidden, start=1):
+        body += [A.linear(h, name=f"fc{k}"), A.relu(name=f"fc{k}_relu")]
+    body += [A.dropout(dropout, name="dropout"), A.linear(n_classes, name="logits")]
+    return A.network(body, head="logits", decoder=None, input_shape=input_shape, n_classes=n_classes)
