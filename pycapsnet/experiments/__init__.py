@@ -1,0 +1,86 @@
+"""The paper's experiments (Sabour, Frosst & Hinton 2017) on data made from the embedded digits:
+``pycapsnet experiment NAME``, NAME one of
+
+    table1      test error of the baseline CNN and CapsNet with 1 and 3 routing iterations, with and
+                without the reconstruction loss, over seeds (Table 1)
+    affine      CapsNet and the baseline CNN trained on digits placed at random on a 40x40 canvas,
+                tested on translated and on affinely transformed test digits (§5.2, affNIST)
+    multimnist  two overlapping digits per image: both recognised, each reconstructed (§6, Figure 5)
+
+Each writes results.json, results.md and its figures into --out; ``--quick`` runs it at a toy size
+in seconds (what the test suite runs).  docs/experiments.md holds the measured tables."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from ..errors import CapsNetError
+from ..training.argtypes import nonnegative_int, positive_float, positive_int
+from ..training.files import atomic_write
+from ..training.log import say
+
+NAMES = ("table1", "affine", "multimnist")
+QUICK = dict(epochs=1, seeds=2, limit=120)  # --quick: flags left out take these
+
+
+def add_parser(sub, backends_help: str):
+    x = sub.add_parser("experiment", help="the paper's experiments: table1, affine, multimnist (docs/experiments.md)")
+    x.add_argument("name", choices=NAMES)
+    x.add_argument("--quick", action="store_true", help="a toy size that runs in seconds (small networks and data)")
+    x.add_argument("--out", default=None, help="directory for results and figures (default: experiments/NAME)")
+    x.add_argument("--epochs", type=positive_int, default=None, help="epochs per network (default: 12; quick: 1)")
+    x.add_argument("--seeds", type=positive_int, default=None, help="seeds per network (default: 3; quick: 2)")
+    x.add_argument("--limit", type=positive_int, default=None,
+                   help="training digits used (default: all 4,000; quick: 120); the test set shrinks in proportion")
+    x.add_argument("--batch-size", type=positive_int, default=32)
+    x.add_argument("--lr", type=positive_float, default=2e-3)
+    x.add_argument("--backend", default="numpy", help=f"{backends_help} (default: numpy)")
+    x.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    a = x.add_argument_group("affine")
+    a.add_argument("--canvas", type=int, default=None, help="canvas side (default: affine 40, multimnist 36)")
+    a.add_argument("--max-rotation", type=float, default=20.0, help="degrees (default: 20, affNIST's)")
+    a.add_argument("--max-shear", type=float, default=45.0, help="degrees (default: 45, affNIST's)")
+    a.add_argument("--scale", type=float, nargs=2, default=(0.8, 1.2), metavar=("LOW", "HIGH"),
+                   help="horizontal and vertical scale ranges (default: 0.8 1.2, affNIST's)")
+    m = x.add_argument_group("multimnist")
+    m.add_argument("--shift", type=nonnegative_int, default=4, help="pixels each digit moves in each direction (default: 4)")
+    m.add_argument("--pairs", type=int, default=None,
+                   help="pairs made per training digit per epoch (default: 2; quick: 1); the test set has 1 per digit")
+    x.set_defaults(fn=main)
+    return x
+
+
+def main(args) -> int:
+    import backends
+
+    from . import affine, multimnist, table1
+
+    module = {"table1": table1, "affine": affine, "multimnist": multimnist}[args.name]
+    defaults = QUICK if args.quick else dict(epochs=12, seeds=3, limit=None)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    out = args.out or os.path.join("experiments", args.name + ("-quick" if args.quick else ""))
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise CapsNetError(f"cannot make the output directory {out}: {e.strerror or e}") from None
+    B = backends.get(args.backend, dtype=args.dtype)
+    say(f"experiment {args.name}{' (quick)' if args.quick else ''} on {B.label}: {args.epochs} epoch(s), "
+        f"{args.seeds} seed(s), results in {out}")
+    t0 = time.perf_counter()
+    results = module.run(args, B, out) if args.name != "table1" else module.run(args, B)
+    results.update(command=_command(args), backend=B.label, minutes=round((time.perf_counter() - t0) / 60, 1))
+    text = module.table(results)
+    atomic_write(os.path.join(out, "results.json"), lambda f: json.dump(results, f, indent=1), text=True)
+    atomic_write(os.path.join(out, "results.md"), lambda f: f.write(text + "\n"), text=True)
+    print(text)
+    say(f"done in {results['minutes']} min: results.json, results.md in {out}")
+    return 0
+
+
+def _command(args) -> str:
+    import sys
+
+    return "pycapsnet " + " ".join(sys.argv[1:]) if sys.argv and "pycapsnet" in sys.argv[0] else f"experiment {args.name}"

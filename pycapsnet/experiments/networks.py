@@ -15,9 +15,10 @@ from __future__ import annotations
 from ..core import architecture as A
 
 
-def capsnet(input_shape, n_classes=10, iters=3, reconstruction=True, decoder_hidden=(512, 1024)):
-    body = [A.conv2d(256, 9, name="conv1"), A.relu(name="relu1"),
-            A.primary_caps(32, 8, kernel=9, stride=2, name="primary"),
+def capsnet(input_shape, n_classes=10, iters=3, reconstruction=True, decoder_hidden=(512, 1024), conv_channels=256,
+            primary_types=32):
+    body = [A.conv2d(conv_channels, 9, name="conv1"), A.relu(name="relu1"),
+            A.primary_caps(primary_types, 8, kernel=9, stride=2, name="primary"),
             A.dynamic_caps(n_classes, 16, iters=iters, name="classcaps")]
     return A.network(body, decoder=A.decoder(decoder_hidden) if reconstruction else None,
                      input_shape=input_shape, n_classes=n_classes)

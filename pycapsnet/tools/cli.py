@@ -6,6 +6,7 @@
     pycapsnet train      [--backend numpy] [training flags]          the trainer of the train_*.py scripts
     pycapsnet evaluate   CHECKPOINT [--backend torch --device cuda]  test accuracy of a checkpoint
     pycapsnet plan       --input-shape 3 224 224 --classes 276       will a train step fit? memory per layer
+    pycapsnet experiment table1|affine|multimnist [--quick]          the paper's experiments (docs/experiments.md)
 
 Exit codes: 0 success, 1 a check failed, 2 bad input or a damaged checkpoint (the message says
 what and how to fix it), 3 the model's numbers are not finite (train, evaluate), 130 Ctrl-C.
@@ -428,6 +429,10 @@ def build_parser():
     pr.add_argument("--device", default=None)
     pr.add_argument("--batch-size", type=positive_int, default=64, help="images per forward (default: 64)")
     pr.set_defaults(fn=_predict)
+
+    from ..experiments import add_parser as add_experiment
+
+    add_experiment(sub, specs)
 
     from ..core.capsules import PrimaryCaps
     from ..training.optim import NAMES as OPTIMIZERS

@@ -1,0 +1,56 @@
+"""The experiments' training loop: Adam with the library's recipe (lr 2e-3, decayed 0.85 per epoch),
+batches from a function of the epoch (fresh shifts and pairs each epoch), and a step that is
+``train_step_grads`` unless the experiment brings its own objective (MultiMNIST's two digits).
+Progress is a line per tenth of an epoch and one per epoch, in a terminal or a log alike."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..training import optim
+from ..training.log import Lines, say
+
+
+def default_step(model, batch):
+    x, y = batch
+    return model.train_step_grads(x, y).loss
+
+
+def train(model, epochs: int, batches, n_batches: int, step=default_step, lr=2e-3, decay=0.85, desc="train"):
+    """Train ``model`` for ``epochs``; ``batches(epoch)`` yields what ``step(model, batch)`` takes, which
+    fills the gradients and returns the loss.  Returns (mean loss of the last epoch, seconds per step)."""
+    opt = optim.make("adam", model, lr)
+    step_times, loss = [], float("nan")
+    for epoch in range(epochs):
+        opt.lr = optim.exponential_lr(lr, decay, epoch)
+        model.set_epoch(epoch)
+        losses = []
+        shown = Lines(batches(epoch), n_batches, f"{desc} epoch {epoch + 1}/{epochs}")
+        for batch in shown:
+            t0 = time.perf_counter()
+            losses.append(step(model, batch))
+            opt.step()
+            model.B.synchronize()
+            step_times.append(time.perf_counter() - t0)
+            shown.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}")
+        loss = float(np.mean(losses))
+        if not np.isfinite(loss):
+            from ..errors import CapsNetError
+            raise CapsNetError(f"{desc}: the loss became {loss} in epoch {epoch + 1}: lower --lr")
+        say(f"{desc} epoch {epoch + 1}/{epochs}: loss {loss:.4f}, {np.median(step_times[-len(losses):]) * 1e3:.0f} ms/step")
+    # the first steps of a run warm caches and allocators: the median step is the step's cost
+    return loss, float(np.median(step_times))
+
+
+def shuffled(x, y, batch_size, rng, transform=None):
+    """(x, y) batches in a random order, each image through ``transform(images, rng)`` if given."""
+    order = rng.permutation(len(y))
+    for a in range(0, len(y), batch_size):
+        idx = order[a:a + batch_size]
+        xb = x[idx] if transform is None else transform(x[idx], rng)
+        yield xb.astype(np.float32, copy=False), y[idx]
+
+
+def n_batches(n, batch_size):
+    return -(-n // batch_size)
