@@ -1,0 +1,127 @@
+"""The paper's experiments: the generators (seeded, in range, refusing bad flags in one line), the
+MultiMNIST objective's backward (finite differences, float64, numpy and torch), and each
+experiment's --quick form from the command line."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import backends
+from pycapsnet import CapsNetError
+from pycapsnet.core import architecture as A
+from pycapsnet.experiments import digits, multimnist
+from pycapsnet.experiments.networks import capsnet
+from pycapsnet.tools.gradcheck import check_tensors
+from tests.conftest import CPU_BACKENDS
+
+
+def _digits(n=40, seed=0):
+    """Digit-like 28x28 images: a bright random box in each, labels in 4 classes."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros((n, 1, 28, 28), np.float32)
+    for i in range(n):
+        t, l = rng.integers(2, 10, 2)
+        x[i, 0, t:t + 14, l:l + 10] = rng.random((14, 10)) * 0.5 + 0.5
+    return x, np.arange(n) % 4
+
+
+def test_multimnist_pairs_other_classes_within_the_shift_and_is_seeded():
+    x, y = _digits()
+    a = digits.multimnist(x, y, 3, np.random.default_rng(1), shift=4, canvas=36)
+    again = digits.multimnist(x, y, 3, np.random.default_rng(1), shift=4, canvas=36)
+    assert all(np.array_equal(p, q) for p, q in zip(a, again))
+    images, first, second, x_a, x_b = a
+    assert images.shape == (120, 1, 36, 36) and (first != second).all()
+    assert np.array_equal(images, np.clip(x_a + x_b, 0, 1))
+    for alone, labels in ((x_a, first), (x_b, second)):
+        # each digit alone is one of the digits of its class, moved by at most 4 pixels from the centre
+        t, l, _, _ = zip(*(digits.box(im[0]) for im in alone))
+        assert alone.sum() > 0 and max(abs(np.array(t) - 4 - 2)) <= 12
+    assert 0 < digits.box_overlap(x_a, x_b) <= 1
+
+
+def test_affine_digits_stay_whole_on_the_canvas_and_are_seeded():
+    x, _ = _digits(12)
+    a = digits.affine(x, 40, np.random.default_rng(2))
+    assert a.shape == (12, 1, 40, 40) and np.array_equal(a, digits.affine(x, 40, np.random.default_rng(2)))
+    assert 0 <= a.min() and a.max() <= 1
+    # the ink is kept: area scales by at most 1.2^2 and at least 0.8^2 (shear and rotation keep it)
+    ratio = a.reshape(12, -1).sum(1) / x.reshape(12, -1).sum(1)
+    assert (ratio > 0.8 ** 2 * 0.9).all() and (ratio < 1.2 ** 2 * 1.1).all()
+    identity = digits.affine(x, 40, np.random.default_rng(3), max_rotation=0, max_shear=0, scale=(1, 1))
+    assert np.allclose(np.sort(identity.ravel())[-200:], np.sort(x.ravel())[-200:], atol=1e-6)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda x, y: digits.multimnist(x, y, 1, np.random.default_rng(0), shift=5, canvas=36),
+     "--shift 5 moves a 28x28 digit off a 36x36 canvas: give a shift of at most 4, or --canvas 38"),
+    (lambda x, y: digits.multimnist(x, y, 0, np.random.default_rng(0)), "--pairs 0 must be 1 or more"),
+    (lambda x, y: digits.multimnist(x, y, 1, np.random.default_rng(0), canvas=20), "--canvas 20 is smaller than a digit"),
+    (lambda x, y: digits.affine(x, 40, np.random.default_rng(0), max_shear=70), "--max-shear 70 must be in"),
+    (lambda x, y: digits.affine(x, 40, np.random.default_rng(0), max_rotation=120), "--max-rotation 120"),
+    (lambda x, y: digits.affine(np.ones_like(x), 28, np.random.default_rng(0), scale=(1.5, 1.5)),
+     "do not fit a 28x28 canvas"),
+])
+def test_bad_experiment_settings_are_refused(call, message):
+    x, y = _digits(4)
+    with pytest.raises(CapsNetError) as e:
+        call(x, y)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_the_two_digit_objective_passes_finite_differences(backend):
+    B = backends.get(backend, dtype="float64")
+    description = capsnet((1, 14, 14), n_classes=4, decoder_hidden=(8, 12), conv_channels=4, primary_types=2)
+    for spec in description["body"]:
+        if spec["layer"] in ("conv2d", "primary_caps"):
+            spec["kernel"] = 3
+    model = A.build(description, B, seed=1)
+    rng = np.random.default_rng(0)
+    x_a, x_b = rng.random((3, 1, 14, 14)) * 0.5, rng.random((3, 1, 14, 14)) * 0.5
+    x, a, b = B.asarray(x_a + x_b), B.asarray(np.array([0, 1, 2])), B.asarray(np.array([3, 0, 1]))
+    x_a, x_b = B.asarray(x_a), B.asarray(x_b)
+    model.zero_grad()
+    multimnist.two_digit_loss(model, x, a, b, x_a, x_b)
+    multimnist.two_digit_backward(model)
+    loss = lambda: float(B.to_numpy(multimnist.two_digit_loss(model, x, a, b, x_a, x_b)))
+    results = check_tensors(B, "two digits", loss, model.params, model.grads, samples=10)
+    assert len(results) == len(model.params) and all(r.passed for r in results), results
+
+
+def _experiment(tmp_path, *flags):
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "pycapsnet", "experiment", *flags, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    return done, out
+
+
+@pytest.mark.parametrize("name,figure", [("table1", None), ("affine", "affine_examples.png"),
+                                         ("multimnist", "segmentation.png")])
+def test_each_experiment_runs_in_its_quick_form(tmp_path, name, figure):
+    done, out = _experiment(tmp_path, name, "--quick")
+    assert done.returncode == 0, done.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert (out / "results.md").read_text().startswith("| network")
+    if figure:
+        assert (out / figure).stat().st_size > 5000
+    if name == "table1":
+        assert set(results["rows"]) == {"baseline", "r1", "r1+recon", "r3", "r3+recon"}
+        assert all(len(r["errors"]) == 2 and 0 <= r["mean"] <= 100 for r in results["rows"].values())
+    elif name == "affine":
+        assert set(results["rows"]) == {"capsnet", "baseline"}
+    else:
+        assert results["test_pairs"] == 30 and 0.3 < results["mean_box_overlap"] < 1
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["multimnist", "--shift", "6"], "--shift 6 moves a 28x28 digit off a 36x36 canvas"),
+    (["affine", "--canvas", "20"], "--canvas 20 is smaller than a digit"),
+    (["multimnist", "--pairs", "0"], "--pairs 0 must be 1 or more"),
+    (["affine", "--max-rotation", "100"], "--max-rotation 100 must be in [0, 90]"),
+])
+def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
+    done, _ = _experiment(tmp_path, *flags, "--quick")
+    assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
