@@ -19,7 +19,7 @@ def capsnet(input_shape, n_classes=10, iters=3, reconstruction=True, decoder_hid
             primary_types=32):
     body = [A.conv2d(conv_channels, 9, name="conv1"), A.relu(name="relu1"),
             A.primary_caps(primary_types, 8, kernel=9, stride=2, name="primary"),
-            A.dynamic_caps(n_classes, 16, iters=iters, name="classcaps")]
+            A.dynamic_caps(n_classes, 16, iters=iters, init_std=0.01, name="classcaps")]  # the paper's W_ij init
     return A.network(body, decoder=A.decoder(decoder_hidden) if reconstruction else None,
                      input_shape=input_shape, n_classes=n_classes)
 
