@@ -15,7 +15,7 @@ from tests.conftest import CPU_BACKENDS, assert_close
 
 torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch: pip install torch")
 import torch.nn.functional as F  # noqa: E402
-from pycapsnet.tools.reference import AutogradNetwork  # noqa: E402
+from tests.test_composition import assert_network_matches_autograd  # noqa: E402
 
 
 def _B(backend):
@@ -117,15 +117,7 @@ def test_a_cnn_passes_finite_differences_layer_by_layer_and_whole(backend):
 def test_a_cnn_with_dropout_matches_autograd(backend):
     model = A.build(_small_cnn(), _B(backend), seed=1)
     rng = np.random.default_rng(4)
-    x, y = rng.random((5, 2, 11, 11)), rng.integers(0, 3, 5)
-    model.zero_grad()
-    out = model.loss(x, y)
-    dx = model.backward(input_grad=True)
-    loss_ref, g = AutogradNetwork.from_model(model, dtype=torch.float64).grads(x, y, input_grad=True)
-    assert out.loss == pytest.approx(loss_ref, rel=1e-12)
-    assert set(g) == {*model.grads, "input"}
-    for k, ref in g.items():
-        assert_close(model.B.to_numpy(dx if k == "input" else model.grads[k]), ref, 1e-10, what=k)
+    assert_network_matches_autograd(model, rng.random((5, 2, 11, 11)), rng.integers(0, 3, 5), 1e-10)
 
 
 def test_a_cnn_agrees_across_backends_dropout_masks_included():

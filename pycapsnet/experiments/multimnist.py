@@ -27,7 +27,7 @@ PAPER_ERROR = 5.2  # %, CapsNet r=3 with reconstruction (Table 1); the baseline 
 def two_digit_loss(model, x, a, b, x_a, x_b):
     """Forward of the objective above on device arrays: x (N, C, H, W) the pair, a and b (N,) their
     classes, x_a and x_b each digit alone.  Returns the loss; ``two_digit_backward`` fills the grads."""
-    B, xp = model.B, model.B.xp
+    xp = model.B.xp
     n = x.shape[0]
     v, lengths = model.head.forward(model.body.forward(xp.permute_dims(x, (0, 2, 3, 1))))   # v (N, J, D)
     m_a, m_b = xp.take(model._eye, a, axis=0), xp.take(model._eye, b, axis=0)             # (N, J) one-hot

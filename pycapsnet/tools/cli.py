@@ -430,10 +430,6 @@ def build_parser():
     pr.add_argument("--batch-size", type=positive_int, default=64, help="images per forward (default: 64)")
     pr.set_defaults(fn=_predict)
 
-    from ..experiments import add_parser as add_experiment
-
-    add_experiment(sub, specs)
-
     from ..core.capsules import PrimaryCaps
     from ..training.optim import NAMES as OPTIMIZERS
 
@@ -461,6 +457,10 @@ def build_parser():
     pl.add_argument("--measure", action="store_true",
                     help="also run the step on the NumPy backend and report its measured peak")
     pl.set_defaults(fn=cmd_plan)
+
+    from ..experiments import add_parser as add_experiment
+
+    add_experiment(sub, specs)
     return p
 
 
