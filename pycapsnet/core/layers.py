@@ -61,12 +61,10 @@ class Layer:
         """Drop what forward kept for a backward (and a routing layer's trace of its iterations),
         here and in the layers this one is made of: after an evaluation, so that it is not held
         into the next step."""
-        self.cache = None
-        if hasattr(self, "trace"):
-            self.trace = None
-        for part in vars(self).values():
-            if isinstance(part, Layer) and part is not self:
-                part.release()
+        for layer in self.walk():
+            layer.cache = None
+            if hasattr(layer, "trace"):
+                layer.trace = None
 
     def traced(self, k):
         """For a layer that routes in blocks of the batch and keeps ``self.trace`` as (slice, trace)

@@ -66,10 +66,6 @@ class Sequential(Layer):
         for layer in self.layers:
             yield from layer.walk()
 
-    def release(self):
-        for layer in self.layers:
-            layer.release()
-
 
 # ---- heads: what the class scores are -------------------------------------------------------------
 class LengthHead(Layer):

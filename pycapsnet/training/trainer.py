@@ -57,6 +57,7 @@ def evaluate(model, split: data.Split, batch_size: int = EVAL_BATCH, show: bool 
         split = split.take(group.part(n_all))
     correct, loss_sum = 0, 0.0
     n_batches = (len(split) + batch_size - 1) // batch_size
+    mode = model.training
     model.train(False)  # Dropout, if any, drops nothing
     try:
         for x, y in progress(data.batches(split, batch_size), n_batches, "eval", not show, batch=batch_size):
@@ -67,7 +68,7 @@ def evaluate(model, split: data.Split, batch_size: int = EVAL_BATCH, show: bool 
             if confusion is not None:
                 np.add.at(confusion, (y, out.predictions), 1)
     finally:
-        model.train(True)
+        model.train(mode)
     model.release()  # no backward follows: do not carry forward's caches into the next train step
     if group is not None:
         correct, loss_sum = group.sum_values([correct, loss_sum])
