@@ -70,7 +70,7 @@ def main(args) -> int:
     say(f"experiment {args.name}{' (quick)' if args.quick else ''} on {B.label}: {args.epochs} epoch(s), "
         f"{args.seeds} seed(s), results in {out}")
     t0 = time.perf_counter()
-    results = module.run(args, B, out) if args.name != "table1" else module.run(args, B)
+    results = module.run(args, B, out)
     results.update(command=_command(args), backend=B.label, minutes=round((time.perf_counter() - t0) / 60, 1))
     text = module.table(results)
     atomic_write(os.path.join(out, "results.json"), lambda f: json.dump(results, f, indent=1), text=True)

@@ -25,22 +25,39 @@ def check_canvas(canvas: int, what: str = "--canvas") -> int:
     return int(canvas)
 
 
-def place(x: np.ndarray, canvas: int, rng: np.random.Generator) -> np.ndarray:
-    """x (N, 1, h, w) -> (N, 1, canvas, canvas), each image at a uniformly random offset."""
+def embedded(limit=None):
+    """The embedded digits' (train, test) Splits; with ``limit``, that many training digits and a
+    quarter as many test digits (at least 10)."""
+    from ..training import data
+
+    train_set, test_set = data.load_embedded()
+    if limit:
+        train_set, test_set = train_set.limited(limit, 0), test_set.limited(max(limit // 4, 10), 0)
+    return train_set, test_set
+
+
+def _paste(x: np.ndarray, canvas: int, top, left) -> np.ndarray:
+    """x (N, C, h, w) -> (N, C, canvas, canvas) zeros with image i's top-left corner at (top[i], left[i])."""
     n, c, h, w = x.shape
     out = np.zeros((n, c, canvas, canvas), x.dtype)
-    dy, dx = rng.integers(0, canvas - h + 1, n), rng.integers(0, canvas - w + 1, n)
     for i in range(n):
-        out[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] = x[i]
+        out[i, :, top[i]:top[i] + h, left[i]:left[i] + w] = x[i]
     return out
 
 
-def _crop(image: np.ndarray, level: float = 0.05) -> np.ndarray:
-    """The smallest box holding every pixel above ``level`` (an image of nothing: itself)."""
-    rows, cols = np.flatnonzero(image.max(axis=1) > level), np.flatnonzero(image.max(axis=0) > level)
-    if not len(rows):
+def place(x: np.ndarray, canvas: int, rng: np.random.Generator) -> np.ndarray:
+    """x (N, 1, h, w) -> (N, 1, canvas, canvas), each image at a uniformly random offset."""
+    n, _, h, w = x.shape
+    return _paste(x, canvas, rng.integers(0, canvas - h + 1, n), rng.integers(0, canvas - w + 1, n))
+
+
+def _crop(image: np.ndarray) -> np.ndarray:
+    """The smallest box holding the image's ink (``box``); an image of nothing: itself."""
+    found = box(image)
+    if found is None:
         return image
-    return image[rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1]
+    top, left, bottom, right = found
+    return image[top:bottom, left:right]
 
 
 def affine_matrix(rotation: float, shear: float, scale_y: float, scale_x: float) -> np.ndarray:
@@ -128,18 +145,17 @@ def multimnist(x: np.ndarray, y: np.ndarray, pairs: int, rng: np.random.Generato
 
 
 def _shifted(x, shift, canvas, rng):
-    n = x.shape[0]
-    out = np.zeros((n, 1, canvas, canvas), x.dtype)
-    base = (canvas - DIGIT) // 2
-    dy, dx = base + rng.integers(-shift, shift + 1, (2, n))
-    for i in range(n):
-        out[i, :, dy[i]:dy[i] + DIGIT, dx[i]:dx[i] + DIGIT] = x[i]
-    return out
+    """x (N, 1, 28, 28) on the canvas's centre, each moved by up to ``shift`` pixels in each direction."""
+    top, left = (canvas - DIGIT) // 2 + rng.integers(-shift, shift + 1, (2, x.shape[0]))
+    return _paste(x, canvas, top, left)
 
 
 def box(image: np.ndarray, level: float = 0.05):
-    """(top, left, bottom, right) of the pixels above ``level`` in a 2-D image, bottom/right exclusive."""
+    """(top, left, bottom, right) of the pixels above ``level`` in a 2-D image, bottom/right
+    exclusive; None if there are none."""
     rows, cols = np.flatnonzero(image.max(axis=1) > level), np.flatnonzero(image.max(axis=0) > level)
+    if not len(rows):
+        return None
     return rows[0], cols[0], rows[-1] + 1, cols[-1] + 1
 
 

@@ -19,7 +19,7 @@ from ..core import architecture as A
 from ..training import data
 from ..training.log import say
 from . import digits, loop
-from .networks import capsnet
+from .networks import QUICK_CAPSNET, capsnet
 
 PAPER_ERROR = 5.2  # %, CapsNet r=3 with reconstruction (Table 1); the baseline CNN: 8.1
 
@@ -69,12 +69,10 @@ def run(args, B, out) -> dict:
     canvas = args.canvas or 36
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 2)
     digits.check_multimnist(args.shift, canvas, pairs)
-    train_set, test_set = data.load_embedded()
-    if args.limit:
-        train_set, test_set = train_set.limited(args.limit, 0), test_set.limited(max(args.limit // 4, 10), 0)
+    train_set, test_set = digits.embedded(args.limit)
     x_tr, x_te = data.as_float(train_set.x), data.as_float(test_set.x)
     test = digits.multimnist(x_te, test_set.y, 1, np.random.default_rng(12345), args.shift, canvas)
-    size = dict(decoder_hidden=(32, 64), conv_channels=16, primary_types=4) if args.quick else {}
+    size = QUICK_CAPSNET if args.quick else {}
     errors, steps, model = [], [], None
     for seed in range(args.seeds):
         model = A.build(capsnet((1, canvas, canvas), **size), B, seed=seed)
@@ -89,13 +87,12 @@ def run(args, B, out) -> dict:
 
         n = loop.n_batches(len(train_set) * pairs, args.batch_size)
         _, t = loop.train(model, args.epochs, batches, n, step, lr=args.lr, desc=f"multimnist seed {seed}")
-        predicted = np.sort(top_two(model, test[0]), axis=1)
-        truth = np.sort(np.stack([test[1], test[2]], axis=1), axis=1)
-        right = (predicted == truth).all(axis=1)
+        predicted = top_two(model, test[0])
+        right = recognised(predicted, test[1], test[2])
         errors.append(100 * float(1 - right.mean()))
         steps.append(t)
         say(f"multimnist seed {seed}: test error {errors[-1]:.2f}% ({int((~right).sum())} of {len(right)} pairs)")
-    segmentation_figure(model, test, os.path.join(out, "segmentation.png"))
+    segmentation_figure(model, test, predicted, right, os.path.join(out, "segmentation.png"))
     return {"canvas": canvas, "shift": args.shift, "pairs_per_train_digit_per_epoch": pairs,
             "train_digits": len(train_set), "test_pairs": len(test[1]),
             "mean_box_overlap": digits.box_overlap(test[3], test[4]), "errors": errors,
@@ -103,16 +100,20 @@ def run(args, B, out) -> dict:
             "ms_per_step": 1e3 * float(np.median(steps)), "params": model.n_params(), "paper": PAPER_ERROR}
 
 
-def segmentation_figure(model, test, path, k=8):
-    """Figure 5: each test pair (top) and the reconstructions from its two longest capsules, one red
-    and one green, over it (bottom); k pairs recognised, then up to k not."""
+def recognised(predicted, a, b):
+    """Whether each sample's two predicted classes (N, 2) are its two classes a and b, in either order."""
+    return (np.sort(predicted, axis=1) == np.sort(np.stack([a, b], axis=1), axis=1)).all(axis=1)
+
+
+def segmentation_figure(model, test, predicted, right, path, k=8):
+    """Figure 5: each test pair (top) and the reconstructions from its two longest capsules
+    (``predicted``), one red and one green, over it (bottom); k pairs recognised (``right``), then
+    up to k not."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     x, a, b = test[0], test[1], test[2]
-    predicted = top_two(model, x)
-    right = (np.sort(predicted, axis=1) == np.sort(np.stack([a, b], 1), axis=1)).all(axis=1)
     shown = [*np.flatnonzero(right)[:k], *np.flatnonzero(~right)[:k]]
     v = model.forward(x[shown], reconstruct=False).v
     recon = [model.B.to_numpy(model.decode(v, predicted[shown, j]))[:, 0] for j in (0, 1)]

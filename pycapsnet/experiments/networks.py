@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from ..core import architecture as A
 
+# --quick: the same networks narrowed to run in seconds (what the test suite runs)
+QUICK_CAPSNET = dict(decoder_hidden=(32, 64), conv_channels=16, primary_types=4)
+QUICK_CNN = dict(channels=(8, 8, 8), hidden=(16, 12))
+
 
 def capsnet(input_shape, n_classes=10, iters=3, reconstruction=True, decoder_hidden=(512, 1024), conv_channels=256,
             primary_types=32):

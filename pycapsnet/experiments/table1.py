@@ -10,15 +10,11 @@ import numpy as np
 from ..core import architecture as A
 from ..training import data
 from ..training.log import say
-from . import loop
-from .networks import baseline_cnn, capsnet
+from . import digits, loop
+from .networks import QUICK_CAPSNET, QUICK_CNN, baseline_cnn, capsnet
 
 PAPER = {"baseline": 0.39, "r1": 0.34, "r1+recon": 0.29, "r3": 0.35, "r3+recon": 0.25}  # % MNIST test error
 PAPER_SPREAD = {"r1": 0.032, "r1+recon": 0.011, "r3": 0.036, "r3+recon": 0.005}
-
-
-QUICK_CAPSNET = dict(decoder_hidden=(32, 64), conv_channels=16, primary_types=4)  # --quick: seconds, not hours
-QUICK_CNN = dict(channels=(8, 8, 8), hidden=(16, 12))
 
 
 def variants(shape, quick):
@@ -28,10 +24,8 @@ def variants(shape, quick):
                for r in (1, 3) for rec in (False, True)}}
 
 
-def run(args, B) -> dict:
-    train_set, test_set = data.load_embedded()
-    if args.limit:
-        train_set, test_set = train_set.limited(args.limit, 0), test_set.limited(max(args.limit // 4, 10), 0)
+def run(args, B, out) -> dict:
+    train_set, test_set = digits.embedded(args.limit)
     x_test = data.as_float(test_set.x)
     rows = {}
     for name, description in variants((1, 28, 28), args.quick).items():
