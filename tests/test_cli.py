@@ -127,8 +127,6 @@ def test_bare_pycapsnet_prints_its_help_and_version_says_which(capsys):
     with pytest.raises(SystemExit) as stop:
         cli.main(["--version"])
     assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"pycapsnet {pycapsnet.__version__}"
-    assert cli.main(["plan", "--routing", "attention"]) == 2
-    assert "models the memory of dynamic routing's network only" in capsys.readouterr().err
 
 
 def test_inspect_into_a_file_is_an_error_not_a_traceback(ckpt, capsys):

@@ -2,6 +2,7 @@
 for a budget, and the command's output and errors."""
 import backends  # noqa: F401,I001
 import pytest
+from backends.numpy_backend import NumpyBackend
 
 from pycapsnet.tools import cli
 from pycapsnet.core.capsules import ClassCaps
@@ -21,6 +22,12 @@ CASES = {
                                                 primary_types=4, share_spatial=True, primary_conv="im2col"), 64),
     "rgb 48x48 conv1 stride 2": (dict(input_shape=(3, 48, 48), n_classes=20, conv_channels=16, conv_stride=2,
                                       primary_types=4, share_spatial=True), 16),
+    "28x28 attention": (dict(routing="attention"), 8),
+    # the transforms shared, û formed all the same: the weight gradient is made per position, then summed
+    "rgb 32x32 attention shared": (dict(input_shape=(3, 32, 32), n_classes=20, routing="attention",
+                                        share_spatial=True), 4),
+    "28x28 em": (dict(routing="em"), 8),
+    "rgb 40x40 em, 3 iterations": (dict(input_shape=(3, 40, 40), n_classes=20, routing="em", routing_iters=3), 4),
 }
 
 
@@ -30,11 +37,12 @@ def test_planned_peak_is_within_15_percent_of_a_measured_step(case, small_chunks
     """The plan walks the step's allocations from the configuration alone; tracemalloc measures the
     NumPy arrays of a real step (Adam included).  With small chunks the im2col convolutions work in
     bands of rows, the shared routing in chunks of positions and the Fourier weight gradient in
-    blocks of a few channels, as on large images."""
+    blocks of a few channels, and EM routing in blocks of one sample, as on large images."""
     if small_chunks:
         monkeypatch.setattr(Conv2d, "chunk_bytes", 2**20)
         monkeypatch.setattr(ClassCaps, "chunk_bytes", 2**18)
         monkeypatch.setattr(FourierConv2d, "weight_grad_mb", 1)
+        monkeypatch.setattr(NumpyBackend, "sample_block", 1 << 14)
     overrides, batch = CASES[case]
     cfg = CapsNetConfig(**overrides)
     planned, measured = plan(cfg, batch).peak, measured_peak(cfg, batch)
@@ -98,7 +106,25 @@ def test_plan_command_prints_layers_peak_and_largest_batch(capsys):
     assert 0.85 <= ratio <= 1.15
 
 
+@pytest.mark.parametrize("routing,layers", [("attention", ("classcaps",)),
+                                            ("em", ("primary", "convcaps1", "convcaps2", "classcaps"))])
+def test_plan_command_plans_every_routings_network(routing, layers, capsys):
+    """Each routing's own network, with its own defaults (EM: conv1 of 32 channels, 5x5/2)."""
+    from pycapsnet.core.model import CapsNet, CapsNetConfig
+
+    assert cli.main(["plan", "--routing", routing, "--batch-size", "4", "--measure"]) == 0
+    out = capsys.readouterr().out
+    n_params = sum(int(p.size) for p in CapsNet("numpy", CapsNetConfig(routing=routing)).params.values())
+    assert f"{routing} routing" in out.splitlines()[0] or "EM routing" in out.splitlines()[0]
+    assert f"parameters: {n_params:,}" in out
+    for name in layers:
+        assert f"\n{name} " in out, name
+    assert 0.85 <= float(out.rsplit("plan/measured", 1)[1]) <= 1.15
+
+
 @pytest.mark.parametrize("argv,words", [
+    (["--routing", "em", "--share-spatial"], "--share-spatial does nothing with --routing em"),
+    (["--routing", "attention", "--routing-iters", "2"], "--routing-iters does nothing with --routing attention"),
     (["--memory", "80XB"], "cannot read memory size '80XB'"),
     (["--memory=-1GB"], "cannot read memory size"),
     (["--input-shape", "1", "10", "10"], "smaller than the receptive field"),

@@ -288,6 +288,7 @@ def cmd_plan(args):
     from ..core.model import CapsNetConfig
     from backends.host import machine_memory
 
+    from ..training.recipe import refuse_ignored_flags
     from .plan import SEARCH_CAP, format_bytes, measured_peak, parse_memory, plan
 
     if args.network:
@@ -298,19 +299,18 @@ def cmd_plan(args):
         raise CapsNetError(f"pycapsnet plan models the three built-in networks, set by its flags; it has no memory "
                            f"model yet for a described network (layers: {', '.join(kinds)}); run a few steps with "
                            "--limit and watch the process's memory instead")
-    if args.routing != "dynamic":
-        raise CapsNetError(f"pycapsnet plan models the memory of dynamic routing's network only, not yet of --routing "
-                           f"{args.routing}'s; run a few steps with --limit and watch the process's memory instead")
+    arch_flags = ("share_spatial", "primary_conv", "routing_iters", "conv_channels", "conv_kernel", "conv_stride",
+                  "primary_types")
+    given = {k: getattr(args, k) for k in arch_flags if getattr(args, k) is not None}
+    refuse_ignored_flags(given, args.routing)   # e.g. --share-spatial with --routing em: one line, as train says
     budget = parse_memory(args.memory) if args.memory else machine_memory()
-    cfg = CapsNetConfig(input_shape=tuple(args.input_shape), n_classes=args.classes, share_spatial=args.share_spatial,
-                        primary_conv=args.primary_conv, routing_iters=args.routing_iters,
-                        conv_channels=args.conv_channels, conv_kernel=args.conv_kernel, conv_stride=args.conv_stride,
-                        primary_types=args.primary_types)
+    cfg = CapsNetConfig(input_shape=tuple(args.input_shape), n_classes=args.classes, routing=args.routing, **given)
     p = plan(cfg, args.batch_size, args.dtype, args.optimizer)
     n = args.batch_size
     c, h, w = cfg.input_shape
-    print(f"a train step of CapsNet on {c}x{h}x{w} images, {cfg.n_classes} classes"
-          f"{', share_spatial' if cfg.share_spatial else ''}, PrimaryCaps by {cfg.primary_conv}, "
+    how = "matrix capsules, EM routing" if cfg.routing == "em" else (
+        f"{cfg.routing} routing{', share_spatial' if cfg.share_spatial else ''}, PrimaryCaps by {cfg.primary_conv}")
+    print(f"a train step of CapsNet on {c}x{h}x{w} images, {cfg.n_classes} classes, {how}, "
           f"{args.dtype}, {args.optimizer}, batch {n}")
     rows = [{"layer": layer.name, "parameters": f"{layer.params:,}", "kept per image": format_bytes(layer.kept / n),
              f"working memory at batch {n}": format_bytes(layer.work),
@@ -324,8 +324,8 @@ def cmd_plan(args):
     if budget:
         most = p.largest_batch(budget)
         where = f"{args.memory}" if args.memory else f"{format_bytes(budget)} (this machine's memory; --memory to set)"
-        shrink = [f for f, on in (("--share-spatial", cfg.share_spatial), ("--primary-conv im2col",
-                                                                            cfg.primary_conv == "im2col")) if not on]
+        shrink = [] if cfg.routing == "em" else [f for f, on in (
+            ("--share-spatial", cfg.share_spatial), ("--primary-conv im2col", cfg.primary_conv == "im2col")) if not on]
         print(f"largest batch within {where}: " + (
             f"{most:,} or more (the search stops there)" if most == SEARCH_CAP else f"{most:,}" if most else
             "none: not even one image fits" + (f"; {' and '.join(shrink)} shrink the step" if shrink else "")))
@@ -438,14 +438,16 @@ def build_parser():
                     help="image channels, height, width (default: 1 28 28)")
     pl.add_argument("--classes", type=positive_int, default=10, help="number of classes (default: 10)")
     pl.add_argument("--routing", choices=("dynamic", "attention", "em"), default="dynamic",
-                    help="the built-in network to plan; plan models dynamic routing's memory (default)")
-    pl.add_argument("--share-spatial", action="store_true", help="one ClassCaps transform per capsule type")
-    pl.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS), default="fourier")
-    pl.add_argument("--routing-iters", type=positive_int, default=3)
-    pl.add_argument("--conv-channels", type=positive_int, default=256)
-    pl.add_argument("--conv-kernel", type=positive_int, default=9)
-    pl.add_argument("--conv-stride", type=positive_int, default=1)
-    pl.add_argument("--primary-types", type=positive_int, default=32)
+                    help="the built-in network to plan (default: dynamic)")
+    pl.add_argument("--share-spatial", action="store_true", default=None,
+                    help="one ClassCaps transform per capsule type (dynamic and attention routing)")
+    pl.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS), default=None, help="default: fourier")
+    routing_default = "(default: the routing's, as train's)"
+    pl.add_argument("--routing-iters", type=positive_int, default=None, help=routing_default)
+    pl.add_argument("--conv-channels", type=positive_int, default=None, help=routing_default)
+    pl.add_argument("--conv-kernel", type=positive_int, default=None, help=routing_default)
+    pl.add_argument("--conv-stride", type=positive_int, default=None, help=routing_default)
+    pl.add_argument("--primary-types", type=positive_int, default=None, help=routing_default)
     pl.add_argument("--batch-size", type=positive_int, default=32, help="batch to plan (default: 32)")
     pl.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
     pl.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")

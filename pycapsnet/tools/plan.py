@@ -1,7 +1,9 @@
 """Will it fit?  The memory of a training step, worked out from the configuration alone.
 
-``plan(config, batch_size)`` walks one train step (forward, losses, backward, optimizer) layer by
-layer and keeps a ledger of the arrays alive, as the layers' code allocates and frees them:
+``plan(config, batch_size)`` walks one train step (forward, losses, backward, optimizer) of a
+built-in network layer by layer, and keeps a ledger (ledger.py) of the arrays alive, as the layers'
+code allocates and frees them.  This module walks the vector-capsule networks (dynamic and
+attention routing), plan_em.py the EM network.  The ledger's parts:
 
 * **state**, held for the whole run: the parameters, their gradients, the optimizer's slots (Adam:
   two per parameter), and per-shape constants (the Fourier convolution's transform matrices, and the
@@ -31,20 +33,11 @@ from backends.numpy_backend import NumpyBackend
 
 from ..core.capsules import ClassCaps
 from ..core.fourier import FourierConv2d, phase_grid
-from ..core.layers import Conv2d
-from ..core.model import CapsNetConfig, _geometry, decoder_sizes, param_shapes
+from ..core.model import CapsNetConfig, _geometry, param_shapes
+from .ledger import OPTIMIZER_SLOTS, LayerMemory, Ledger, conv_shape, decoder, im2col_work
+from .plan_em import walk_em
 
-OPTIMIZER_SLOTS = {"adam": 2, "sgd": 1}
 SEARCH_CAP = 1 << 40  # largest_batch searches no further
-
-
-@dataclass
-class LayerMemory:
-    name: str
-    params: int = 0          # parameter count
-    kept: int = 0            # bytes its forward keeps for its backward (the whole batch)
-    work: int = 0            # bytes of its largest set of temporaries, forward or backward
-    state: int = 0           # bytes held whatever the batch (constants, a kept kernel spectrum)
 
 
 @dataclass
@@ -98,45 +91,13 @@ def _slope(cfg, n, itemsize, optimizer):
     return (_walk(cfg, b, itemsize, optimizer)[0] - _walk(cfg, a, itemsize, optimizer)[0]) / (b - a)
 
 
-class _Ledger:
-    """Bytes alive, and the largest total seen (with the place it was seen)."""
-
-    def __init__(self):
-        self.live, self.peak, self.at = 0, 0, ""
-
-    def add(self, nbytes):
-        self.live += nbytes
-
-    def touch(self, extra, at):
-        """Temporaries of ``extra`` bytes exist on top of what is alive, at ``at``."""
-        if self.live + extra > self.peak:
-            self.peak, self.at = self.live + extra, at
-
-
-def _conv_shape(kernel, stride, c_in, c_out=None, cls=Conv2d):
-    """A Conv2d's geometry without its parameters: enough for ``output_hw``, ``chunks`` and
-    ``FourierConv2d.weight_grad_block``."""
-    conv = cls.__new__(cls)
-    conv.k, conv.stride, conv.padding, conv.c_in, conv.c_out = kernel, stride, 0, c_in, c_out
-    return conv
-
-
-def _im2col_work(conv: Conv2d, n, h, w, c_in, c_out, b):
-    """(forward, backward) temporaries of ``Conv2d`` on (n, h, w, c_in), with its output (the
-    forward makes the output, then adds the bias into a second array)."""
-    oh, ow = conv.output_hw(h, w)
-    images, band_rows, n_chunks = conv.chunk_shape(n, h, w, b)
-    x_chunk = images * band_rows * ow * conv.k * conv.k * c_in * b  # one chunk's im2col matrix
-    y_chunk = images * band_rows * ow * c_out * b
-    out = n * oh * ow * c_out * b
-    forward = max(out + x_chunk + (y_chunk if n_chunks > 1 else 0), 2 * out)
-    band_in = images * min(h, conv.stride * (band_rows - 1) + conv.k) * w * c_in * b
-    backward = x_chunk + max(band_in, conv.k * conv.k * c_in * c_out * b)  # X and dW's part, then dX and its col2im
-    return forward, backward, out
-
-
 def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
-    """(peak, where, layers, state) of a train step at batch n with itemsize b.  Long on purpose:
+    """(peak, where, layers, state) of a train step at batch n with itemsize b."""
+    return (walk_em if cfg.routing == "em" else _walk_vector)(cfg, n, b, optimizer)
+
+
+def _walk_vector(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
+    """The vector-capsule networks (dynamic and attention routing).  Long on purpose:
     it walks the step in the order the step allocates, forward then backward, one block per layer,
     so that it reads against model.py and the layers side by side."""
     shapes = param_shapes(cfg)
@@ -148,7 +109,7 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     T, K, J, D = cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim
     caps = T * K
     n_params = sum(count.values())
-    L = _Ledger()
+    L = Ledger()
     layers = []
 
     # ---- state: parameters, gradients, optimizer slots ---------------------------------------------
@@ -158,7 +119,7 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     L.add(n * image)                                       # the batch x
 
     # ---- conv1 (im2col) + ReLU -----------------------------------------------------------------------
-    f1, b1, out1 = _im2col_work(_conv_shape(k1, s1, c), n, h, w, c, c1, b)
+    f1, b1, out1 = im2col_work(conv_shape(k1, s1, c), n, h, w, c, c1, b)
     L.touch(f1, "conv1 forward")
     L.add(out1)                                            # ReLU's output, kept for its backward
     L.touch(out1, "relu1 forward")                         # with conv1's output, freed after
@@ -170,7 +131,7 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     k2, st = cfg.primary_kernel, cfg.primary_stride
     prim = LayerMemory("primary", count["primary.W"] + count["primary.b"])
     if cfg.primary_conv == "im2col":
-        fwd, bwd, out = _im2col_work(_conv_shape(k2, st, c1), n, h1, w1, c1, caps, b)
+        fwd, bwd, out = im2col_work(conv_shape(k2, st, c1), n, h1, w1, c1, caps, b)
         kept_conv = 0                                       # keeps its input, ReLU's output
         bwd += out1                                         # dx, the size of its input
     else:
@@ -199,7 +160,7 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
                   x_grid + kept_kernel + Y + 2 * out)       # y = Fy Y, then with the bias
         kept_conv = x_grid + kept_kernel                    # X, and V or ws
         dY = 2 * F * n * caps * b
-        block = min(_conv_shape(k2, st, c1, caps, fw).weight_grad_block(F, b, n), c_phase)
+        block = min(conv_shape(k2, st, c1, caps, fw).weight_grad_block(F, b, n), c_phase)
         bwd = max(out + 3 * dY + (F + kq * kq) * 2 * caps * block * b,   # dyg, dY, its block matrix M, a block of dV^T, dws
                   # then X is freed, and dX made (in one product, or a chunk of V and its product at a
                   # time), transformed back and cropped
@@ -213,9 +174,10 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     layers.append(prim)
 
     # ---- ClassCaps -------------------------------------------------------------------------------------
-    cc = LayerMemory("classcaps", count["classcaps.W"])
-    iters = cfg.routing_iters
-    if cfg.share_spatial:
+    cc = LayerMemory("classcaps", count["classcaps.W"] + count.get("classcaps.bias", 0))
+    attention = cfg.routing == "attention"  # one pass, û always formed (AttentionCaps)
+    iters = 1 if attention else cfg.routing_iters
+    if cfg.share_spatial and not attention:
         chunk = min(P, ClassCaps.positions_per_chunk(ClassCaps.chunk_bytes, n, T, J, b))
         c_chunk = n * T * chunk * J * b                     # coupling coefficients of a chunk of positions
         trace = iters * (2 * n * T * J * K + 3 * n * J * D) * b   # A and z, s, |s|, v per iteration
@@ -226,32 +188,22 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     else:
         u_hat = n * P * T * J * D * b
         c_all = n * J * P * T * b
-        trace = iters * (2 * c_all + 3 * n * J * D * b)    # c (and b) per iteration
+        trace = iters * (2 * c_all + 3 * n * J * D * b)    # c and b per iteration; attention: c and c + β
         kept_cc = u_hat + trace
         # routing runs on blocks of the batch, each read in place (NumPy stores û sample-major,
-        # B.predictions), and writes dû over û
-        fwd_cc = 2 * c_all
-        bwd_cc = 3 * c_all + s_bytes
+        # B.predictions), and writes dû over û.  Attention's scores, their scaling and softmax; in
+        # backward dĉ, the softmax's backward and the ones that scale dS (attention_routing.py)
+        fwd_cc = (3 if attention else 2) * c_all
+        bwd_cc = (4 if attention else 3) * c_all + s_bytes
+        if cfg.share_spatial:  # attention: W shared, û formed all the same; dW per position, then summed
+            bwd_cc = max(bwd_cc, P * T * J * D * K * b)
     L.add(kept_cc)
     L.touch(fwd_cc, "classcaps forward")
     cc.kept, cc.work = kept_cc, max(fwd_cc, bwd_cc)
     layers.append(cc)
 
     # ---- decoder, losses ---------------------------------------------------------------------------------
-    sizes = decoder_sizes(cfg)
-    dec_kept = 0
-    for k, (a, o) in enumerate(sizes, start=1):
-        kept = n * (a + o) * b                              # its input, and its activation's output
-        dec_kept += kept
-        W = count[f"decoder{k}.W"] * b
-        layers.append(LayerMemory(f"decoder{k}", count[f"decoder{k}.W"] + count[f"decoder{k}.b"], kept=kept,
-                                  work=max(W, 3 * n * o * b)))    # dW = x^T dy, made then added
-    L.add(dec_kept + n * image)                            # and the reconstruction error x_hat - x
-    L.add(-s_bytes)                                         # u_i: the forward has returned
-    top = sizes[-1]
-    L.touch(3 * n * top[1] * b, "decoder backward")        # dL/dx_hat and the sigmoid's backward
-    L.touch(n * top[1] * b + count[f"decoder{len(sizes)}.W"] * b, "decoder backward")
-    L.add(-dec_kept - n * image)
+    decoder(L, cfg, n, b, count, layers, returned=s_bytes)  # u_i: the forward has returned
 
     # ---- backward: ClassCaps, PrimaryCaps, ReLU, conv1 ------------------------------------------------------
     L.touch(bwd_cc, "classcaps backward")

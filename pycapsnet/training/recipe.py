@@ -252,7 +252,7 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
         if values[k] is None:
             values[k] = v
     if not described:
-        _refuse_ignored_flags(given, values["routing"])
+        refuse_ignored_flags(given, values["routing"])
     for k, v in {**RECIPE, "epochs": EPOCHS, **ROUTING_RECIPE.get(values["routing"], {})}.items():
         if values[k] is None:
             values[k] = v
@@ -309,7 +309,7 @@ IGNORED_BY = {
 }
 
 
-def _refuse_ignored_flags(given, routing):
+def refuse_ignored_flags(given, routing):
     for k, why in IGNORED_BY.get(routing, {}).items():
         if k in given:
             raise CapsNetError(f"{flag(k)} does nothing with --routing {routing}: {why}; drop it")
