@@ -23,6 +23,7 @@ from .networks import QUICK_CAPSNET, capsnet
 
 PAPER_ERROR = 5.2  # %, CapsNet r=3 with reconstruction (Table 1); the baseline CNN: 8.1
 
+LR = 1e-3  # Adam's rate: the paper's; as on affine's canvas, 2e-3 is too fast for 3,200 primary capsules
 
 def two_digit_loss(model, x, a, b, x_a, x_b):
     """Forward of the objective above on device arrays: x (N, C, H, W) the pair, a and b (N,) their
