@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .host import even_slices, mark_pool_thread, on_pool_thread, process_memory, reset_process_peak
+from .host import even_slices, mark_pool_thread, on_pool_thread, process_memory, reset_process_peak, sample_parts
 
 FLOAT_DTYPES = ("float32", "float64")
 
@@ -484,8 +484,7 @@ class Backend(abc.ABC):
         per thread (when n allows)."""
         if self.sample_block is None:
             return [slice(None)]
-        per_part = max(1, self.sample_block // max(1, sample_size))
-        return even_slices(n, max(-(-n // per_part), min(self.threads, n)))
+        return even_slices(n, sample_parts(n, sample_size, self.sample_block, self.threads))
 
     def _over_batch(self, fn, n: int) -> None:
         """Call fn(slice) over slices that split a batch of n, on ``self.threads`` threads.  Used for

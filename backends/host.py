@@ -65,6 +65,14 @@ def even_slices(n: int, parts: int) -> list:
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def sample_parts(n: int, sample_size: int, block: int, threads: int) -> int:
+    """How many parts Backend.split_batch cuts a batch of n samples of ``sample_size`` elements
+    into: blocks of about ``block`` elements, at least one per thread (when n allows).  A count,
+    not the slices, so that ``plan`` can ask it of any batch size."""
+    per_part = max(1, block // max(1, sample_size))
+    return max(-(-n // per_part), min(threads, n))
+
+
 _ON_POOL = threading.local()
 
 

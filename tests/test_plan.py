@@ -59,11 +59,12 @@ def test_the_largest_batch_the_plan_promises_fits_as_measured():
     assert abs(plan(cfg, most).peak / measured - 1) <= 0.15, (most, measured / 2**20)
 
 
-def test_a_batch_of_any_size_is_planned_at_once(capsys):
+@pytest.mark.parametrize("routing", ["dynamic", "em"])
+def test_a_batch_of_any_size_is_planned_at_once(routing, capsys):
     import time
 
     t0 = time.perf_counter()
-    assert cli.main(["plan", "--batch-size", "100000000000", "--memory", "1e100GB"]) == 0
+    assert cli.main(["plan", "--routing", routing, "--batch-size", "100000000000", "--memory", "1e100GB"]) == 0
     assert time.perf_counter() - t0 < 5
     out = capsys.readouterr().out
     assert "peak of the step at batch 100000000000: " in out and " TiB " in out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.host import cpu_threads
+from backends.host import cpu_threads, sample_parts
 from backends.numpy_backend import NumpyBackend
 
 from ..core.model import EM_KERNELS, em_grids, param_shapes
@@ -19,11 +19,11 @@ from .ledger import OPTIMIZER_SLOTS, LayerMemory, Ledger, conv_shape, decoder, i
 
 
 def _block_samples(n, sample_size):
-    """Samples whose routing temporaries are alive at once: a block per host thread (Backend._sample_blocks)."""
+    """Samples whose routing temporaries are alive at once: the largest of the NumPy backend's
+    blocks (B.split_batch) on each host thread."""
     threads = cpu_threads()
-    per_part = max(1, NumpyBackend.sample_block // max(1, sample_size))
-    parts = max(-(-n // per_part), min(threads, n))
-    return min(n, threads * -(-n // parts))
+    parts = sample_parts(n, sample_size, NumpyBackend.sample_block, threads)
+    return min(n, threads * -(-n // parts))                   # the largest of even_slices' parts
 
 
 def _routed(L: Ledger, name, n, P, I, C, iters, b, slots_in, count, layers, forward_extra=0):
