@@ -288,7 +288,7 @@ def cmd_plan(args):
     from ..core.model import CapsNetConfig
     from backends.host import machine_memory
 
-    from ..training.recipe import refuse_ignored_flags
+    from ..training.recipe import ARCHITECTURE, refuse_ignored_flags
     from .plan import SEARCH_CAP, format_bytes, measured_peak, parse_memory, plan
 
     if args.network:
@@ -299,12 +299,10 @@ def cmd_plan(args):
         raise CapsNetError(f"pycapsnet plan models the three built-in networks, set by its flags; it has no memory "
                            f"model yet for a described network (layers: {', '.join(kinds)}); run a few steps with "
                            "--limit and watch the process's memory instead")
-    arch_flags = ("share_spatial", "primary_conv", "routing_iters", "conv_channels", "conv_kernel", "conv_stride",
-                  "primary_types")
-    given = {k: getattr(args, k) for k in arch_flags if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ARCHITECTURE if getattr(args, k, None) is not None}  # plan's own flags
     refuse_ignored_flags(given, args.routing)   # e.g. --share-spatial with --routing em: one line, as train says
     budget = parse_memory(args.memory) if args.memory else machine_memory()
-    cfg = CapsNetConfig(input_shape=tuple(args.input_shape), n_classes=args.classes, routing=args.routing, **given)
+    cfg = CapsNetConfig(input_shape=tuple(args.input_shape), n_classes=args.classes, **given)
     p = plan(cfg, args.batch_size, args.dtype, args.optimizer)
     n = args.batch_size
     c, h, w = cfg.input_shape
