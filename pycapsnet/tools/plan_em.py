@@ -65,12 +65,12 @@ def walk_em(cfg, n: int, b: int, optimizer: str):
     rows = n * grids[0][0] * grids[0][1]
     y = rows * T * 17 * b                                     # x W, then + b; the poses are a view of it
     L.touch(2 * y, "primary forward")
-    L.add(y + 2 * rows * T * b)                               # y, a = sigmoid(logits), kept
-    layers.append(LayerMemory("primary", count["primary.W"] + count["primary.b"], kept=rows * T * b,
-                              work=2 * y))
+    a_prim = rows * T * b                                     # a = sigmoid(logits): output, and kept
+    L.add(y + a_prim)
+    layers.append(LayerMemory("primary", count["primary.W"] + count["primary.b"], kept=a_prim, work=2 * y))
 
-    # ---- the routed layers: each frees its input's poses once its votes are made ---------------------------
-    backs, prev_out = [], y + rows * T * b          # the primary poses (y) and the a's copy
+    # ---- the routed layers: a convolutional one copies its input into window slots, which frees it ---------
+    backs, prev_out = [], y                                   # the primary poses, a view of y
     for k, (kernel, stride) in enumerate(EM_KERNELS, start=1):
         (gh, gw), (oh, ow) = grids[k - 1], grids[k]
         P, I = oh * ow, kernel * kernel * types[k - 1]
@@ -85,17 +85,17 @@ def walk_em(cfg, n: int, b: int, optimizer: str):
     I = gh * gw * types[-1]
     kept, out, vote, back = _routed(L, "classcaps", n, 1, I, J, iters, b, 0, count, layers,
                                     forward_extra=n * I * J * 16 * b)   # V + the coordinate offsets: a second V
-    backs.append(("classcaps", kept, vote, back, n * I * 16 * b))
+    # its cache holds its input as it came (the poses a view, a reshaped): freed with the rest of it
+    backs.append(("classcaps", kept + prev_out, vote, back, n * I * 16 * b))
 
     # ---- decoder, losses; then the routed layers' backward, last first ----------------------------------------
-    decoder(L, cfg, n, b, count, layers)
+    decoder(L, cfg, n, b, count, layers, returned=out)        # the class poses and activations
     for name, kept, vote, back, grads_in in reversed(backs):
         L.touch(vote + back, f"{name} backward")
         L.touch(vote + grads_in, f"{name} backward")          # dV, then dM in slots and back on the grid
         L.add(-kept)
-    L.add(-prev_out)
     L.touch(rows * T * 17 * b * 2 + out1, "primary backward")  # dy, and dh
-    L.add(-y - 2 * rows * T * b)
+    L.add(-a_prim)
     L.touch(out1 + out1 // b, "relu1 backward")
     L.add(-out1)
     L.touch(b1, "conv1 backward")
