@@ -33,15 +33,17 @@ def _routed(L: Ledger, name, n, P, I, C, iters, b, slots_in, count, layers, forw
     per_iter = assign + (2 * 16 + 3) * n * P * C * b          # R, μ, σ², r, z, a
     m = _block_samples(n, P * I * C * 16)
     vote_blk, assign_blk = m * P * I * C * 16 * b, m * P * I * C * b
+    routing = vote_blk + 5 * assign_blk                       # d², and the E-step's ln p, L, e, R
+    routing_back = 3 * vote_blk + 6 * assign_blk              # d, q, dL q; dL, dw, dR' and their kin
     L.touch(vote + forward_extra, f"{name} votes")
     kept = slots_in + vote + n * P * I * b + iters * per_iter  # M in slots, V, a_in, the trace
     L.add(kept)
-    L.touch(vote_blk + 5 * assign_blk, f"{name} routing")   # d², and the E-step's ln p, L, e, R
+    L.touch(routing, f"{name} routing")
     out = n * P * C * 17 * b                                 # μ and a
     L.add(out)
-    work = max(vote_blk + 5 * assign_blk, vote + 3 * vote_blk + 6 * assign_blk)
-    layers.append(LayerMemory(name, count[f"{name}.W"] + 2 * count[f"{name}.beta_u"], kept=kept, work=work))
-    return kept, out, vote, 3 * vote_blk + 6 * assign_blk
+    layers.append(LayerMemory(name, count[f"{name}.W"] + 2 * count[f"{name}.beta_u"], kept=kept,
+                              work=max(routing, vote + routing_back)))     # backward's on top of dV
+    return kept, out, vote, routing_back
 
 
 def walk_em(cfg, n: int, b: int, optimizer: str):
