@@ -11,8 +11,8 @@ from pycapsnet import CapsNet  # noqa: E402
 from tests.conftest import CPU_BACKENDS, SMALL, assert_close  # noqa: E402
 
 
-def assert_matches_autograd(model, x, y):
-    """The loss to 1e-12 and every gradient, the input's too, to 1e-8 of autograd's (float64)."""
+def assert_matches_autograd(model, x, y, rtol=1e-8):
+    """The loss to 1e-12 and every gradient, the input's too, to ``rtol`` of autograd's (float64)."""
     model.zero_grad()
     out = model.loss(x, y)
     dx = model.backward(input_grad=True)
@@ -20,7 +20,7 @@ def assert_matches_autograd(model, x, y):
     assert out.loss == pytest.approx(loss_ref, rel=1e-12)
     for k, ref in g.items():
         mine = dx if k == "input" else model.grads[k]
-        assert_close(model.B.to_numpy(mine), ref, 1e-8, what=k)
+        assert_close(model.B.to_numpy(mine), ref, rtol, what=k)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -38,7 +38,7 @@ dμ and da are the incoming gradients), with d_ijh = V_ijh - μ_jh and q_ijh = d
   M-step t:
     dβ_a += λ_t sum dz_j,   dcost_j = -λ_t dz_j,   dβ_u += H sum dcost_j r_j
     dr_j  = dcost_j sum_h (β_u + ½ ln σ²_jh),   dσ²_jh += dcost_j r_j / (2σ²_jh)
-    dμ_jh -= 2 dσ²_jh sum_i w_ij d_ijh  = 2 dσ²_jh μ_jh ε / (r_j + ε)    (σ² depends on μ too)
+    dμ_jh -= 2 dσ²_jh sum_i w_ij d_ijh    (σ² depends on μ too; summed, not in closed form)
     dw_ij = sum_h (dσ²_jh d²_ijh + dμ_jh V_ijh),   dV_ijh += w_ij (2 dσ²_jh d_ijh + dμ_jh)
     dR'_ij = dw_ij / (r_j + ε) + dr_j - sum_i' dw_i'j w_i'j / (r_j + ε)
     da_i += sum_j dR'_ij R_ij,   dR = dR'_ij a_i  (carried into E-step t-1; R^0 is a constant)
@@ -183,8 +183,11 @@ def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Ide
         dvar = dvar + (dcost * r)[..., None] / (2 * var)
         Rp = R * a_in[..., None]
         w = Rp / (r[:, :, None] + eps)
-        # sum_i w_ij d_ijh = μ_jh - μ_jh sum_i w_ij = μ_jh ε / (r_j + ε): no pass over V needed
-        dmu_t = dmu_t - 2 * dvar * mu * (eps / (r + eps))[..., None]
+        # σ² depends on μ too: dμ -= 2 dσ² sum_i w_ij d_ijh.  In exact arithmetic that sum is
+        # μ_jh ε / (r_j + ε), but it must be summed from the same rounded d that moments_backward
+        # uses: where one child carries a parent (d ~ 1e-8, σ² at its floor, dσ² ~ 1e3) the closed
+        # form leaves 2 dσ² times μ's rounding uncancelled in dV (docs/backprop.md)
+        dmu_t = dmu_t - 2 * dvar * B.sum_children(w, d)
         # with g = dσ² d + dμ:  dV += w (2 dσ² d + dμ) = w (2g - dμ),  and, as V = d + μ,
         # dw_ij = sum_h (dσ² d² + dμ V) = sum_h d g + k_j  with  k_j = sum_h dμ_jh μ_jh
         dw = B.moments_backward(d, w, dmu_t, dvar, dV)                       # sum_h d g = dw - k_j (N, P, I, C)

@@ -82,17 +82,19 @@ class PrimaryMatrixCaps(Layer):
         y = self.linear.forward(xp.reshape(h, (n * hh * ww, c)))
         t = self.types
         M = xp.reshape(y[:, :t * 16], (n, hh, ww, t, 16))
-        a = sigmoid(xp, xp.reshape(y[:, t * 16:], (n, hh, ww, t)))
-        self.cache = (a, tuple(h.shape))
-        return M, a
+        logit = xp.reshape(y[:, t * 16:], (n, hh, ww, t))
+        self.cache = (logit, tuple(h.shape))
+        return M, sigmoid(xp, logit)
 
     def backward(self, d, input_grad=True):
         dM, da = d
         xp = self.B.xp
-        a, h_shape = self.cache
+        logit, h_shape = self.cache
         self.cache = None
         rows = h_shape[0] * h_shape[1] * h_shape[2]
-        dlogit = da * a * (1 - a)                                   # sigmoid'
+        # sigmoid' = a (1 - a) = sigmoid(z) sigmoid(-z): from the logit, so that an activation that
+        # rounds to 1 (z > ~37 in float64) keeps its exact slope e^-z instead of 1 - a = 0
+        dlogit = da * sigmoid(xp, logit) * sigmoid(xp, -logit)
         dy = xp.concat([xp.reshape(dM, (rows, -1)), xp.reshape(dlogit, (rows, -1))], axis=1)
         dh = self.linear.backward(dy, input_grad)
         return xp.reshape(dh, h_shape) if input_grad else None
