@@ -7,6 +7,7 @@
     pycapsnet evaluate   CHECKPOINT [--backend torch --device cuda]  test accuracy of a checkpoint
     pycapsnet plan       --input-shape 3 224 224 --classes 276       will a train step fit? memory per layer
     pycapsnet experiment table1|affine|multimnist [--quick]          the paper's experiments (docs/experiments.md)
+    pycapsnet data       mnist|fashion-mnist [DIR]                   fetch the full set, verified by digest
 
 Exit codes: 0 success, 1 a check failed, 2 bad input or a damaged checkpoint (the message says
 what and how to fix it), 3 the model's numbers are not finite (train, evaluate), 130 Ctrl-C.
@@ -284,6 +285,15 @@ def _predict(args):
 
 
 # ---- plan ---------------------------------------------------------------------------------------
+def cmd_data(args):
+    from ..training import download
+
+    folder = download.download(args.name, args.dir, progress=not args.quiet)
+    print(f"{args.name}: the four files are in {folder}"
+          + ("" if args.dir else f"; --dataset {args.name} now finds them there"))
+    return 0
+
+
 def cmd_plan(args):
     from ..core.model import CapsNetConfig
     from backends.host import machine_memory
@@ -457,6 +467,16 @@ def build_parser():
     pl.add_argument("--measure", action="store_true",
                     help="also run the step on the NumPy backend and report its measured peak")
     pl.set_defaults(fn=cmd_plan)
+
+    from ..training.download import DATASETS as FETCHABLE
+
+    da = sub.add_parser("data", help="fetch MNIST or Fashion-MNIST from public mirrors, verified by digest")
+    da.add_argument("name", choices=tuple(FETCHABLE))
+    da.add_argument("dir", nargs="?", default=None,
+                    help="where to store the four files (default: $PYCAPSNET_DATA/NAME, else ~/.cache/pycapsnet/NAME, "
+                         "where --dataset NAME looks when no --data-dir is given)")
+    da.add_argument("--quiet", action="store_true", help="no progress, only what was fetched")
+    da.set_defaults(fn=cmd_data)
 
     from ..experiments import add_parser as add_experiment
 

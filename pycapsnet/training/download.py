@@ -1,0 +1,239 @@
+"""Fetching MNIST and Fashion-MNIST: the four IDX files from public mirrors, each verified against
+the digest its publisher gives before it takes its name.
+
+``pycapsnet data mnist [DIR]`` stores them in DIR, by default in the cache folder (``cache_dir``):
+``$PYCAPSNET_DATA/<name>``, else ``~/.cache/pycapsnet/<name>`` (``$XDG_CACHE_HOME`` if set), where
+``--dataset mnist`` without ``--data-dir`` looks.  Mirrors are tried in turn for each file, so a
+dead one is not the end.  A file is streamed to a temporary name beside its target and renamed
+only once its digest matches (files.atomic_write): a killed or failed download never leaves a file
+that looks complete.  Nothing here runs unless asked; training never downloads.
+"""
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+import socket
+import sys
+import urllib.error
+import urllib.request
+import zlib
+
+from ..errors import CapsNetError
+from . import files
+from .data import IDX_FILES
+
+# Per file: (how its digest is taken, the digest).  "sha256 of content": SHA-256 of the decompressed
+# IDX file (the MNIST digests, whatever gzip level a mirror used); "md5 of gz": MD5 of the .gz file
+# as Zalando's README lists it for Fashion-MNIST.
+DATASETS = {
+    "mnist": {
+        "mirrors": ("https://ossci-datasets.s3.amazonaws.com/mnist/",
+                    "https://storage.googleapis.com/cvdf-datasets/mnist/",
+                    "http://yann.lecun.com/exdb/mnist/"),
+        "digest": "sha256 of content",
+        "files": {
+            "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
+            "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
+            "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+            "t10k-labels-idx1-ubyte": "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+        },
+    },
+    "fashion-mnist": {
+        "mirrors": ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+                    "https://github.com/zalandoresearch/fashion-mnist/raw/master/data/fashion/"),
+        "digest": "md5 of gz",
+        "files": {
+            "train-images-idx3-ubyte": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+            "train-labels-idx1-ubyte": "25c81989df183df01b3e8a0aad5dffbe",
+            "t10k-images-idx3-ubyte": "bef4ecab320f06d8554ea6380940ec79",
+            "t10k-labels-idx1-ubyte": "bb300cfdad3c16e7a12a480ee83cd310",
+        },
+    },
+}
+assert all(set(d["files"]) == {s for pair in IDX_FILES.values() for s in pair} for d in DATASETS.values())
+TIMEOUT_S = 30  # per connection attempt and per read: a mirror that stalls longer is skipped
+CHUNK = 1 << 16
+
+
+def cache_dir(name: str) -> str:
+    """Where ``name``'s files are kept when no folder is named: $PYCAPSNET_DATA/<name>, else the
+    per-user cache (~/.cache/pycapsnet/<name>)."""
+    root = os.environ.get("PYCAPSNET_DATA") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pycapsnet")
+    return os.path.join(root, name)
+
+
+def cached(name: str) -> str | None:
+    """The cache folder of ``name`` if it holds all four files (by name; their content is read and
+    checked when loaded), else None."""
+    folder = cache_dir(name)
+    have = all(os.path.isfile(os.path.join(folder, stem + ".gz")) for stem in DATASETS[name]["files"])
+    return folder if have else None
+
+
+class _Verifier:
+    """Takes the .gz bytes as they arrive: writes them, and keeps the digest the dataset names."""
+
+    def __init__(self, kind, out):
+        self.kind, self.out = kind, out
+        self.hash = hashlib.sha256() if kind == "sha256 of content" else hashlib.md5()
+        self.inflate = zlib.decompressobj(16 + zlib.MAX_WBITS) if kind == "sha256 of content" else None
+
+    def update(self, chunk):
+        try:
+            self.out.write(chunk)
+        except OSError as e:
+            raise _WriteFailed(e) from None
+        if self.inflate is None:
+            self.hash.update(chunk)
+            return
+        try:
+            self.hash.update(self.inflate.decompress(chunk))
+        except zlib.error as e:
+            raise _Bad(f"not a valid gzip stream ({e})") from None
+
+    def hexdigest(self):
+        if self.inflate is not None:
+            if not self.inflate.eof:
+                raise _Bad("the gzip stream ends early (truncated)")
+            self.hash.update(self.inflate.flush())
+        return self.hash.hexdigest()
+
+
+class _Bad(Exception):
+    """This mirror's copy of a file is unusable; the next mirror is tried."""
+
+
+class _WriteFailed(Exception):
+    """The file could not be written here (a full disk): no mirror will help."""
+
+
+def _fetch(url, expected, kind, path, show):
+    """Stream ``url`` into ``path`` (atomically), or raise _Bad saying why this mirror failed."""
+    def write(out):
+        v = _Verifier(kind, out)
+        try:
+            with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+                total = int(response.headers.get("Content-Length") or 0)
+                got = 0
+                with show(os.path.basename(path), total) as bar:
+                    while chunk := response.read(CHUNK):
+                        v.update(chunk)
+                        got += len(chunk)
+                        bar(len(chunk))
+                if total and got != total:
+                    raise _Bad(f"the transfer stopped at {got} of {total} bytes")
+        except urllib.error.HTTPError as e:
+            raise _Bad(f"HTTP {e.code} {e.reason}") from None
+        except urllib.error.URLError as e:
+            raise _Bad(f"cannot connect ({e.reason})") from None
+        except (socket.timeout, TimeoutError):
+            raise _Bad(f"no answer within {TIMEOUT_S} s") from None
+        except (ConnectionError, http.client.HTTPException) as e:
+            raise _Bad(f"the connection failed ({e})") from None
+        digest = v.hexdigest()
+        if digest != expected:
+            raise _Bad(f"wrong content ({kind.split()[0].upper()} {digest[:12]}..., expected {expected[:12]}...)")
+
+    files.atomic_write(path, write)
+
+
+def _verify_file(path, expected, kind) -> bool:
+    """Whether an existing file has the digest (a finished download is not fetched again)."""
+    try:
+        with open(path, "rb") as f:
+            v = _Verifier(kind, _Null())
+            while chunk := f.read(1 << 20):
+                v.update(chunk)
+            return v.hexdigest() == expected
+    except (OSError, _Bad):
+        return False
+
+
+class _Null:
+    def write(self, _):
+        pass
+
+
+def download(name: str, folder: str | None = None, mirrors=None, progress: bool = True) -> str:
+    """Fetch ``name``'s four files into ``folder`` (default: cache_dir(name)); returns the folder.
+    Files already there with the right digest are kept.  ``mirrors``: base URLs to try in turn
+    (default: the dataset's).  Raises CapsNetError naming the file and what to do."""
+    if name not in DATASETS:
+        raise CapsNetError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+    spec = DATASETS[name]
+    folder = os.path.abspath(folder or cache_dir(name))
+    _writable(folder)
+    show = _progress if progress else _silent
+    for stem, expected in spec["files"].items():
+        path = os.path.join(folder, stem + ".gz")
+        if os.path.isfile(path) and _verify_file(path, expected, spec["digest"]):
+            print(f"{stem}.gz: already here, verified", file=sys.stderr)
+            continue
+        failures = []
+        for base in mirrors or spec["mirrors"]:
+            url = base.rstrip("/") + "/" + stem + ".gz"
+            try:
+                _fetch(url, expected, spec["digest"], path, show)
+                print(f"{stem}.gz: verified, from {base}", file=sys.stderr)
+                break
+            except _Bad as e:
+                failures.append(f"{url}: {e}")
+                print(f"{stem}.gz: {url}: {e}; trying the next mirror", file=sys.stderr)
+            except (OSError, _WriteFailed) as e:  # writing: a full disk, a folder gone
+                e = e.args[0] if isinstance(e, _WriteFailed) else e
+                raise CapsNetError(f"cannot write {path}: {e.strerror or e}; free some space or choose another "
+                                   "folder (pycapsnet data NAME DIR, or PYCAPSNET_DATA=DIR)") from None
+        else:
+            raise CapsNetError(f"could not fetch {stem}.gz from any mirror ({'; '.join(failures)}); check the "
+                               f"connection, or put the four files into {folder} by hand")
+    return folder
+
+
+def _writable(folder):
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise CapsNetError(f"cannot create the data folder {folder}: {e.strerror or e}; name another "
+                           "(pycapsnet data NAME DIR, or PYCAPSNET_DATA=DIR)") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CapsNetError(f"the data folder {folder} is not writable; name another "
+                           "(pycapsnet data NAME DIR, or PYCAPSNET_DATA=DIR)")
+
+
+class _progress:
+    """Bytes so far: a bar in a terminal (tqdm), else a line at each tenth."""
+
+    def __init__(self, label, total):
+        self.label, self.total, self.got, self.shown, self.bar = label, total, 0, 0, None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total or None, desc=label, unit="B", unit_scale=True, leave=False)
+            except ImportError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __call__(self, n):
+        self.got += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.total > 1 << 20 and 10 * self.got // self.total > self.shown:  # lines for large files only
+            self.shown = 10 * self.got // self.total
+            print(f"  {self.label}: {self.got / 1e6:.1f} of {self.total / 1e6:.1f} MB ({10 * self.shown}%)",
+                  file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _silent(_progress):
+    def __init__(self, label, total):
+        super().__init__(label, 0)
+        self.bar = None
+
