@@ -28,7 +28,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.side < 28:
         p.error(f"--side {args.side} is smaller than a digit (28): give 28 or more")
-    train, _ = digits.embedded()
+    train, _ = digits.source()
     x, y = train.x, train.y
     rng = np.random.default_rng(0)
     on_canvas = (lambda im: im) if args.side == 28 else (lambda im: digits.place(im, args.side, rng))

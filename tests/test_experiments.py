@@ -114,8 +114,43 @@ def test_each_experiment_runs_in_its_quick_form(tmp_path, name, figure):
         assert all(len(r["errors"]) == 2 and 0 <= r["mean"] <= 100 for r in results["rows"].values())
     elif name == "affine":
         assert set(results["rows"]) == {"capsnet", "baseline"}
+        _assert_stopped_at_the_same_validation_accuracy(results)
     else:
         assert results["test_pairs"] == 30 and 0.3 < results["mean_box_overlap"] < 1
+
+
+def _assert_stopped_at_the_same_validation_accuracy(results):
+    """The paper's protocol: per seed, the target is the lower of the networks' best validation
+    accuracies, and each network is read at its first epoch reaching it (never by the test sets)."""
+    curves = results["curves"]
+    for seed, target in enumerate(results["target_val"]):
+        assert target == min(max(e["val"] for e in c[seed]) for c in curves.values())
+        for name, row in results["rows"].items():
+            epochs = curves[name][seed]
+            stop = row["stop_epoch"][seed]
+            assert epochs[stop - 1]["val"] >= target and all(e["val"] < target for e in epochs[:stop - 1])
+            assert row["translated"]["accs"][seed] == epochs[stop - 1]["translated"]
+
+
+def test_experiments_take_mnist_idx_files(tmp_path):
+    """--data-dir: the experiment's digits come from the IDX files (here 200 train / 50 test made up)."""
+    from pycapsnet.training import data
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    for part, n in (("train", 200), ("test", 50)):
+        images, labels = data.IDX_FILES[part]
+        data.write_idx(str(folder / (images + ".gz")), rng.integers(0, 256, (n, 28, 28)))
+        data.write_idx(str(folder / (labels + ".gz")), np.arange(n) % 10)
+    done, out = _experiment(tmp_path, "affine", "--quick", "--epochs", "2", "--seeds", "1", "--limit", "100",
+                            "--data-dir", str(folder))
+    assert done.returncode == 0, done.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["data"] == "MNIST IDX files (--data-dir)"
+    assert (results["train_digits"], results["val_digits"], results["test_digits"]) == (90, 10, 25)
+    assert len(results["curves"]["capsnet"][0]) == 2
+    _assert_stopped_at_the_same_validation_accuracy(results)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -1,4 +1,5 @@
-"""The paper's experiments (Sabour, Frosst & Hinton 2017) on data made from the embedded digits:
+"""The paper's experiments (Sabour, Frosst & Hinton 2017) on data made from the embedded digits
+(or full MNIST with --data-dir):
 ``pycapsnet experiment NAME``, NAME one of
 
     table1      test error of the baseline CNN and CapsNet with 1 and 3 routing iterations, with and
@@ -31,8 +32,12 @@ def add_parser(sub, backends_help: str):
     x.add_argument("--out", default=None, help="directory for results and figures (default: experiments/NAME)")
     x.add_argument("--epochs", type=positive_int, default=None, help="epochs per network (default: 12; quick: 1)")
     x.add_argument("--seeds", type=positive_int, default=None, help="seeds per network (default: 3; quick: 2)")
+    x.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="make the data from the four MNIST IDX files in DIR (pycapsnet data mnist fetches them) "
+                        "instead of the embedded digits")
     x.add_argument("--limit", type=positive_int, default=None,
-                   help="training digits used (default: all 4,000; quick: 120); the test set shrinks in proportion")
+                   help="training digits used (default: all: 4,000 embedded, 60,000 from --data-dir; quick: 120); "
+                        "the test set shrinks in proportion")
     x.add_argument("--batch-size", type=positive_int, default=32)
     x.add_argument("--lr", type=positive_float, default=None,
                    help="Adam's rate, decayed 0.85 per epoch (default: table1 2e-3, the library's; affine and "
@@ -74,7 +79,8 @@ def main(args) -> int:
         f"{args.seeds} seed(s), results in {out}")
     t0 = time.perf_counter()
     results = module.run(args, B, out)
-    results.update(command=_command(args), backend=B.label, lr=args.lr, epochs=args.epochs, seeds=args.seeds,
+    results.update(command=_command(args), data="MNIST IDX files (--data-dir)" if args.data_dir else "embedded",
+                   backend=B.label, lr=args.lr, epochs=args.epochs, seeds=args.seeds,
                    minutes=round((time.perf_counter() - t0) / 60, 1))
     text = module.table(results)
     atomic_write(os.path.join(out, "results.json"), lambda f: json.dump(results, f, indent=1), text=True)

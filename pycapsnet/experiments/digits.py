@@ -1,4 +1,4 @@
-"""The paper's datasets, made from the embedded digits (28x28 in [0, 1]) offline, seeded and
+"""The paper's datasets, made from the embedded digits or full MNIST (28x28 in [0, 1]) offline, seeded and
 deterministic: the same seed gives the same images on every machine.
 
     place      each digit at a random position on a larger canvas (the paper's translated training set)
@@ -25,14 +25,16 @@ def check_canvas(canvas: int, what: str = "--canvas") -> int:
     return int(canvas)
 
 
-def embedded(limit=None):
-    """The embedded digits' (train, test) Splits; with ``limit``, that many training digits and a
-    quarter as many test digits (at least 10)."""
+def source(limit=None, data_dir=None):
+    """The digits an experiment is made from, (train, test) Splits: the embedded 4,000 / 1,000, or
+    with ``data_dir`` the MNIST IDX files there (60,000 / 10,000).  With ``limit``, that many
+    training digits and the test digits in the same proportion (at least 10)."""
     from ..training import data
 
-    train_set, test_set = data.load_embedded()
+    train_set, test_set = data.load_idx_dir(data_dir) if data_dir else data.load_embedded()
     if limit:
-        train_set, test_set = train_set.limited(limit, 0), test_set.limited(max(limit // 4, 10), 0)
+        n_test = max(round(limit * len(test_set) / len(train_set)), 10)
+        train_set, test_set = train_set.limited(limit, 0), test_set.limited(n_test, 0)
     return train_set, test_set
 
 

@@ -17,9 +17,11 @@ def default_step(model, batch):
     return model.train_step_grads(x, y).loss
 
 
-def train(model, epochs: int, batches, n_batches: int, step=default_step, lr=2e-3, decay=0.85, desc="train"):
+def train(model, epochs: int, batches, n_batches: int, step=default_step, lr=2e-3, decay=0.85, desc="train",
+          after_epoch=None):
     """Train ``model`` for ``epochs``; ``batches(epoch)`` yields what ``step(model, batch)`` takes, which
-    fills the gradients and returns the loss.  Returns (mean loss of the last epoch, seconds per step)."""
+    fills the gradients and returns the loss; ``after_epoch(epoch)`` is called after each.  Returns
+    (mean loss of the last epoch, seconds per step)."""
     opt = optim.make("adam", model, lr)
     step_times, loss = [], float("nan")
     for epoch in range(epochs):
@@ -39,6 +41,8 @@ def train(model, epochs: int, batches, n_batches: int, step=default_step, lr=2e-
             from ..errors import CapsNetError
             raise CapsNetError(f"{desc}: the loss became {loss} in epoch {epoch + 1}: lower --lr")
         say(f"{desc} epoch {epoch + 1}/{epochs}: loss {loss:.4f}, {np.median(step_times[-len(losses):]) * 1e3:.0f} ms/step")
+        if after_epoch is not None:
+            after_epoch(epoch)
     # the first steps of a run warm caches and allocators: the median step is the step's cost
     return loss, float(np.median(step_times))
 

@@ -70,7 +70,7 @@ def run(args, B, out) -> dict:
     canvas = args.canvas or 36
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 2)
     digits.check_multimnist(args.shift, canvas, pairs)
-    train_set, test_set = digits.embedded(args.limit)
+    train_set, test_set = digits.source(args.limit, args.data_dir)
     x_tr, x_te = data.as_float(train_set.x), data.as_float(test_set.x)
     test = digits.multimnist(x_te, test_set.y, 1, np.random.default_rng(12345), args.shift, canvas)
     size = QUICK_CAPSNET if args.quick else {}

@@ -26,7 +26,7 @@ def variants(shape, quick):
 
 
 def run(args, B, out) -> dict:
-    train_set, test_set = digits.embedded(args.limit)
+    train_set, test_set = digits.source(args.limit, args.data_dir)
     x_test = data.as_float(test_set.x)
     rows = {}
     for name, description in variants((1, 28, 28), args.quick).items():
