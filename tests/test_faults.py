@@ -56,6 +56,11 @@ def weights(run):
     return {**ckpt["params"], **{"optim/" + k: v for k, v in ckpt["optim"].items()}}
 
 
+def files_of(run):
+    """Every file of a run directory and its bytes, but the lock (which names the last run's process)."""
+    return {p.name: p.read_bytes() for p in Path(run).iterdir() if p.name != ".lock"}
+
+
 def temporaries(run):
     return sorted(p.name for p in Path(run).iterdir() if p.name.startswith(".tmp-"))
 
@@ -129,14 +134,14 @@ def test_metrics_lines_beyond_the_checkpoint_are_dropped_on_resume(runs, tmp_pat
 # ---- 2. --overwrite keeps the old record until it has a new one -------------------------------
 def test_overwrite_leaves_the_earlier_run_whole_until_its_first_epoch_is_saved(runs, tmp_path):
     run = _copy(runs["two"], tmp_path / "run")
-    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    before = files_of(run)
     diverged = _train(*TINY, "--epochs", "1", "--out", str(run), "--overwrite", "--limit", "16", "--lr", "1e30")
     assert diverged.returncode == 3, diverged.stderr
     assert (f"This run wrote no checkpoint yet (the earlier run's files in {run} are as they were)"
             in diverged.stderr)
     killed = _train(*TINY, "--epochs", "1", "--out", str(run), "--overwrite", inject=("trained", "1", "SIGKILL"))
     assert killed.returncode == -signal.SIGKILL
-    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert files_of(run) == before
     # once it has saved an epoch, the directory is the new run's alone
     assert _train(*TINY, "--epochs", "1", "--out", str(run), "--overwrite", "--seed", "3").returncode == 0
     assert [r["epoch"] for r in record(run)] == [1]
@@ -146,7 +151,7 @@ def test_overwrite_leaves_the_earlier_run_whole_until_its_first_epoch_is_saved(r
 # ---- 3. nothing non-finite is saved ----------------------------------------------------------------
 def test_a_diverged_epoch_is_never_saved_and_names_the_real_last_good_checkpoint(runs, tmp_path, capsys):
     run = _copy(runs["one"], tmp_path / "run")
-    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    before = files_of(run)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # overflow warnings give way to the one line
         # one step per epoch: the loss is checked before that step, so only the end-of-epoch check sees it
@@ -156,7 +161,7 @@ def test_a_diverged_epoch_is_never_saved_and_names_the_real_last_good_checkpoint
     err = capsys.readouterr().err
     assert f"; stopped. The last good checkpoint is {run} (epoch 1); try a lower --lr." in err, err
     assert "after epoch 2" in err and len(err.strip().splitlines()) == 1
-    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert files_of(run) == before
     record(run)  # strict JSON
 
 

@@ -3,8 +3,9 @@
 Every file a run writes (checkpoint, metrics, pictures) is written beside its target under a
 temporary name, flushed to disk and renamed over the target (``os.replace``, atomic on POSIX and
 Windows).  A reader, or a run resumed after a crash, sees the old file or the new one, never a
-mixture.  A writer killed before the rename leaves its temporary behind; the next write of the
-same file removes it.
+mixture.  A temporary's name holds its writer's process id: a writer killed before the rename
+leaves its temporary behind, and the next write of the same file removes it once that process is
+gone -- never the temporary of a writer still at work.
 """
 from __future__ import annotations
 
@@ -15,12 +16,28 @@ import tempfile
 PREFIX = ".tmp-"
 
 
-def temporaries(path: str) -> list:
-    """Temporaries that writes of ``path`` left behind: ``.tmp-<stem>-*<suffix>`` beside it."""
+def temporaries(path: str, stale: bool = False) -> list:
+    """Temporaries of writes of ``path`` beside it, ``.tmp-<stem>-<pid>-*<suffix>``; ``stale``: only
+    those whose writer is gone (or is this process, or wrote no id: an older version's)."""
     directory, name = os.path.split(os.path.abspath(path))
     stem, suffix = os.path.splitext(name)
     pattern = f"{PREFIX}{glob.escape(stem)}-*{glob.escape(suffix)}"
-    return sorted(glob.glob(os.path.join(glob.escape(directory), pattern)))
+    found = sorted(glob.glob(os.path.join(glob.escape(directory), pattern)))
+    start = len(PREFIX) + len(stem) + 1
+    return [p for p in found if not stale or not _alive(os.path.basename(p)[start:].split("-", 1)[0])]
+
+
+def _alive(pid: str) -> bool:
+    """Whether the process ``pid`` (a temporary's writer) is running and is not this one."""
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):  # another user's, or a system that cannot tell: leave it
+        return True
+    return True
 
 
 def atomic_write(path: str, write, text: bool = False) -> str:
@@ -28,12 +45,12 @@ def atomic_write(path: str, write, text: bool = False) -> str:
     rename.  OSError (the caller names the file and the fix) leaves ``path`` as it was."""
     directory, name = os.path.split(os.path.abspath(path))
     stem, suffix = os.path.splitext(name)
-    for stale in temporaries(path):  # from a writer that was killed before its rename
+    for stale in temporaries(path, stale=True):  # from a writer killed before its rename
         try:
             os.unlink(stale)
         except OSError:
             pass
-    fd, tmp = tempfile.mkstemp(prefix=f"{PREFIX}{stem}-", suffix=suffix, dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f"{PREFIX}{stem}-{os.getpid()}-", suffix=suffix, dir=directory)
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600: give it what an ordinary file gets
         with os.fdopen(fd, "w" if text else "wb") as f:

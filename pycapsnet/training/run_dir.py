@@ -1,17 +1,28 @@
 """A run's directory and its transactions.  Each epoch is committed as one unit, in this order:
-``checkpoint.npz`` (which also holds the run's metrics records), then ``metrics.jsonl`` (one
-strict-JSON line per epoch), ``curves.png`` and ``reconstructions.png``, every file written whole
-(``files.atomic_write``).  A stop between two of these writes leaves a checkpoint that the other
-files lag behind; on ``--resume``, ``RunDir.reconcile`` rewrites them from it, so what the
-directory records is what the checkpoint holds.
+``checkpoint.npz`` (which also holds the run's metrics records), ``best.npz`` when the epoch has
+the best validation accuracy so far, then ``metrics.jsonl`` (one strict-JSON line per epoch),
+``curves.png`` and ``reconstructions.png``, every file written whole (``files.atomic_write``).
+A stop between two of these writes leaves a checkpoint that the other files lag behind; on
+``--resume``, ``RunDir.reconcile`` rewrites them from it, so what the directory records is what
+the checkpoint holds: best.npz too, which a stop can leave behind only when the checkpoint holds
+that same epoch.  Files that describe an earlier checkpoint (``evaluate``'s confusion files) or
+another run (what --overwrite replaces) go at the commit, or at the reconcile after a stop.
+
+One run at a time: a run holds an OS lock on ``.lock`` in its directory for as long as it lives
+(``flock``; the kernel drops it when the process ends, however it ends), and a second run on the
+same directory is refused at once, naming the first one's process.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import threading
+import zipfile
+
+import numpy as np
 
 from ..errors import CapsNetError
 from ..tools import plots
@@ -23,6 +34,14 @@ CHECKPOINT = "checkpoint.npz"
 BEST = "best.npz"  # with --val-fraction: the epoch of the best validation accuracy
 METRICS = "metrics.jsonl"
 PICTURES = ("curves.png", "reconstructions.png")
+DESCRIBES_A_CHECKPOINT = ("confusion.json", "confusion.png")  # evaluate's, of the checkpoint it scored
+LOCK = ".lock"
+
+
+def best_epoch(history) -> int | None:
+    """The epoch of the highest validation accuracy (the first of equals); None without validation."""
+    scored = [r for r in history if "val_acc" in r]
+    return max(scored, key=lambda r: (r["val_acc"], -r["epoch"]))["epoch"] if scored else None
 
 
 class RunDir:
@@ -34,12 +53,15 @@ class RunDir:
         self.path = None
         self.last_good = None
         self.replacing = None
+        self._lock = None
 
     def claim(self, path: str, ckpt, overwrite: bool) -> None:
-        """Make ``path`` the run's directory: made and writable, and not holding another run's
-        checkpoint unless ``overwrite`` (nothing of that run is touched before the first commit)."""
+        """Make ``path`` the run's directory: made and writable, locked for this run, and not holding
+        another run's checkpoint unless ``overwrite`` (nothing of that run is touched before the
+        first commit)."""
         self.path = path
         prepare_out_dir(path)
+        self._lock = lock(path)
         mine = os.path.join(path, CHECKPOINT)
         resumed_here = ckpt is not None and os.path.exists(mine) and os.path.samefile(ckpt["path"], mine)
         if os.path.exists(mine) and not resumed_here:
@@ -67,11 +89,46 @@ class RunDir:
             checkpoint.save(os.path.join(self.path, CHECKPOINT), model, opt, **meta)
             if best:  # the best validation accuracy so far: its weights, a checkpoint of their own
                 checkpoint.save(os.path.join(self.path, BEST), model, opt, **meta)
-            elif self.replacing and os.path.exists(os.path.join(self.path, BEST)):
-                os.remove(os.path.join(self.path, BEST))  # the replaced run's: not this run's best
             self.last_good, self.replacing = (self.path, epoch), None
+            self._drop_what_is_not_this_checkpoints(history)
             write_metrics(self.path, history)
             draw(model, test_set, self.path, history)
+
+    def release(self) -> None:
+        """Give up the directory's lock (the run is over; a process that ends drops it anyway)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def _drop_what_is_not_this_checkpoints(self, history, older_than=None) -> None:
+        """Remove what describes an earlier checkpoint or another run: evaluate's confusion files
+        (of an earlier epoch, or of the run --overwrite replaced; with ``older_than``, the
+        checkpoint's time, only those older, and saying so), and a best.npz that is not this run's
+        (its records are not the first epochs of this run's)."""
+        said = older_than is not None
+        best = os.path.join(self.path, BEST)
+        header = _header(best)
+        if header is not None and header.get("history") != history[:len(header.get("history") or [])]:
+            _remove(best, said and "it held another run's weights")
+        for name in DESCRIBES_A_CHECKPOINT:
+            path = os.path.join(self.path, name)
+            if not said or _mtime(path) < older_than:
+                _remove(path, said and "it scored an earlier checkpoint")
+
+    def _restore_best(self, ckpt, history) -> None:
+        """After a stop between the checkpoint and best.npz: the checkpoint holds the best epoch, so
+        best.npz is copied from it, whole."""
+        best = best_epoch(history)
+        path = os.path.join(self.path, BEST)
+        header = _header(path)
+        if best is None or (header is not None and header.get("history") == history[:best]):
+            return
+        if best == ckpt["header"].get("epoch"):
+            files.atomic_write(path, lambda f: _copy_into(ckpt["path"], f))
+            say(f"best.npz did not hold epoch {best}, the best: restored from the checkpoint, which holds it")
+        else:
+            say(f"warning: best.npz does not hold epoch {best}, the run's best (was it moved or replaced?); "
+                "it will hold the next epoch that scores better")
 
     def reconcile(self, ckpt, model, test_set) -> list:
         """The run's metrics records up to the checkpoint's epoch, with the directory's
@@ -97,6 +154,8 @@ class RunDir:
             stale = True
         if stale and history:
             draw(model, test_set, self.path, history)
+        self._restore_best(ckpt, history)
+        self._drop_what_is_not_this_checkpoints(history, older_than=_mtime(ckpt["path"]))
         return history
 
     def stopped(self, what: str) -> str:
@@ -107,6 +166,56 @@ class RunDir:
             back = "This run wrote no checkpoint yet" + (
                 f" (the earlier run's files in {self.replacing} are as they were)" if self.replacing else "")
         return f"{what}; stopped. {back}; try a lower --lr."
+
+
+def lock(path: str):
+    """An exclusive lock on ``path``/.lock for this process's life (an open file descriptor, which
+    ``RunDir.release`` closes), the holder's process id written in it; a second run is refused in
+    one line naming that process.  None where the system has no ``flock`` (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    name = os.path.join(path, LOCK)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise CapsNetError(f"cannot make the lock file {name}: {e.strerror or e}; choose another --out") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise CapsNetError(f"{path} is in use by another run (process {holder}); wait for it to end, or train "
+                           "into another directory with --out DIR") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _header(path) -> dict | None:
+    """The header of the checkpoint at ``path`` (read alone, not its arrays): None if there is no
+    file, {} if it is not a readable checkpoint."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            header = json.loads(str(z["header"][()]))
+        return header if isinstance(header, dict) else {}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
+        return {}
+
+
+def _remove(path, why) -> None:
+    if os.path.exists(path):
+        os.remove(path)
+        if why:
+            say(f"removed {path}: {why}")
+
+
+def _copy_into(src, f) -> None:
+    with open(src, "rb") as s:
+        shutil.copyfileobj(s, f)
 
 
 def _mtime(path) -> int:

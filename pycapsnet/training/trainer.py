@@ -30,7 +30,7 @@ from .graph import CapturedEval, CapturedStep
 from .log import progress, say, speaking
 from .preflight import check_parameters_fit, checked_data
 from .recipe import Run, add_arguments, data_options, flag, settle
-from .run_dir import RunDir
+from .run_dir import RunDir, best_epoch
 from .scalars import Scalars, Steps
 
 
@@ -332,12 +332,6 @@ class Training:
                     f"{name} holds NaN or inf after epoch {epoch + 1}'s last update"))
 
 
-def best_epoch(history) -> int | None:
-    """The epoch of the highest validation accuracy (the first of equals); None without validation."""
-    scored = [r for r in history if "val_acc" in r]
-    return max(scored, key=lambda r: (r["val_acc"], -r["epoch"]))["epoch"] if scored else None
-
-
 def _data_parallel_grads(model, group, x, y, n):
     """This process's shard (x, y) of a global batch of n images: every process ends with the
     global batch's mean gradient in ``model.grads`` (each shard's mean gradient weighted by its
@@ -389,6 +383,7 @@ def train(run: Run, directory: RunDir | None = None) -> dict:
         training = Training(run, directory)
         return training.evaluate_only() if run.eval_only else training.train()
     finally:
+        directory.release()
         if training is not None and getattr(training, "scalars", None) is not None:
             training.scalars.close()
         if training is not None and training.group is not None:
