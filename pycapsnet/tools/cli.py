@@ -207,6 +207,14 @@ def _figure_4(model, v, pred, path, about):
 
 
 def cmd_inspect(args):
+    try:
+        return _inspect(args)
+    except OSError as e:  # writing the pictures: a full disk, a folder gone
+        raise CapsNetError(f"cannot write into --out {args.out}: {e.strerror or e}; free some space or choose "
+                           "another --out") from None
+
+
+def _inspect(args):
     from ..training import checkpoint as ckpt_mod
     from ..training import data, files
     from ..training.recipe import data_options, settle
@@ -234,6 +242,9 @@ def cmd_inspect(args):
                            f"image {args.index}: there is nothing to draw; inspect an earlier checkpoint")
     pred = int(out.predictions[0])
     names = ckpt["header"].get("classes") or test.classes  # class names, by index
+    if not model.routing_layers():
+        raise CapsNetError(f"{ckpt['path']} holds a network without capsule routing (a CNN): inspect draws "
+                           "routing; score it with pycapsnet evaluate")
     _, classcaps = model.routing_layers()[-1]  # the layer that routes to the class capsules
     couplings = [np.array(B.to_numpy(c)[0]) for c in classcaps.coupling]  # per iteration (I, J), copied
     activations = [np.array(B.to_numpy(a)[0]) for a in getattr(classcaps, "activations", [])]  # EM

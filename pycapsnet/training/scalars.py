@@ -9,6 +9,7 @@ import os
 import time
 
 from ..errors import CapsNetError
+from .log import say
 
 COLUMNS = ("kind", "epoch", "step", "loss", "margin", "spread", "reconstruction", "acc", "lr", "samples_per_s",
            "test_loss", "test_acc", "val_loss", "val_acc")
@@ -16,45 +17,104 @@ COLUMNS = ("kind", "epoch", "step", "loss", "margin", "spread", "reconstruction"
 
 class Scalars:
     """Where scalars go: a CSV file, a TensorBoard directory, both or neither.  ``step`` is the
-    global step (batches since the run began), so that a resumed run continues its curves."""
+    global step (batches since the run began), so that a resumed run continues its curves.  Both
+    places are checked before the run trains; a write that fails later (a full disk) says so in one
+    line and stops that writer, and the run goes on to commit its epochs."""
 
     def __init__(self, csv_path: str | None = None, tensorboard: str | None = None):
         self._csv = self._writer = None
         if tensorboard:
+            _check_tensorboard_dir(tensorboard)
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise CapsNetError("--tensorboard writes through PyTorch's SummaryWriter, which needs the tensorboard "
                                    'package: pip install -e ".[tensorboard]" (or pip install tensorboard)') from None
             self._writer = SummaryWriter(tensorboard)
+            self._tensorboard = tensorboard
         if csv_path:
-            fresh = not os.path.exists(csv_path) or os.path.getsize(csv_path) == 0
+            fresh = _check_csv(csv_path)
             try:
                 self._file = open(csv_path, "a", newline="")
             except OSError as e:
                 raise CapsNetError(f"cannot write --log-csv {csv_path}: {e.strerror or e}") from None
+            self._csv_path = csv_path
             self._csv = csv.DictWriter(self._file, COLUMNS, extrasaction="ignore")
             if fresh:
-                self._csv.writeheader()
+                self._guarded("csv", self._csv.writeheader)
 
     def add(self, kind: str, epoch: int, step: int, values: dict) -> None:
         """One row: ``kind`` "steps" (the group of steps ending at ``step``) or "epoch"."""
         if self._csv is not None:
-            self._csv.writerow({"kind": kind, "epoch": epoch, "step": step,
-                                **{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in values.items()}})
-            self._file.flush()
+            row = {"kind": kind, "epoch": epoch, "step": step,
+                   **{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in values.items()}}
+            self._guarded("csv", lambda: (self._csv.writerow(row), self._file.flush()))
         if self._writer is not None:
             prefix = "train_steps" if kind == "steps" else "epoch"
-            for k, v in values.items():
-                name = k if k.startswith(("test_", "val_")) else f"{prefix}/{k}"
-                self._writer.add_scalar(name.replace("test_", "test/").replace("val_", "val/"), v, step)
-            self._writer.flush()
+
+            def write():
+                for k, v in values.items():
+                    name = k if k.startswith(("test_", "val_")) else f"{prefix}/{k}"
+                    self._writer.add_scalar(name.replace("test_", "test/").replace("val_", "val/"), v, step)
+                self._writer.flush()
+
+            self._guarded("tensorboard", write)
+
+    def _guarded(self, which, write):
+        """``write()``; an OSError stops this writer, in one line, and training goes on."""
+        try:
+            write()
+        except OSError as e:
+            where = f"--log-csv {self._csv_path}" if which == "csv" else f"--tensorboard {self._tensorboard}"
+            say(f"warning: cannot write {where}: {e.strerror or e}; it records nothing more in this run, "
+                "which goes on (its checkpoints and metrics.jsonl are written as before)")
+            self._stop(which)
+
+    def _stop(self, which):
+        try:
+            if which == "csv":
+                self._csv = None
+                self._file.close()
+            else:
+                writer, self._writer = self._writer, None
+                writer.close()
+        except OSError:
+            pass
 
     def close(self) -> None:
-        if self._csv is not None:
-            self._file.close()
-        if self._writer is not None:
-            self._writer.close()
+        for which, open_ in (("csv", self._csv), ("tensorboard", self._writer)):
+            if open_ is not None:
+                self._stop(which)
+
+
+def _check_csv(path) -> bool:
+    """Whether ``path`` is a fresh --log-csv (absent or empty); an existing one must be a log this
+    option wrote (its header), never another file that rows would be appended to."""
+    if os.path.isdir(path):
+        raise CapsNetError(f"--log-csv {path} is a directory; name a file (a new one, or an earlier run's log)")
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return True
+    try:
+        with open(path, newline="") as f:
+            first = f.readline(4096)
+    except (OSError, UnicodeDecodeError) as e:
+        raise CapsNetError(f"cannot read --log-csv {path}: {getattr(e, 'strerror', None) or e}") from None
+    if first.rstrip("\r\n").split(",") != list(COLUMNS):
+        raise CapsNetError(f"--log-csv {path} exists and is not a pycapsnet log (its first line is not the log's "
+                           "header); name a new file, or move that one away")
+    return False
+
+
+def _check_tensorboard_dir(path) -> None:
+    """--tensorboard DIR: a directory that exists or can be made, and takes files."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CapsNetError(f"--tensorboard {path} is a file; it names a directory for the event files")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CapsNetError(f"cannot make --tensorboard {path}: {e.strerror or e}; name another directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CapsNetError(f"--tensorboard {path} is not writable; name another directory")
 
 
 class Steps:

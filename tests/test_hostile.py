@@ -1,0 +1,102 @@
+"""Hostile and faulty input to the newer surfaces (issue 62, items 4-8): each ends in one line and
+exit 2, or in a warning while the run goes on -- never a traceback, never a lost epoch."""
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from pycapsnet.core import architecture as A
+from pycapsnet.training import checkpoint, trainer
+from pycapsnet.tools import cli
+from tests.test_faults import TINY
+
+CNN = A.network([A.conv2d(4, 5, stride=2), A.relu(), A.flatten(), A.linear(10)], head="logits", decoder=None)
+
+
+def _one_line_error(capsys, *fragments):
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for f in fragments:
+        assert f in err, err
+    return err
+
+
+# ---- 7. log writers ------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_tensorboard_at_a_file_is_refused_before_training(tmp_path, capsys, where):
+    pytest.importorskip("torch", reason="--tensorboard writes through PyTorch")
+    (tmp_path / "f").write_text("mine")
+    target = tmp_path / "f" if where == "file" else tmp_path / "f" / "tb"
+    assert trainer.main("numpy", [*TINY, "--epochs", "1", "--out", str(tmp_path / "run"),
+                                  "--tensorboard", str(target)]) == 2
+    _one_line_error(capsys, f"--tensorboard {target}")
+    assert not (tmp_path / "run" / "checkpoint.npz").exists() and (tmp_path / "f").read_text() == "mine"
+
+
+def test_log_csv_on_another_file_is_refused_and_left_as_it_was(tmp_path, capsys):
+    other = tmp_path / "notes.csv"
+    other.write_text("name,value\na,1\n")
+    assert trainer.main("numpy", [*TINY, "--epochs", "1", "--out", str(tmp_path / "run"),
+                                  "--log-csv", str(other)]) == 2
+    _one_line_error(capsys, "is not a pycapsnet log")
+    assert other.read_text() == "name,value\na,1\n"
+
+
+def test_log_csv_of_an_earlier_run_is_continued(tmp_path):
+    log = tmp_path / "log.csv"
+    for epochs in (1, 2):
+        assert trainer.main("numpy", [*TINY, "--epochs", str(epochs), "--log-csv", str(log),
+                                      *(["--resume", str(tmp_path / "run")] if epochs == 2 else
+                                        ["--out", str(tmp_path / "run")])]) == 0
+    rows = list(csv.DictReader(log.open()))
+    assert [r["epoch"] for r in rows if r["kind"] == "epoch"] == ["1", "2"]
+
+
+def test_a_full_disk_under_the_scalars_loses_no_epoch(tmp_path, capsys, monkeypatch):
+    real = csv.DictWriter.writerow
+    count = {"n": 0}
+
+    def full_after_two(self, row):
+        count["n"] += 1
+        if count["n"] > 2:
+            raise OSError(28, "No space left on device")
+        return real(self, row)
+
+    monkeypatch.setattr(csv.DictWriter, "writerow", full_after_two)
+    assert trainer.main("numpy", [*TINY, "--epochs", "2", "--out", str(tmp_path / "run"),
+                                  "--log-csv", str(tmp_path / "log.csv")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("warning: cannot write --log-csv") == 1 and "No space left on device" in out
+    assert checkpoint.load(str(tmp_path / "run"))["header"]["epoch"] == 2
+
+
+# ---- 8. the remaining tracebacks ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cnn_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cnn")
+    (root / "cnn.json").write_text(json.dumps(CNN))
+    assert trainer.main("numpy", ["--limit", "32", "--limit-test", "16", "--batch-size", "16", "--no-progress",
+                                  "--network", str(root / "cnn.json"), "--epochs", "1", "--out",
+                                  str(root / "run")]) == 0
+    return root / "run"
+
+
+def test_inspect_on_a_cnn_says_it_has_no_routing(cnn_run, tmp_path, capsys):
+    assert cli.main(["inspect", str(cnn_run), "--out", str(tmp_path / "pngs")]) == 2
+    _one_line_error(capsys, "without capsule routing", "pycapsnet evaluate")
+
+
+def test_inspect_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    from pycapsnet.tools import plots
+
+    run = tmp_path / "run"
+    assert trainer.main("numpy", [*TINY, "--epochs", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots, "coupling_heatmaps", full)
+    assert cli.main(["inspect", str(run), "--out", str(tmp_path / "pngs")]) == 2
+    _one_line_error(capsys, "cannot write into --out", "No space left on device")
