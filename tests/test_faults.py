@@ -203,11 +203,16 @@ def test_temporaries_of_killed_writes_are_removed_at_the_next_write(tmp_path):
 
 
 # ---- 5. damaged checkpoints: one line naming the file, exit 2, from every command ---------------
-def _rewrite_header(path, edit, dst=None, edit_arrays=lambda a: a):
+def _rewrite_header(path, edit, dst=None, edit_arrays=lambda a: a, rebind=True):
+    """The checkpoint at ``path`` with its header and arrays edited; ``rebind``: its digest made to
+    match again (as if a buggy writer had saved it so), so that the check under test is reached."""
     with np.load(path) as z:
-        arrays = {k: z[k] for k in z.files}
-    arrays["header"] = np.array(json.dumps(edit(json.loads(str(arrays["header"])))))
-    np.savez(dst or path, **edit_arrays(arrays))
+        arrays = edit_arrays({k: z[k] for k in z.files})
+    header = edit(json.loads(str(arrays["header"])))
+    if rebind and isinstance(header, dict) and "digest" in header:
+        header["digest"] = checkpoint.digest(header, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
+    arrays["header"] = np.array(json.dumps(header))
+    np.savez(dst or path, **arrays)
 
 
 DAMAGE = {

@@ -100,3 +100,27 @@ def test_inspect_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(plots, "coupling_heatmaps", full)
     assert cli.main(["inspect", str(run), "--out", str(tmp_path / "pngs")]) == 2
     _one_line_error(capsys, "cannot write into --out", "No space left on device")
+
+
+# ---- 5. the header is bound to the weights ---------------------------------------------------------
+@pytest.mark.parametrize("edit", ["iters 3 -> 1", "a relu removed", "a relu added", "a weight changed"])
+def test_a_header_edited_apart_from_its_weights_is_refused(tmp_path, capsys, edit):
+    from tests.test_faults import _rewrite_header
+
+    net = A.network([A.conv2d(8, 9, name="conv1"), A.relu(), A.primary_caps(2, 8, kernel=9, stride=2),
+                     A.dynamic_caps(10, 16, name="classcaps")])
+    (tmp_path / "net.json").write_text(json.dumps(net))
+    run = tmp_path / "run"
+    assert trainer.main("numpy", [*TINY[4:], "--network", str(tmp_path / "net.json"), "--epochs", "1",
+                                  "--out", str(run)]) == 0
+    body = lambda h: h["architecture"]["body"]
+    edits = {"iters 3 -> 1": lambda h: (body(h)[-1].update(iters=1), h)[1],
+             "a relu removed": lambda h: (body(h).pop(1), h)[1],
+             "a relu added": lambda h: (body(h).insert(3, {"layer": "relu"}), h)[1],
+             "a weight changed": lambda h: h}
+    arrays = (lambda a: {**a, "param/classcaps.W": a["param/classcaps.W"] * 1.01}) if edit == "a weight changed" \
+        else (lambda a: a)
+    _rewrite_header(run / "checkpoint.npz", edits[edit], edit_arrays=arrays, rebind=False)
+    capsys.readouterr()
+    assert cli.main(["evaluate", str(run)]) == 2
+    _one_line_error(capsys, "is damaged: its header and its weights disagree")

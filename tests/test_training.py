@@ -464,11 +464,12 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path):
         (["--dataset", "mnist", "--data-dir", str(tmp_path / "nope")], "is not a directory"),
         (["--eval-only"], "--eval-only needs a trained model"),
         (["--resume", str(tmp_path / "missing.npz")], "checkpoint not found"),
-        (["--dtype", "float32", "--dataset", "mnist"], "needs --data-dir"),
+        (["--dtype", "float32", "--dataset", "mnist"], "fetch them once with `pycapsnet data mnist`"),
     ]
     for argv, message in cases:
         r = subprocess.run([sys.executable, os.path.join(ROOT, "train_numpy.py"), *FAST, "--epochs", "1", *argv],
-                           capture_output=True, text=True, cwd=str(tmp_path))
+                           capture_output=True, text=True, cwd=str(tmp_path),
+                           env={**os.environ, "PYCAPSNET_DATA": str(tmp_path / "empty-cache")})
         assert r.returncode == 2, (argv, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "train_torch.py"), "--device", "cuda:0", *FAST],

@@ -479,6 +479,9 @@ def build_parser():
                     help="also run the step on the NumPy backend and report its measured peak")
     pl.set_defaults(fn=cmd_plan)
 
+    from ..experiments import add_parser as add_experiment
+
+    add_experiment(sub, specs)
     from ..training.download import DATASETS as FETCHABLE
 
     da = sub.add_parser("data", help="fetch MNIST or Fashion-MNIST from public mirrors, verified by digest")
@@ -489,9 +492,6 @@ def build_parser():
     da.add_argument("--quiet", action="store_true", help="no progress, only what was fetched")
     da.set_defaults(fn=cmd_data)
 
-    from ..experiments import add_parser as add_experiment
-
-    add_experiment(sub, specs)
     return p
 
 

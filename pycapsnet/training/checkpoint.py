@@ -7,6 +7,7 @@ reads, so that a damaged file is one message naming it, never a traceback from d
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zipfile
@@ -44,6 +45,7 @@ def save(path: str, model: Network, optimizer=None, **meta) -> str:
     built = {"config": model.config.to_dict()} if isinstance(model, CapsNet) else {"architecture": model.architecture}
     header = {"format": FORMAT, **built, "backend": model.B.label,
               "optimizer": type(optimizer).__name__.lower() if optimizer is not None else None, **meta}
+    header["digest"] = digest(header, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
     arrays["header"] = np.array(json.dumps(header, allow_nan=False))  # strict JSON: no NaN
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -89,7 +91,24 @@ def load(path: str) -> dict:
             if not np.isfinite(v).all():
                 raise CapsNetError(f"{path}: {kind} {k} holds NaN or inf values (saved after its run "
                                    "diverged); use an earlier checkpoint, or train afresh")
+    if "digest" in header and header["digest"] != digest(header, params):
+        raise CapsNetError(f"{path} is damaged: its header and its weights disagree (the network, the recipe or "
+                           "the weights changed after it was written); use another checkpoint, or train afresh")
     return {"header": header, "params": params, "optim": optim, "path": path}
+
+
+def digest(header: dict, params: dict) -> str:
+    """SHA-256 binding a checkpoint's network (configuration or description) and recipe to its
+    weights: an edit of either side alone (a layer removed, ``iters`` changed) no longer loads as
+    if nothing had happened."""
+    h = hashlib.sha256()
+    network = {k: header.get(k) for k in ("config", "architecture", "recipe")}
+    h.update(json.dumps(network, sort_keys=True, allow_nan=False).encode())
+    for name in sorted(params):
+        a = np.ascontiguousarray(params[name])
+        h.update(f"{name} {a.dtype.str} {a.shape}".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
 
 
 HEADER_LIMIT = 2**30  # bytes a header may declare (it holds the run's records: metrics, the data's files)
