@@ -124,3 +124,56 @@ def test_a_header_edited_apart_from_its_weights_is_refused(tmp_path, capsys, edi
     capsys.readouterr()
     assert cli.main(["evaluate", str(run)]) == 2
     _one_line_error(capsys, "is damaged: its header and its weights disagree")
+
+
+# ---- 4 (checkpoints) and 8: members that declare more than they hold, pickles, FIFOs --------------
+def _with_member(src, dst, name, raw: bytes):
+    import zipfile
+
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(dst, "w") as b:
+        for info in a.infolist():
+            b.writestr(info, raw if info.filename == name else a.read(info))
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory):
+    from pycapsnet import CapsNet
+    from tests.conftest import SMALL
+
+    return checkpoint.save(str(tmp_path_factory.mktemp("ck") / "checkpoint.npz"), CapsNet("numpy", seed=0, **SMALL),
+                           epoch=0)
+
+
+@pytest.mark.parametrize("member,how", [("param/conv1.b.npy", "2**40 entries"), ("header.npy", "2**40 entries"),
+                                        ("param/conv1.b.npy", "a pickle")])
+def test_a_member_is_checked_before_anything_is_allocated(small_ckpt, tmp_path, capsys, member, how):
+    import io
+    import pickle
+    import resource
+
+    if how == "a pickle":
+        raw = pickle.dumps({"x": 1})
+    else:
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_1_0(buf, {"descr": "<f8", "fortran_order": False, "shape": (2**40,)})
+        raw = buf.getvalue() + b"\0" * 64
+    bad = tmp_path / "checkpoint.npz"
+    _with_member(small_ckpt, bad, member, raw)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (2 << 30), hard))  # 2**40 float64 would be 8 TiB more
+    try:
+        assert cli.main(["evaluate", str(bad)]) == 2
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    _one_line_error(capsys, f"{bad} is damaged: its member")
+
+
+def test_a_fifo_named_like_a_checkpoint_or_an_image_never_hangs(small_ckpt, tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "checkpoint.npz"
+    os.mkfifo(fifo)
+    assert cli.main(["evaluate", str(fifo)]) == 2
+    _one_line_error(capsys, "not a regular file")

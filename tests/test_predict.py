@@ -196,3 +196,44 @@ def test_log_csv_and_tensorboard_record_step_groups_and_epochs_and_continue_on_r
     assert {"train_steps/loss", "epoch/loss", "test/acc"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("train_steps/loss")] == list(range(1, 11))
     assert acc.Scalars("test/acc")[0].value == pytest.approx(history[0]["test_acc"], rel=1e-6)
+
+
+def test_predict_trusts_nothing_it_is_given(run, tmp_path, capsys):
+    """A FIFO in a directory is skipped and one given by name refused (neither hangs); a 2 GB file
+    named .png is refused by its size before a byte is read; tabs and newlines in names cannot forge
+    fields or lines; the good files are printed as they are made, errors said as they come."""
+    images, out = run
+    good = tmp_path / "dir" / "a\tb\nc.png"
+    good.parent.mkdir()
+    good.write_bytes((images / "disc" / "disc00.png").read_bytes())
+    os.mkfifo(tmp_path / "dir" / "pipe.png")
+    os.mkfifo(tmp_path / "named.png")
+    huge = tmp_path / "huge.png"
+    with open(huge, "wb") as f:
+        f.truncate(2 << 30)  # sparse: no disk used
+    capsys.readouterr()
+    assert cli.main(["predict", str(out), str(tmp_path / "dir"), str(tmp_path / "named.png"), str(huge)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 1 and lines[0].split("\t")[0] == str(good).replace("\t", "\\t").replace("\n", "\\n")
+    err = captured.err
+    assert "pipe.png" in err.splitlines()[0]  # skipped, not an image file
+    assert f"error: cannot read the image {tmp_path / 'named.png'}: not a regular file" in err
+    assert f"error: cannot read the image {huge}: 2,147,483,648 bytes, more than an image" in err
+
+
+def test_predict_escapes_class_names_with_tabs(run, tmp_path, capsys, monkeypatch):
+    from pycapsnet.tools import predict
+
+    images, out = run
+    real = predict.Run.__init__
+
+    def odd_names(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.classes = ("di\tsc", "squ\nare", "bar")
+
+    monkeypatch.setattr(predict.Run, "__init__", odd_names)
+    capsys.readouterr()
+    assert cli.main(["predict", str(out), str(images / "disc" / "disc00.png"), "--top", "3"]) == 0
+    fields = capsys.readouterr().out.rstrip("\n").split("\t")
+    assert len(fields) == 7 and set(fields[1::2]) == {"di\\tsc", "squ\\nare", "bar"}

@@ -59,17 +59,26 @@ def load(path: str, backend: str = "numpy", device: str | None = None, dtype: st
 
 
 def image_files(targets) -> tuple:
-    """(image files, non-image files skipped): files as given, directories searched for images."""
+    """(image files, other files skipped): files as given (read_image refuses what is not a regular
+    file), directories searched for regular files named as images (a pipe or a device is skipped)."""
     found, skipped = [], []
     for t in targets:
         if os.path.isdir(t):
             for root, dirs, names in os.walk(t):
                 dirs.sort()
                 for name in sorted(names):
-                    (found if name.lower().endswith(folder.SUFFIXES) else skipped).append(os.path.join(root, name))
+                    path = os.path.join(root, name)
+                    image = name.lower().endswith(folder.SUFFIXES) and os.path.isfile(path)
+                    (found if image else skipped).append(path)
         else:
             found.append(t)
     return list(dict.fromkeys(found)), skipped  # a file named twice (given, and in a directory given) once
+
+
+def escaped(text: str) -> str:
+    """A name for one field of a tab-separated line: backslash, tab, newline and carriage return
+    written as \\\\, \\t, \\n and \\r, so that a name cannot forge a field or a line."""
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def cmd_predict(args) -> int:
@@ -88,22 +97,21 @@ def cmd_predict(args) -> int:
               f"{folder._some(skipped)}", file=sys.stderr)
     if not files:
         raise CapsNetError(f"no image files in {' '.join(args.images)}")
-    top, failed = min(args.top, len(run.classes)), []
+    top, failed = min(args.top, len(run.classes)), 0
     for a in range(0, len(files), args.batch_size):
         readable = []
         for path in files[a:a + args.batch_size]:
             try:
                 readable.append((path, run.read(path)))
-            except CapsNetError as e:
-                failed.append(str(e))
+            except CapsNetError as e:  # said at once: the lines before it are already out
+                failed += 1
+                print(f"error: {e}", file=sys.stderr, flush=True)
         if not readable:
             continue
         for (path, _), best in zip(readable, run.best(np.stack([x for _, x in readable]), top, args.batch_size)):
             if args.json:
                 print(json.dumps({"path": path, "top": [{"class": c, "score": v} for c, v in best]}))
             else:
-                print("\t".join([path, *(f"{c}\t{v:.4f}" for c, v in best)]))
-        sys.stdout.flush()
-    for message in failed:
-        print(f"error: {message}", file=sys.stderr)
+                print("\t".join([escaped(path), *(f"{escaped(c)}\t{v:.4f}" for c, v in best)]))
+            sys.stdout.flush()
     return 2 if failed else 0

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import zipfile
 from dataclasses import fields
 
@@ -69,7 +71,7 @@ def load(path: str) -> dict:
     # loading it unsafely.  np.load gets the open file, not the path: on a damaged archive it would
     # leave its own handle open.
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path, unreadable) as f:
             if f.read(4) != b"PK\x03\x04":
                 raise CapsNetError(f"{unreadable}: it is not an .npz archive (training writes one to RUN/checkpoint.npz)")
             f.seek(0)
@@ -111,6 +113,16 @@ def digest(header: dict, params: dict) -> str:
     return h.hexdigest()
 
 
+def _open_regular(path, unreadable):
+    """``path`` opened for reading if it is a regular file: opened without blocking (a FIFO would
+    wait for a writer forever), then checked by its descriptor."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CapsNetError(f"{unreadable}: not a regular file (a pipe, a device or a socket)")
+    return os.fdopen(fd, "rb")
+
+
 HEADER_LIMIT = 2**30  # bytes a header may declare (it holds the run's records: metrics, the data's files)
 
 
@@ -126,8 +138,11 @@ def _read_checked(z, path: str, unreadable: str):
     if sizes["header"] > HEADER_LIMIT:
         raise CapsNetError(f"{path} is damaged: its header declares {sizes['header']:,} bytes, more than a "
                            f"header holds ({HEADER_LIMIT:,} at most)")
+    _check_npy_header(z, "header", sizes["header"], path)
     try:
         header = json.loads(str(z["header"]))
+    except RecursionError:
+        raise CapsNetError(f"{unreadable}: its header nests deeper than a header does") from None
     except ValueError as e:
         raise CapsNetError(f"{unreadable}: its header is not JSON ({e})") from None
     if isinstance(header, dict) and header.get("format") != FORMAT:
@@ -145,7 +160,23 @@ def _read_checked(z, path: str, unreadable: str):
         if size > limits[name]:
             raise CapsNetError(f"{path} is damaged: its member {name!r} declares {size:,} bytes, but its network's "
                                f"array there holds at most {limits[name]:,}; use another checkpoint, or train afresh")
+        _check_npy_header(z, name, size, path)
     return header, {k: z[k] for k in sizes if k != "header"}
+
+
+def _check_npy_header(z, name, size, path):
+    """The member's own .npy header, read alone: the array it declares must fit in the bytes the
+    member holds (NumPy would allocate the declared size before reading a byte)."""
+    with z.zip.open(name + ".npy") as m:
+        try:
+            version = np.lib.format.read_magic(m)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(m)
+        except ValueError as e:
+            raise CapsNetError(f"{path} is damaged: its member {name!r} has no readable array header ({e})") from None
+    if dtype.hasobject or math.prod(shape) * dtype.itemsize > size:
+        raise CapsNetError(f"{path} is damaged: its member {name!r} declares a {dtype} array of shape {shape}, more "
+                           f"than its {size:,} bytes hold; use another checkpoint, or train afresh")
 
 
 def _member_limits(header: dict, path: str) -> dict:

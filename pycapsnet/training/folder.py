@@ -13,6 +13,7 @@ import hashlib
 import io
 import os
 import re
+import stat
 
 import numpy as np
 
@@ -164,12 +165,28 @@ def _decode(files, image_size, channels, progress):
     return out, sums
 
 
+MAX_IMAGE_BYTES = 256 << 20  # a larger file is refused before it is read: no image format needs more here
+
+
 def _read(path: str) -> bytes:
+    """The file's bytes: a regular file only (a FIFO would block, a device never end), its size
+    checked before anything is read.  Opened without blocking, then checked by its descriptor, so
+    that the file checked is the file read."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise CapsNetError(f"cannot read the image {path}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CapsNetError(f"cannot read the image {path}: not a regular file (a pipe, a device or a socket)")
+        if st.st_size > MAX_IMAGE_BYTES:
+            raise CapsNetError(f"cannot read the image {path}: {st.st_size:,} bytes, more than an image read here "
+                               f"may have ({MAX_IMAGE_BYTES >> 20} MiB); shrink it first")
+        try:
+            return f.read(MAX_IMAGE_BYTES)
+        except OSError as e:
+            raise CapsNetError(f"cannot read the image {path}: {e.strerror or e}") from None
 
 
 def _channels_first(im, path: str, channels: int, size) -> np.ndarray:
