@@ -177,3 +177,72 @@ def test_a_fifo_named_like_a_checkpoint_or_an_image_never_hangs(small_ckpt, tmp_
     os.mkfifo(fifo)
     assert cli.main(["evaluate", str(fifo)]) == 2
     _one_line_error(capsys, "not a regular file")
+
+
+# ---- 4. descriptions and headers validated before anything is built ---------------------------------
+GOOD = A.network([A.conv2d(8, 9, name="conv1"), A.relu(), A.primary_caps(2, 8, kernel=9, stride=2),
+                  A.dynamic_caps(10, 16, name="classcaps")])
+
+
+def _described(edit):
+    arch = json.loads(json.dumps(GOOD))
+    edit(arch)
+    return arch
+
+
+BAD_DESCRIPTIONS = {
+    "a string for a boolean": (lambda a: a["body"][3].update(share_spatial="false"),
+                               "layer 'classcaps' (dynamic_caps): share_spatial must be true or false"),
+    "a size of 0": (lambda a: a["body"][2].update(types=0), "types must be a whole number of at least 1, got 0"),
+    "a float size": (lambda a: a["body"][0].update(channels=8.5), "channels must be a whole number"),
+    "NaN init": (lambda a: a["body"][3].update(init_std=float("nan")), "init_std must be a finite number"),
+    "an unknown decoder key": (lambda a: a["decoder"].update(hiden=[8]), "the decoder has unknown key(s) hiden"),
+    "an unknown top key": (lambda a: a.update(optimiser="adam"), "unknown key(s) optimiser"),
+    "max_pool stride 0": (lambda a: a["body"].insert(2, {"layer": "max_pool", "kernel": 2, "stride": 0}),
+                          "(max_pool): stride must be a whole number of at least 1, got 0"),
+    "a billion iterations": (lambda a: a["body"][3].update(iters=1000000000),
+                             "iters must be a whole number from 1 to 32"),
+    "a huge capsule": (lambda a: a["body"][3].update(dim=100000), "more than this machine's"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DESCRIPTIONS))
+def test_a_bad_description_is_one_line_before_anything_is_built(tmp_path, capsys, case):
+    edit, message = BAD_DESCRIPTIONS[case]
+    (tmp_path / "net.json").write_text(json.dumps(_described(edit)))
+    assert trainer.main("numpy", [*TINY[4:], "--network", str(tmp_path / "net.json"), "--epochs", "1",
+                                  "--out", str(tmp_path / "run")]) == 2
+    _one_line_error(capsys, message)
+
+
+def test_deep_json_and_routing_iterations_from_every_door(tmp_path, capsys):
+    (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    assert trainer.main("numpy", [*TINY[4:], "--network", str(tmp_path / "deep.json"), "--epochs", "1"]) == 2
+    _one_line_error(capsys, "nests deeper than any description does")
+    assert trainer.main("numpy", [*TINY, "--routing-iters", "1000000000", "--epochs", "1",
+                                  "--out", str(tmp_path / "r")]) == 2
+    _one_line_error(capsys, "routing_iters (--routing-iters) must be at most 32")
+
+
+def test_a_header_edited_to_a_huge_layer_is_refused_without_allocating_it(tmp_path, capsys):
+    import resource
+
+    from tests.test_faults import _rewrite_header
+
+    (tmp_path / "net.json").write_text(json.dumps(GOOD))
+    run = tmp_path / "run"
+    assert trainer.main("numpy", [*TINY[4:], "--network", str(tmp_path / "net.json"), "--epochs", "1",
+                                  "--out", str(run)]) == 0
+    # rebound, as a careless writer would: the shapes, not the digest, must catch it
+    _rewrite_header(run / "checkpoint.npz", lambda h: (h["architecture"]["body"][3].update(dim=30000), h)[1])
+    capsys.readouterr()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), hard))  # the layer would take 4 GB
+    try:
+        assert cli.main(["evaluate", str(run)]) == 2
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    _one_line_error(capsys, "its parameter classcaps.W is (36, 2, 10, 16, 8), but its header's network has "
+                            "(36, 2, 10, 30000, 8)")

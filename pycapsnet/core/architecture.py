@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import description
 from .capsules import AttentionCaps, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
 from ..errors import CapsNetError
@@ -268,6 +269,8 @@ def load(path) -> dict:
         raise CapsNetError(f"cannot read the network description {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise CapsNetError(f"the network description {path} is not JSON ({e})") from None
+    except RecursionError:
+        raise CapsNetError(f"the network description {path} nests deeper than any description does") from None
     if not isinstance(arch, dict) or not isinstance(arch.get("body"), list):
         raise CapsNetError(f"the network description {path} must be a JSON object with a 'body' list of layers "
                            "(docs/architecture.md, 'Describing a network')")
@@ -315,8 +318,10 @@ def build_body(B, body, input_shape, rng):
 def assemble(B, arch: dict, seed: int = 0) -> dict:
     """The keyword arguments of ``Network`` for description ``arch``: its parts built on backend B,
     initialised from ``seed`` (the body's layers in order, then the decoder's)."""
+    description.check(arch)
     if arch.get("input_shape") is None or arch.get("n_classes") is None:
         raise CapsNetError("the network description needs input_shape (C, H, W) and n_classes to be built")
+    _fits_memory(arch, B)
     input_shape = tuple(int(d) for d in arch["input_shape"])
     n_classes = int(arch["n_classes"])
     if len(input_shape) != 3 or min(input_shape) < 1 or n_classes < 2:
@@ -346,6 +351,22 @@ def assemble(B, arch: dict, seed: int = 0) -> dict:
     return parts
 
 
+def _fits_memory(arch, B) -> None:
+    """Refuse, before anything is allocated, a network whose parameters cannot be trained in this
+    machine's memory: each is held six times (itself, its gradient, Adam's two moments, and the
+    host copies of parameters and moments that a checkpoint writes), and the largest is first
+    drawn in float64 and copied (12 bytes an entry).  Working arrays come on top, so the bound
+    is 90% of the memory, not all of it."""
+    from backends.host import machine_memory
+
+    sizes = [math.prod(s) for s in description.param_shapes(arch).values()] or [0]
+    need, have = 6 * sum(sizes) * np.dtype(B.dtype).itemsize + 12 * max(sizes), machine_memory()
+    if have and need > 0.9 * have:
+        raise CapsNetError(f"the described network holds {sum(sizes):,} parameters, {need / 2**30:.1f} GiB with their "
+                           f"gradients, Adam's moments and a checkpoint's copies, more than this machine's "
+                           f"{have / 2**30:.1f} GiB allow: make its layers smaller")
+
+
 def _decoder(B, spec, n_in, input_shape, rng):
     """(MaskedDecoder, ReconstructionLoss): Linear + ReLU per hidden size, then Linear + Sigmoid to pixels."""
     hidden = [int(d) for d in spec.get("hidden", ())]
@@ -363,4 +384,7 @@ def build(arch: dict, backend="numpy", seed: int = 0) -> Network:
     import backends
 
     B = backends.get(backend)
-    return Network(B, **assemble(B, arch, seed))
+    try:
+        return Network(B, **assemble(B, arch, seed))
+    except MemoryError:  # what the parameters' preflight does not count: a layer's own working arrays
+        raise CapsNetError("building the described network ran out of memory; make its layers smaller") from None

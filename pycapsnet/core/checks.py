@@ -9,6 +9,11 @@ import numpy as np
 
 from ..errors import CapsNetError
 
+# Routing iterations, at most: the papers route 1 to 3 times, and each iteration keeps its coupling
+# coefficients for the backward, so a number from a typo or a hostile file would grow memory and
+# time until the process dies.  Descriptions, checkpoints and --routing-iters are held to it.
+MAX_ROUTING_ITERS = 32
+
 
 def config_with(cfg, overrides: dict, backend_name: str):
     """``cfg`` with the fields in ``overrides`` replaced; an unknown name is refused with the

@@ -27,7 +27,7 @@ import backends as _backends
 
 from . import architecture as arch
 from .capsules import PrimaryCaps
-from .checks import check_setting, config_with
+from .checks import MAX_ROUTING_ITERS, check_setting, config_with
 from ..errors import CapsNetError
 from .network import Network, Outputs  # noqa: F401  (Outputs: part of this module's public names)
 from .routing import MODES as ROUTING_MODES
@@ -90,6 +90,9 @@ class CapsNetConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise CapsNetError(f"CapsNetConfig.{name} must be an integer of at least 1, got {value!r}")
+        if self.routing_iters > MAX_ROUTING_ITERS:
+            raise CapsNetError(f"CapsNetConfig.routing_iters (--routing-iters) must be at most {MAX_ROUTING_ITERS}, "
+                               f"got {self.routing_iters}: the papers route 1 to 3 times")
         bad = [f"{name} {getattr(self, name)}" for name in ("input_shape", "decoder_hidden", "matrix_types")
                if any(d < 1 for d in getattr(self, name))]
         if bad:

@@ -17,7 +17,7 @@ from dataclasses import fields
 
 import numpy as np
 
-from ..core import architecture
+from ..core import architecture, description
 
 from . import files
 from ..errors import CapsNetError
@@ -150,7 +150,8 @@ def _read_checked(z, path: str, unreadable: str):
     problem = _header_problem(header)
     if problem:
         raise CapsNetError(f"{path} is damaged: {problem}; use another checkpoint, or train afresh")
-    limits = _member_limits(header, path)
+    shapes = param_shapes_of(header, path)
+    limits = _member_limits(shapes)
     for name, size in sizes.items():
         if name == "header":
             continue
@@ -160,7 +161,10 @@ def _read_checked(z, path: str, unreadable: str):
         if size > limits[name]:
             raise CapsNetError(f"{path} is damaged: its member {name!r} declares {size:,} bytes, but its network's "
                                f"array there holds at most {limits[name]:,}; use another checkpoint, or train afresh")
-        _check_npy_header(z, name, size, path)
+        shape = _check_npy_header(z, name, size, path)
+        if name.startswith("param/") and shape != tuple(shapes[name[6:]]):
+            raise CapsNetError(f"{path} is damaged: its parameter {name[6:]} is {shape}, but its header's network has "
+                               f"{tuple(shapes[name[6:]])} there; use another checkpoint, or train afresh")
     return header, {k: z[k] for k in sizes if k != "header"}
 
 
@@ -177,20 +181,26 @@ def _check_npy_header(z, name, size, path):
     if dtype.hasobject or math.prod(shape) * dtype.itemsize > size:
         raise CapsNetError(f"{path} is damaged: its member {name!r} declares a {dtype} array of shape {shape}, more "
                            f"than its {size:,} bytes hold; use another checkpoint, or train afresh")
+    return tuple(shape)
 
 
-def _member_limits(header: dict, path: str) -> dict:
-    """Member name -> the most bytes it may declare: each parameter and its optimizer slots in
-    float64, with room for the .npy header; the optimizer's two scalars."""
+def param_shapes_of(header: dict, path: str) -> dict:
+    """Name -> shape of the parameters of the header's network, from its arithmetic alone: nothing
+    is built (a header edited to a huge layer is refused by its arrays' sizes, never allocated)."""
     if "config" in header:
         from ..core.model import param_shapes
 
-        shapes = param_shapes(CapsNetConfig(**header["config"]))
-    else:
-        try:
-            shapes = {k: v.shape for k, v in architecture.build(header["architecture"], "numpy").state_dict().items()}
-        except CapsNetError as e:
-            raise CapsNetError(f"{path}: its recorded network cannot be rebuilt: {e}") from None
+        return param_shapes(CapsNetConfig(**header["config"]))
+    try:
+        description.check(header["architecture"])
+        return description.param_shapes(header["architecture"])
+    except CapsNetError as e:
+        raise CapsNetError(f"{path}: its recorded network cannot be rebuilt: {e}") from None
+
+
+def _member_limits(shapes: dict) -> dict:
+    """Member name -> the most bytes it may declare: each parameter (name -> shape) and its
+    optimizer slots in float64, with room for the .npy header; the optimizer's two scalars."""
     room = 1024
     limits = {f"param/{k}": 8 * int(np.prod(s)) + room for k, s in shapes.items()}
     for slot in ("m", "v", "buf"):  # Adam's and SGD's slots (optim.py)
