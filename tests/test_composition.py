@@ -250,3 +250,28 @@ def test_plan_says_it_does_not_model_a_described_network(tmp_path, capsys):
     assert main(["plan", "--network", str(path)]) == 2
     err = capsys.readouterr().err
     assert "no memory model yet for a described network" in err and "conv_caps" in err and err.count("\n") == 1
+
+
+def _every_kind_of_layer():
+    """Descriptions that use every layer kind: the built-ins, the experiments' CNN, the compositions,
+    and one with max pooling, padding, attention and shared transforms."""
+    from pycapsnet.experiments.networks import baseline_cnn, capsnet
+
+    built_in = [CapsNet("numpy", routing=r, **({} if r == "em" else dict(conv_channels=16, primary_types=4))).architecture
+                for r in ("dynamic", "attention", "em")]
+    extra = A.network([A.conv2d(6, 3, padding=1), A.max_pool(2), A.relu(), A.primary_caps(3, 4, 3, 1),
+                       A.attention_caps(5, 6, share_spatial=True), A.dynamic_caps(4, 8)],
+                      decoder=A.decoder((16,)), input_shape=(2, 15, 15), n_classes=4)
+    return [*built_in, baseline_cnn((1, 28, 28)), capsnet((1, 28, 28)), extra,
+            *gradcheck.composed_architectures().values()]
+
+
+@pytest.mark.parametrize("k", range(8))
+def test_parameter_shapes_from_a_description_are_what_build_makes(k):
+    """description.param_shapes works the shapes out without allocating (memory preflight, and the
+    check of a checkpoint's arrays against its header): it must agree with the layers themselves."""
+    from pycapsnet.core import description
+
+    arch = _every_kind_of_layer()[k]
+    built = {name: tuple(p.shape) for name, p in A.build(arch, "numpy").params.items()}
+    assert description.param_shapes(arch) == built
