@@ -158,6 +158,11 @@ def test_experiments_take_mnist_idx_files(tmp_path):
     (["affine", "--canvas", "20"], "--canvas 20 is smaller than a digit"),
     (["multimnist", "--pairs", "0"], "--pairs 0 must be 1 or more"),
     (["affine", "--max-rotation", "100"], "--max-rotation 100 must be in [0, 90]"),
+    (["affine", "--canvas", "0"], "--canvas 0 is smaller than a digit"),
+    (["affine", "--canvas", "100000"], "give a smaller --canvas or --limit"),
+    (["multimnist", "--pairs", "1000000000"], "give fewer --pairs"),
+    (["table1", "--canvas", "40", "--shift", "2"], "experiment table1 does not read --canvas, --shift"),
+    (["affine", "--pairs", "3"], "experiment affine does not read --pairs (multimnist does): drop it"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
     done, _ = _experiment(tmp_path, *flags, "--quick")

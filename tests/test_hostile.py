@@ -246,3 +246,15 @@ def test_a_header_edited_to_a_huge_layer_is_refused_without_allocating_it(tmp_pa
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     _one_line_error(capsys, "its parameter classcaps.W is (36, 2, 10, 16, 8), but its header's network has "
                             "(36, 2, 10, 30000, 8)")
+
+
+def test_crosscheck_of_a_network_without_a_decoder(tmp_path, capsys):
+    net = A.network([A.conv2d(8, 9, name="conv1"), A.relu(), A.primary_caps(2, 8, kernel=9, stride=2),
+                     A.dynamic_caps(10, 16, name="classcaps")], decoder=None)
+    (tmp_path / "net.json").write_text(json.dumps(net))
+    assert trainer.main("numpy", [*TINY[4:], "--network", str(tmp_path / "net.json"), "--epochs", "1",
+                                  "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert cli.main(["crosscheck", "--checkpoint", str(tmp_path / "run"), "--b", "numpy", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "reconstruction" not in out and "0 disagree" in out

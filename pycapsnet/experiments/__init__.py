@@ -29,7 +29,8 @@ def add_parser(sub, backends_help: str):
     x = sub.add_parser("experiment", help="the paper's experiments: table1, affine, multimnist (docs/experiments.md)")
     x.add_argument("name", choices=NAMES)
     x.add_argument("--quick", action="store_true", help="a toy size that runs in seconds (small networks and data)")
-    x.add_argument("--out", default=None, help="directory for results and figures (default: experiments/NAME)")
+    x.add_argument("--out", default=None, help="directory for results and figures (default: ./experiments/NAME, "
+                                               "./experiments/NAME-quick with --quick)")
     x.add_argument("--epochs", type=positive_int, default=None, help="epochs per network (default: 12; quick: 1)")
     x.add_argument("--seeds", type=positive_int, default=None, help="seeds per network (default: 3; quick: 2)")
     x.add_argument("--data-dir", default=None, metavar="DIR",
@@ -47,12 +48,13 @@ def add_parser(sub, backends_help: str):
     x.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     a = x.add_argument_group("affine")
     a.add_argument("--canvas", type=int, default=None, help="canvas side (default: affine 40, multimnist 36)")
-    a.add_argument("--max-rotation", type=float, default=20.0, help="degrees (default: 20, affNIST's)")
-    a.add_argument("--max-shear", type=float, default=45.0, help="degrees (default: 45, affNIST's)")
-    a.add_argument("--scale", type=float, nargs=2, default=(0.8, 1.2), metavar=("LOW", "HIGH"),
+    a.add_argument("--max-rotation", type=float, default=None, help="degrees (default: 20, affNIST's)")
+    a.add_argument("--max-shear", type=float, default=None, help="degrees (default: 45, affNIST's)")
+    a.add_argument("--scale", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                    help="horizontal and vertical scale ranges (default: 0.8 1.2, affNIST's)")
     m = x.add_argument_group("multimnist")
-    m.add_argument("--shift", type=nonnegative_int, default=4, help="pixels each digit moves in each direction (default: 4)")
+    m.add_argument("--shift", type=nonnegative_int, default=None,
+                   help="pixels each digit moves in each direction (default: 4)")
     m.add_argument("--pairs", type=int, default=None,
                    help="pairs made per training digit per epoch (default: 2; quick: 1); the test set has 1 per digit")
     x.set_defaults(fn=main)
@@ -65,6 +67,10 @@ def main(args) -> int:
     from . import affine, multimnist, table1
 
     module = {"table1": table1, "affine": affine, "multimnist": multimnist}[args.name]
+    _refuse_flags_of_others(args)
+    for k, v in OWN_FLAGS[args.name].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     defaults = QUICK if args.quick else dict(epochs=12, seeds=3, limit=None)
     for k, v in {**defaults, "lr": module.LR}.items():
         if getattr(args, k) is None:
@@ -88,6 +94,34 @@ def main(args) -> int:
     print(text)
     say(f"done in {results['minutes']} min: results.json, results.md in {out}")
     return 0
+
+
+# The flags each experiment reads, with their defaults (None: the experiment's own, from --quick)
+OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_shear": 45.0, "scale": (0.8, 1.2)},
+             "multimnist": {"canvas": 36, "shift": 4, "pairs": None}}
+
+
+def _refuse_flags_of_others(args) -> None:
+    """A flag another experiment reads, given to this one, is refused: it would be recorded in
+    results.json without having changed anything."""
+    given = [k for k in {k for flags in OWN_FLAGS.values() for k in flags} - set(OWN_FLAGS[args.name])
+             if getattr(args, k) is not None]
+    if given:
+        owners = sorted({n for n, f in OWN_FLAGS.items() for k in given if k in f})
+        flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
+        raise CapsNetError(f"experiment {args.name} does not read {flags} ({' and '.join(owners)} "
+                           f"do{'es' if len(owners) == 1 else ''}): drop it")
+
+
+def check_fits(what: str, images: int, side: int, fix: str) -> None:
+    """Refuse, before it is made, a data set of ``images`` float32 images of side x side that would
+    not fit in this machine's memory, naming the flags that set it."""
+    from backends.host import machine_memory
+
+    need, have = images * side * side * 4, machine_memory()
+    if have and need > have // 2:
+        raise CapsNetError(f"{what}: {images:,} images of {side}x{side} take {need / 2**30:.1f} GiB, more than half this "
+                           f"machine's {have / 2**30:.1f} GiB; {fix}")
 
 
 def _command(args) -> str:

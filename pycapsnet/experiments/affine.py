@@ -13,7 +13,7 @@ import numpy as np
 from ..core import architecture as A
 from ..training import data
 from ..training.log import say
-from . import digits, loop
+from . import check_fits, digits, loop
 from .networks import QUICK_CAPSNET, QUICK_CNN, baseline_cnn, capsnet
 
 PAPER = {"capsnet": (99.23, 79.0), "baseline": (99.22, 66.0)}  # % accuracy: translated, affNIST
@@ -32,9 +32,10 @@ def run(args, B, out) -> dict:
     test sets.  The paper's protocol picks the epochs: the target is the lower of the two networks'
     best validation accuracies, and each network is read at its first epoch that reaches it, so
     both stop at the same translated accuracy, chosen without the test sets."""
-    canvas = digits.check_canvas(args.canvas or 40)
+    canvas = digits.check_canvas(args.canvas)
     digits.check_affine(args.max_rotation, args.max_shear, tuple(args.scale))
     train_set, test_set = digits.source(args.limit, args.data_dir)
+    check_fits("affine", 3 * len(test_set) + args.batch_size, canvas, "give a smaller --canvas or --limit")
     train_set, val_set = train_set.held_out(VAL_FRACTION, 0)
     x_te = data.as_float(test_set.x)
     scored = {"val": (digits.place(data.as_float(val_set.x), canvas, np.random.default_rng(776)), val_set.y),

@@ -18,7 +18,7 @@ import numpy as np
 from ..core import architecture as A
 from ..training import data
 from ..training.log import say
-from . import digits, loop
+from . import check_fits, digits, loop
 from .networks import QUICK_CAPSNET, capsnet
 
 PAPER_ERROR = 5.2  # %, CapsNet r=3 with reconstruction (Table 1); the baseline CNN: 8.1
@@ -67,10 +67,13 @@ def top_two(model, x, batch_size=100):
 
 
 def run(args, B, out) -> dict:
-    canvas = args.canvas or 36
+    canvas = args.canvas
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 2)
     digits.check_multimnist(args.shift, canvas, pairs)
     train_set, test_set = digits.source(args.limit, args.data_dir)
+    # an epoch's pairs (the image and each digit alone: three of each) and the test pairs, made at once
+    check_fits("multimnist", 3 * (len(train_set) * pairs + len(test_set)), canvas,
+               "give fewer --pairs, a smaller --canvas or --limit")
     x_tr, x_te = data.as_float(train_set.x), data.as_float(test_set.x)
     test = digits.multimnist(x_te, test_set.y, 1, np.random.default_rng(12345), args.shift, canvas)
     size = QUICK_CAPSNET if args.quick else {}

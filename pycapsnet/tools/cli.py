@@ -127,9 +127,12 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
         out = model.loss(x, y)
         dx = model.backward(input_grad=True)
         B = model.B
-        res = {"loss": ("forward", np.array(out.loss)), "v_j (class capsules)": ("forward", B.to_numpy(out.v)),
-               "class scores (|v_j|; EM: a_j)": ("forward", B.to_numpy(out.lengths)),
-               "reconstruction": ("forward", B.to_numpy(out.reconstruction)), "dL/dx (input)": ("gradient", B.to_numpy(dx))}
+        forward = {"v_j (class capsules)": out.v, "class scores (|v_j|; EM: a_j)": out.lengths,
+                   "reconstruction": out.reconstruction}
+        # a network without a decoder has no reconstruction, a CNN no capsules: what it lacks is left out
+        res = {"loss": ("forward", np.array(out.loss)),
+               **{k: ("forward", B.to_numpy(v)) for k, v in forward.items() if v is not None},
+               "dL/dx (input)": ("gradient", B.to_numpy(dx))}
         for name, g in model.grads.items():
             g = B.to_numpy(g)
             if k == 1 and perturb and perturb[0] == name:
