@@ -503,4 +503,9 @@ class Backend(abc.ABC):
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, initializer=mark_pool_thread)
-        list(self._pool.map(fn, slices))
+        list(self._pool.map(self._as_caller(fn), slices))
+
+    def _as_caller(self, fn):
+        """``fn`` to run on a pool thread as on the calling one: where a library keeps per-thread
+        state the caller set (NumPy's floating-point error handling), the backend carries it over."""
+        return fn

@@ -7,11 +7,21 @@ import os
 import threading
 
 def machine_memory() -> int | None:
-    """Bytes of physical memory of this machine; None where the system does not say."""
+    """Bytes of physical memory of this machine, or the process's address-space limit where one is
+    set lower (``ulimit -v``, a batch system's); None where the system says neither."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return None
+        total = None
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit != resource.RLIM_INFINITY and limit > 0:
+            total = limit if total is None else min(total, limit)
+    except (ImportError, OSError, ValueError):
+        pass
+    return total
 
 
 def cpu_threads() -> int:

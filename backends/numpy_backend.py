@@ -70,6 +70,17 @@ class NumpyBackend(Backend):
     def quiet_float_errors(self):
         return np.errstate(over="ignore", invalid="ignore", divide="ignore")
 
+    def _as_caller(self, fn):
+        """NumPy's error state is per thread: the pool's threads take the caller's (quiet_float_errors
+        around a step then quiets its parts too)."""
+        state = np.geterr()
+
+        def run(part):
+            with np.errstate(**state):
+                return fn(part)
+
+        return run
+
     # The routing products (see Backend), CPU only.  NumPy runs a batch of small products on one core,
     # so each is split over the batch n on this backend's threads (where ClassCaps has not already
     # split the batch into blocks on them), and each part writes straight into its slice of the

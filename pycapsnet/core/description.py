@@ -51,7 +51,7 @@ SIZE, ITERS = _int(1), _int(1, MAX_ROUTING_ITERS)
 OPTIONS = {
     "channels": SIZE, "kernel": SIZE, "stride": SIZE, "padding": _int(0), "features": SIZE, "types": SIZE,
     "dim": SIZE, "capsules": SIZE, "iters": ITERS, "routing_grad": _choice("full", "final"),
-    "share_spatial": _boolean, "init_std": _number(0, open_lo=True, none=True), "conv": _choice("fourier", "im2col"),
+    "share_spatial": _boolean, "init_std": _number(0, 100, open_lo=True, none=True), "conv": _choice("fourier", "im2col"),
     "em_lambda": _number(0, open_lo=True), "rate": _number(0, 1, open_hi=True),
 }
 STRIDE_OF = {"max_pool": _size_or_null}  # max_pool's stride may be null: its kernel

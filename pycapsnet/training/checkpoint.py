@@ -105,7 +105,7 @@ def digest(header: dict, params: dict) -> str:
     if nothing had happened."""
     h = hashlib.sha256()
     network = {k: header.get(k) for k in ("config", "architecture", "recipe")}
-    h.update(json.dumps(network, sort_keys=True, allow_nan=False).encode())
+    h.update(json.dumps(network, sort_keys=True).encode())  # (a damaged header may hold NaN: still a digest)
     for name in sorted(params):
         a = np.ascontiguousarray(params[name])
         h.update(f"{name} {a.dtype.str} {a.shape}".encode())

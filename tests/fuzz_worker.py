@@ -1,0 +1,130 @@
+"""Generated hostile inputs, run in-process one after another: network descriptions given to the
+trainer and checkpoint headers given to evaluate.  Each must end in success (exit 0) or one line
+on stderr with exit 2; anything else -- an exception, another exit code, more lines -- is printed
+as a failure.  Run by tests/test_fuzz.py in a subprocess under a memory and a time limit:
+
+    python -m tests.fuzz_worker SEED CASES WORKDIR
+"""
+import contextlib
+import io
+import json
+import math
+import os
+import random
+import sys
+
+from pycapsnet.core import architecture as A
+from pycapsnet.training import checkpoint, trainer
+from pycapsnet.tools import cli
+
+DATA = ["--limit", "8", "--limit-test", "4", "--batch-size", "4", "--no-progress", "--epochs", "1"]
+BASES = {
+    "dynamic": A.network([A.conv2d(4, 9, name="conv1"), A.relu(), A.primary_caps(2, 4, kernel=9, stride=2),
+                          A.dynamic_caps(10, 8, name="classcaps")], decoder=A.decoder((16,))),
+    "convcaps": A.network([A.conv2d(4, 9), A.relu(), A.primary_caps(2, 4, kernel=9, stride=2), A.conv_caps(2, 4),
+                           A.attention_caps(10, 8)], decoder=None),
+    "em": A.network([A.conv2d(4, 5, stride=2), A.relu(), A.primary_matrix_caps(2), A.conv_matrix_caps(2, 3, 2),
+                     A.class_matrix_caps(10)], head="activations", decoder=None),
+    "cnn": A.network([A.conv2d(4, 5, stride=2), A.relu(), A.max_pool(2), A.flatten(), A.dropout(0.3), A.linear(10)],
+                     head="logits", decoder=None),
+}
+VALUES = [0, -1, 1, 2, 3, 1.5, 10**9, 2**62, "3", "false", None, True, False, math.nan, math.inf, [], {}, [3], "x" * 300]
+KINDS = list(A.LAYERS)
+
+
+def mutate(arch, rng):
+    """One to three random edits of a description."""
+    arch = json.loads(json.dumps(arch))
+    for _ in range(rng.randint(1, 3)):
+        move = rng.choice(["option", "option", "drop", "unknown", "insert", "swap", "top", "decoder"])
+        body = arch["body"] if isinstance(arch.get("body"), list) else []
+        spec = rng.choice(body) if body else {}
+        spec = spec if isinstance(spec, dict) else {}
+        if move == "option" and len(spec) > 1:
+            spec[rng.choice([k for k in spec if k != "layer"] or ["name"])] = rng.choice(VALUES)
+        elif move == "drop" and spec:
+            spec.pop(rng.choice(list(spec)))
+        elif move == "unknown":
+            spec[rng.choice(["colour", "kernels", "iter"])] = rng.choice(VALUES)
+        elif move == "insert":
+            body.insert(rng.randrange(len(body) + 1), {"layer": rng.choice(KINDS + ["lstm"]),
+                                                        **({"types": 2, "dim": 4} if rng.random() < 0.5 else {})})
+        elif move == "swap" and body:
+            spec["layer"] = rng.choice(KINDS)
+        elif move == "top":
+            arch[rng.choice(["head", "loss", "n_classes", "input_shape", "body", "extra"])] = rng.choice(VALUES)
+        elif move == "decoder" and isinstance(arch, dict):
+            arch["decoder"] = rng.choice([None, {"hidden": [rng.choice(VALUES)]}, {"weight": rng.choice(VALUES)},
+                                          {"hidden": [8], "typo": 1}, rng.choice(VALUES)])
+    return arch
+
+
+def mutate_header(header, rng):
+    header = json.loads(json.dumps(header))
+    where = rng.choice(["architecture", "recipe", "epoch", "history", "classes", "top"])
+    if where == "architecture" and isinstance(header.get("architecture"), dict):
+        header["architecture"] = mutate(header["architecture"], rng)
+    elif where == "recipe" and isinstance(header.get("recipe"), dict):
+        header["recipe"][rng.choice(list(header["recipe"]))] = rng.choice(VALUES)
+    elif where == "top":
+        header[rng.choice(["format", "optimizer", "backend", "data"])] = rng.choice(VALUES)
+    else:
+        header[where] = rng.choice(VALUES)
+    return header
+
+
+def run(argv, call):
+    """(exit code, stderr) of ``call(argv)``; an exception is the failure it stands for."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = call(argv)
+    return code, err.getvalue()
+
+
+OUTCOMES = {"trained or scored": 0, "refused in one line": 0}
+
+
+def judge(label, code, err):
+    if code == 0 or (code == 2 and err.startswith("error: ") and err.count("\n") == 1):
+        OUTCOMES["trained or scored" if code == 0 else "refused in one line"] += 1
+        return True
+    print(f"FAIL {label}: exit {code}: {err[-500:]!r}", flush=True)
+    return False
+
+
+def main():
+    seed, cases, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rng = random.Random(seed)
+    ok = True
+    base_run = os.path.join(work, "base")
+    (open(os.path.join(work, "base.json"), "w")).write(json.dumps(BASES["dynamic"]))
+    assert trainer.main("numpy", [*DATA, "--network", os.path.join(work, "base.json"), "--out", base_run]) == 0
+    from tests.test_faults import _rewrite_header
+
+    for k in range(cases):
+        name = rng.choice(list(BASES))
+        path = os.path.join(work, f"net{k}.json")
+        with open(path, "w") as f:
+            json.dump(mutate(BASES[name], rng), f)
+        try:
+            code, err = run([*DATA, "--network", path, "--out", os.path.join(work, f"run{k}")],
+                            lambda a: trainer.main("numpy", a))
+        except BaseException as e:  # noqa: BLE001 -- what the user would have seen as a traceback
+            code, err = f"{type(e).__name__}", str(e)
+        ok &= judge(f"description {k} (from {name}) {open(path).read()[:300]}", code, err)
+        ck = os.path.join(work, f"ck{k}.npz")
+        with open(os.path.join(base_run, "checkpoint.npz"), "rb") as src, open(ck, "wb") as dst:
+            dst.write(src.read())
+        _rewrite_header(ck, lambda h: mutate_header(h, rng), rebind=rng.random() < 0.7)
+        try:
+            code, err = run(["evaluate", ck], cli.main)
+        except BaseException as e:  # noqa: BLE001
+            code, err = f"{type(e).__name__}", str(e)
+        ok &= judge(f"header {k}", code, err)
+    print(f"fuzz: {', '.join(f'{v} {k}' for k, v in OUTCOMES.items())}; "
+          + ("no failure" if ok else "failures above"), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
