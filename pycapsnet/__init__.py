@@ -4,13 +4,28 @@ from .errors import BackendError, CapsNetError
 from .core.model import CapsNet, CapsNetConfig, Outputs
 
 __version__ = "0.1.0"
-__all__ = ["CapsNet", "CapsNetConfig", "Outputs", "CapsNetError", "BackendError", "load", "__version__"]
+__all__ = ["CapsNet", "CapsNetConfig", "Outputs", "CapsNetError", "BackendError", "Model", "build", "load",
+           "__version__"]
 
 
-def load(run: str, backend: str = "numpy", device: str | None = None, dtype: str | None = None):
-    """A trained run (its directory or checkpoint file), ready to classify image files:
-    ``load("runs/mine").predict(["cat.png"], top=2)``; ``.model``, ``.classes``, ``.read(path)``
-    (pycapsnet.tools.predict)."""
-    from .tools.predict import load as _load
+def build(network="capsnet", **options):
+    """A new ``Model`` (pycapsnet.api.build): the paper's CapsNet, "attention", "em", or a description."""
+    from .api import build as _build
 
-    return _load(run, backend, device, dtype)
+    return _build(network, **options)
+
+
+def load(path: str, backend: str = "numpy", device: str | None = None, dtype: str | None = None):
+    """A ``Model`` from a run directory, a checkpoint file or a file ``Model.save`` wrote: fit,
+    evaluate, predict (arrays, or image files read as the run read its own), save, summary."""
+    from .api import Model
+
+    return Model.from_checkpoint(path, backend, device, dtype)
+
+
+def __getattr__(name):
+    if name == "Model":  # imported when asked for: pycapsnet.api reads the training package
+        from .api import Model
+
+        return Model
+    raise AttributeError(f"module 'pycapsnet' has no attribute {name!r}")

@@ -310,7 +310,7 @@ def build_body(B, body, input_shape, rng):
         except (ValueError, TypeError) as e:  # a layer's own refusal of an option
             raise CapsNetError(f"{label}: {e}") from None
         layers.append((name, layer))
-        layer.in_flow = flow  # what it takes: for pictures of its routing (pycapsnet inspect)
+        layer.in_flow, layer.out_flow = flow, out  # what it takes and gives: inspect's pictures, summary()
         flow, prev = out, f"'{name}' ({kind})"
     return Sequential(B, layers), flow, prev
 

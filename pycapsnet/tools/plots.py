@@ -169,13 +169,20 @@ def activation_bars(activations, path, names, label=None, chosen=None, title="")
 
 
 def training_curves(metrics, path):
-    """Test accuracy and train loss per epoch from metrics.jsonl records."""
+    """Accuracy per epoch (train, and validation and test where the run has them) and train loss
+    per epoch from metrics.jsonl records; whole epochs on the axis."""
     plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     ep = [m["epoch"] for m in metrics]
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3))
-    a.plot(ep, [100 * m["test_acc"] for m in metrics], "o-")
-    a.set_xlabel("epoch"), a.set_ylabel("test accuracy (%)"), a.grid(alpha=0.3)
-    b.plot(ep, [m["train_loss"] for m in metrics], "o-", color="C1")
+    for key, label in (("train_acc", "train"), ("val_acc", "validation"), ("test_acc", "test")):
+        if all(m.get(key) is not None for m in metrics):
+            a.plot(ep, [100 * m[key] for m in metrics], "o-", label=label)
+    a.set_xlabel("epoch"), a.set_ylabel("accuracy (%)"), a.grid(alpha=0.3), a.legend(fontsize=7)
+    b.plot(ep, [m["train_loss"] for m in metrics], "o-", color="C3")
     b.set_xlabel("epoch"), b.set_ylabel("train loss"), b.set_yscale("log"), b.grid(alpha=0.3)
+    for ax in (a, b):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     return save(fig, path)

@@ -33,7 +33,7 @@ class Run:
         checkpoint.restore_model(ckpt, self.model)
         n = self.model.n_classes
         self.classes = tuple(header.get("classes") or [str(k) for k in range(n)])
-        self.path = ckpt["path"]
+        self.path, self.header = ckpt["path"], header
 
     def read(self, path: str) -> np.ndarray:
         """The image file as the network takes it: float32 (C, H, W) in [0, 1]."""

@@ -279,6 +279,9 @@ def _check_labels(labels: np.ndarray, path: str) -> None:
 
 def load(dataset: str = "embedded", data_dir: str | None = None, seed: int = 0, **folder_options):
     """(train, test) Splits for --dataset / --data-dir; ``folder``: load_folder's options."""
+    if dataset == "arrays":
+        raise CapsNetError("this run trained on arrays in memory (pycapsnet.Model.fit): score it in Python with "
+                           "model.evaluate(x, y), or name files with --dataset and --data-dir")
     if dataset not in DATASETS:
         raise CapsNetError(f"unknown dataset {dataset!r}: choose one of {', '.join(DATASETS)}")
     if dataset == "folder":

@@ -46,7 +46,7 @@ ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
                           "conv_stride", "primary_types", "primary_dim", "primary_kernel", "primary_stride",
                           "class_dim", "decoder_hidden", "share_spatial", "primary_conv")}
 # What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
-RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": data.DATASETS, "data_dir": str,
+RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": (*data.DATASETS, "arrays"), "data_dir": str,
                  "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
                  "shift": nonnegative_int, "batch_size": positive_int, "limit": positive_int,
                  "limit_test": positive_int, "channels": (1, 3), "image_size": list, "test_fraction": fraction,
@@ -79,6 +79,8 @@ class Run:
     architecture: dict  # ARCHITECTURE's flags, for a built-in network (CapsNetConfig's fields)
     network: object = None  # a description (dict) or its JSON file, for a described network
     model: object = None  # a Network built in Python and handed to ``fit``
+    arrays: tuple | None = None  # (train Split, validation Split or None) of arrays in memory (pycapsnet.Model.fit)
+    scratch: bool = False  # ``out`` is a temporary directory, removed after the run (fit without out=)
     resume: str | None = None  # --resume as given (a checkpoint file or a run directory)
     checkpoint: dict | None = None  # what it holds (checkpoint.load)
     out: str | None = None

@@ -84,7 +84,7 @@ class RunDir:
         record = history[-1]
         epoch = record["epoch"]
         with _ctrl_c_held():
-            meta = dict(epoch=epoch, test_acc=record["test_acc"], recipe=recipe, history=history,
+            meta = dict(epoch=epoch, test_acc=record.get("test_acc"), recipe=recipe, history=history,
                         classes=list(classes), **read)
             checkpoint.save(os.path.join(self.path, CHECKPOINT), model, opt, **meta)
             if best:  # the best validation accuracy so far: its weights, a checkpoint of their own
@@ -107,7 +107,7 @@ class RunDir:
         (its records are not the first epochs of this run's)."""
         said = older_than is not None
         best = os.path.join(self.path, BEST)
-        header = _header(best)
+        header = read_header(best)
         if header is not None and header.get("history") != history[:len(header.get("history") or [])]:
             _remove(best, said and "it held another run's weights")
         for name in DESCRIBES_A_CHECKPOINT:
@@ -120,7 +120,7 @@ class RunDir:
         best.npz is copied from it, whole."""
         best = best_epoch(history)
         path = os.path.join(self.path, BEST)
-        header = _header(path)
+        header = read_header(path)
         if best is None or (header is not None and header.get("history") == history[:best]):
             return
         if best == ckpt["header"].get("epoch"):
@@ -193,7 +193,7 @@ def lock(path: str):
     return fd
 
 
-def _header(path) -> dict | None:
+def read_header(path) -> dict | None:
     """The header of the checkpoint at ``path`` (read alone, not its arrays): None if there is no
     file, {} if it is not a readable checkpoint."""
     if not os.path.exists(path):
@@ -254,12 +254,15 @@ def write_metrics(out_dir, history) -> None:
 
 
 def draw(model, test_set, out_dir, history):
-    """curves.png from the records, reconstructions.png from the model as it is now."""
+    """curves.png from the records, reconstructions.png from the model as it is now, on the first
+    images of ``test_set`` (the split it is scored on: test, else validation, else train)."""
     curves, recons = (os.path.join(out_dir, p) for p in PICTURES)
     _write(curves, lambda path: plots.training_curves(history, path), history)
     last = history[-1]
+    name, key = next((n, k) for n, k in (("test", "test_acc"), ("validation", "val_acc"), ("train", "train_acc"))
+                     if k in last)
     _write(recons, lambda path: save_reconstructions(
-        model, test_set, path, title=f"epoch {last['epoch']}: test accuracy {100 * last['test_acc']:.2f}%"), history)
+        model, test_set, path, title=f"epoch {last['epoch']}: {name} accuracy {100 * last[key]:.2f}%"), history)
 
 
 def _write(path, write, history):

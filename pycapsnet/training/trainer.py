@@ -99,26 +99,40 @@ class Training:
             speaking(self.group.writes)
             say(f"data parallel: {self.group.world} processes ({self.group.kind}), batch {run.batch_size} per "
                 f"process, global batch {run.batch_size * self.group.world}")
-        train_set, test_set = data.load(run.dataset, run.data_dir, **data_options(run))
-        model = self._restored(B, train_set) if ckpt else self._new_model(B, train_set)
-        self.read = checked_data(run, train_set, test_set)
-        if run.limit is not None:
-            train_set = train_set.limited(run.limit, run.seed)
-        if run.limit_test is not None:
-            test_set = test_set.limited(run.limit_test, run.seed)
-        self.val_set = None
-        if run.val_fraction and not run.eval_only:
-            train_set, self.val_set = train_set.held_out(run.val_fraction, run.seed)
-            say(f"validation: {len(self.val_set)} of the training images held out (--val-fraction {run.val_fraction})")
-        for name, split in (("test", test_set),) if run.eval_only else (("train", train_set), ("test", test_set)):
+        if run.arrays is not None:  # fit() on arrays in memory: the training split and the validation one, if any
+            (train_set, self.val_set), test_set = run.arrays, None
+            model = self._new_model(B, train_set)
+            self.read = {}
+        else:
+            train_set, test_set = data.load(run.dataset, run.data_dir, **data_options(run))
+            model = self._restored(B, train_set) if ckpt else self._new_model(B, train_set)
+            self.read = checked_data(run, train_set, test_set)
+            train_set, test_set, self.val_set = self._parts(train_set, test_set)
+        splits = {"train": train_set, "test": test_set, "validation": self.val_set}
+        for name, split in splits.items():
+            if split is None or (run.eval_only and name != "test"):
+                continue
             if tuple(split.x.shape[1:]) != model.input_shape:
                 model_from = f"the model in {ckpt['path']}" if ckpt else "the model, built for the train images,"
                 raise CapsNetError(f"the {name} images{f' ({split.source})' if split.source else ''} are "
                                    f"{_shape(split.x.shape[1:])} but {model_from} takes {_shape(model.input_shape)}; "
                                    "give data of the model's size")
-        say(f"pycapsnet on {B.label}: {model.n_params():,} parameters, {len(train_set)} train / "
-            f"{len(test_set)} test images ({run.dataset if not run.data_dir else run.data_dir})")
+        say(f"pycapsnet on {B.label}: {model.n_params():,} parameters, "
+            + " / ".join(f"{len(split)} {name}" for name, split in splits.items() if split is not None)
+            + f" images ({'arrays' if run.arrays is not None else run.data_dir or run.dataset})")
         return model, train_set, test_set
+
+    def _parts(self, train_set, test_set):
+        """(train, test, validation or None): --limit, --limit-test and --val-fraction applied."""
+        run, val_set = self.run, None
+        if run.limit is not None:
+            train_set = train_set.limited(run.limit, run.seed)
+        if run.limit_test is not None:
+            test_set = test_set.limited(run.limit_test, run.seed)
+        if run.val_fraction and not run.eval_only:
+            train_set, val_set = train_set.held_out(run.val_fraction, run.seed)
+            say(f"validation: {len(val_set)} of the training images held out (--val-fraction {run.val_fraction})")
+        return train_set, test_set, val_set
 
     def _restored(self, B, train_set):
         """The checkpoint's model, on data of its own classes."""
@@ -225,7 +239,7 @@ class Training:
         if B.can_capture and run.graph and not group and model.capturable:
             if len(self.train_set) >= run.batch_size:
                 captured = CapturedStep(model, opt, run.batch_size)
-            if len(self.test_set) >= EVAL_BATCH:
+            if len(self.test_set or ()) >= EVAL_BATCH:
                 captured_eval = CapturedEval(model, EVAL_BATCH)
         last = {}
         if self._stops_early(history, resuming=True):
@@ -237,39 +251,48 @@ class Training:
             model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
             seen, correct, loss_sum, train_time = self._train_epoch(opt, captured, epoch)
             self._check_finite(opt, epoch)  # the epoch's last update has not been checked yet
-            J = len(self.test_set.classes)
-            confusion = np.zeros((J, J), np.int64)
-            test_acc, test_loss = evaluate(model, self.test_set, EVAL_BATCH, group=group, captured=captured_eval,
-                                           confusion=confusion)
-            if not math.isfinite(test_loss):
-                raise TrainingDiverged(self.directory.stopped(
-                    f"the test loss became {test_loss} after epoch {epoch + 1} (the weights are finite, but the "
-                    "outputs overflow)"))
             last = {"epoch": epoch + 1, "lr": opt.lr, "train_loss": loss_sum / seen, "train_acc": correct / seen,
-                    "test_loss": test_loss, "test_acc": test_acc, "train_seconds": round(train_time, 2),
+                    **self._scored(epoch, captured_eval), "train_seconds": round(train_time, 2),
                     "train_samples_per_s": round(seen / train_time, 1), "backend": B.label,
                     "processes": group.world if group else 1}
-            if self.val_set is not None:
-                last["val_acc"], last["val_loss"] = evaluate(model, self.val_set, EVAL_BATCH, group=group)
             history.append(last)
             self.scalars.add("epoch", epoch + 1, self.steps_done, {
                 "loss": last["train_loss"], "acc": last["train_acc"], "lr": opt.lr,
                 "samples_per_s": last["train_samples_per_s"],
                 **{k: last[k] for k in ("test_loss", "test_acc", "val_loss", "val_acc") if k in last}})
             # said before the commit: a Ctrl-C held during the save names this epoch as the last good one
-            val = f"  val {100 * last['val_acc']:.2f}%" if self.val_set is not None else ""
-            say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%{val}  "
-                f"test {100 * test_acc:.2f}%  lr {opt.lr:.2e}  {train_time:.0f} s "
-                f"({last['train_samples_per_s']:.0f} samples/s)")
-            report.collapse(confusion, self.test_set.classes, self.steps_done)
+            scores = "".join(f"  {name} {100 * last[k]:.2f}%" for name, k in (("val", "val_acc"), ("test", "test_acc"))
+                             if k in last)
+            say(f"epoch {epoch + 1:3d}  loss {last['train_loss']:.4f}  train {100 * last['train_acc']:.2f}%{scores}  "
+                f"lr {opt.lr:.2e}  {train_time:.0f} s ({last['train_samples_per_s']:.0f} samples/s)")
             if group is None or group.writes:
-                self.directory.commit(model, opt, self.test_set, history, run.recipe, self.train_set.classes,
+                self.directory.commit(model, opt, self.test_set or self.val_set or self.train_set, history, run.recipe,
+                                      self.train_set.classes,
                                       best=self.val_set is not None and best_epoch(history) == epoch + 1,
                                       **self.read)
             if self._stops_early(history):
                 break
-        say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {self.directory.path}")
+        if not run.scratch:  # fit() without out= keeps nothing: no directory to name
+            say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {self.directory.path}")
         return last
+
+    def _scored(self, epoch, captured_eval) -> dict:
+        """The epoch's test scores (and the collapse warning from its confusion) and validation
+        scores, each where the run has that split; a test loss that is not finite stops the run."""
+        model, group, scores = self.model, self.group, {}
+        if self.test_set is not None:
+            J = len(self.test_set.classes)
+            confusion = np.zeros((J, J), np.int64)
+            scores["test_acc"], scores["test_loss"] = evaluate(model, self.test_set, EVAL_BATCH, group=group,
+                                                               captured=captured_eval, confusion=confusion)
+            if not math.isfinite(scores["test_loss"]):
+                raise TrainingDiverged(self.directory.stopped(
+                    f"the test loss became {scores['test_loss']} after epoch {epoch + 1} (the weights are finite, but "
+                    "the outputs overflow)"))
+            report.collapse(confusion, self.test_set.classes, self.steps_done)
+        if self.val_set is not None:
+            scores["val_acc"], scores["val_loss"] = evaluate(model, self.val_set, EVAL_BATCH, group=group)
+        return scores
 
     def _stops_early(self, history, resuming=False) -> bool:
         """Whether --early-stop N ends the run: N epochs since the best validation accuracy."""

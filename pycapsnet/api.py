@@ -1,0 +1,301 @@
+"""The Python face: a network with fit, evaluate, predict, save and summary, on arrays in memory.
+
+    import pycapsnet
+    model = pycapsnet.build("capsnet", input_shape=(1, 28, 28), n_classes=10, backend="numpy", seed=0)
+    history = model.fit(x_train, y_train, epochs=3, batch_size=32, validation_data=(x_val, y_val))
+    model.evaluate(x_test, y_test)                 # {"loss": ..., "accuracy": ...}
+    model.predict(x_test); model.predict_scores(x_test)   # labels; class capsule lengths (EM: activations)
+    model.save("mine.npz"); same = pycapsnet.load("mine.npz")
+    print(model.summary())
+
+``fit`` runs the trainer of the command line (training/trainer.py) on the arrays: its recipe is the
+command line's (training/recipe.py), given here as typed keywords; its records are the history.
+Arrays may be NumPy, CuPy or torch tensors, (N, C, H, W) or (N, H, W) for one channel, floats in
+[0, 1]; labels are class indices.  ``load`` reads what ``save`` writes and what a run directory
+holds; ``predict`` also takes image files, read as the run read its own (tools/predict.py).
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import math
+import os
+import tempfile
+
+import numpy as np
+
+from .errors import CapsNetError
+from .tools.predict import Run
+
+BUILT_IN = {"capsnet": "dynamic", "em": "em", "attention": "attention"}
+
+
+def _keywords(fn):
+    """A misspelt keyword is a TypeError naming the nearest real one (``epoch`` -> ``epochs``)."""
+    names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY]
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], names, n=1)
+            raise TypeError(f"{fn.__qualname__}() got an unexpected keyword argument {unknown[0]!r}"
+                            + (f"; did you mean {near[0]!r}?" if near else f"; it takes {', '.join(names)}"))
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+def _host(x, what: str) -> np.ndarray:
+    """A NumPy array of x, whichever library holds it (a torch tensor, a CuPy array, a list)."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch
+        x = x.detach().cpu().numpy()
+    elif type(x).__module__.split(".")[0] == "cupy":
+        x = x.get()
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise CapsNetError(f"{what} must be an array (NumPy, CuPy or torch), got {type(x).__name__}: {e}") from None
+
+
+def images(x, input_shape, what: str = "x") -> np.ndarray:
+    """x as float32 (N, C, H, W) for a network of ``input_shape``; (N, H, W) when C is 1."""
+    a = _host(x, what)
+    c, h, w = input_shape
+    if a.ndim == 3 and c == 1:
+        a = a[:, None]
+    if a.ndim != 4 or tuple(a.shape[1:]) != (c, h, w):
+        raise CapsNetError(f"{what} has shape {tuple(a.shape)}, but the network takes images of {(c, h, w)}: "
+                           f"give (N, {c}, {h}, {w})" + (f" or (N, {h}, {w})" if c == 1 else ""))
+    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise CapsNetError(f"{what} holds {a.dtype} values; give numbers (floats in [0, 1])")
+    if a.dtype.kind in "iu":
+        raise CapsNetError(f"{what} holds integers ({a.dtype}); give floats in [0, 1] (x / 255 for 8-bit pixels)")
+    if len(a) == 0:
+        raise CapsNetError(f"{what} holds no images")
+    if not np.isfinite(a).all():
+        raise CapsNetError(f"{what} holds NaN or inf values (image {int(np.flatnonzero(~np.isfinite(a).reshape(len(a), -1).all(1))[0])})")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def labels(y, n: int, n_classes: int, what: str = "y") -> np.ndarray:
+    """y as int64 class indices, one per image, each in [0, n_classes)."""
+    a = _host(y, what)
+    if a.ndim != 1 or len(a) != n:
+        raise CapsNetError(f"{what} has shape {tuple(a.shape)}, but there are {n} images: give one class index each")
+    if a.dtype.kind == "f":
+        if not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
+            raise CapsNetError(f"{what} must hold whole class indices, not fractions or NaN")
+    elif a.dtype.kind not in "iu" or a.dtype == np.bool_:
+        raise CapsNetError(f"{what} holds {a.dtype} values; give class indices 0..{n_classes - 1} (one-hot rows: "
+                           "y.argmax(1))")
+    if len(a) and (a.min() < 0 or a.max() >= n_classes):
+        raise CapsNetError(f"{what} holds classes {int(a.min())}..{int(a.max())}, but the network has {n_classes}: "
+                           f"give indices 0..{n_classes - 1}")
+    return a.astype(np.int64)
+
+
+class Model(Run):
+    """A network ready to train, score, predict, save and summarise (``network``: the
+    pycapsnet.core Network; ``classes``: class names by index; ``history``: the records of the
+    epochs ``fit`` trained)."""
+
+    def __init__(self, network, classes=None, history=None, recipe=None):
+        self.model = self.network = network
+        self.classes = tuple(classes or [str(k) for k in range(network.n_classes)])
+        self.history = list(history or [])
+        self.recipe = dict(recipe or {})
+        self.path = None
+
+    # ---- building, loading --------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, path, backend="numpy", device=None, dtype=None) -> "Model":
+        run = Run(path, backend, device, dtype)
+        header = run.header
+        model = cls(run.model, run.classes, header.get("history"), header.get("recipe"))
+        model.path = run.path
+        return model
+
+    @property
+    def B(self):
+        return self.network.B
+
+    @property
+    def input_shape(self):
+        return self.network.input_shape
+
+    # ---- training ----------------------------------------------------------------------------------
+    @_keywords
+    def fit(self, x, y, *, epochs: int = 12, batch_size: int = 32, lr: float = 2e-3, lr_decay: float = 0.85,
+            optimizer: str = "adam", shift: int = 2, seed: int = 0, validation_data=None, early_stop=None,
+            out: str | None = None, overwrite: bool = False, progress: bool = True) -> list:
+        """Train on (x, y) for ``epochs`` from the weights the model has now, with a fresh
+        optimizer, as ``pycapsnet train`` would (its recipe's meanings and defaults; ``shift``:
+        random shifts of up to that many pixels).  ``validation_data`` (x, y) is scored after each
+        epoch (``val_acc``, ``val_loss``) and, with ``early_stop`` N, ends training after N epochs
+        without a better score.  ``out``: a run directory to keep (checkpoints, metrics.jsonl,
+        pictures; ``pycapsnet evaluate``/``predict``/``--resume`` read it); by default nothing is
+        kept.  ``progress`` False: nothing is printed.  Returns the epochs' records, also in
+        ``model.history``."""
+        from .training import trainer
+        from .training.log import speaking
+        from .training.recipe import Run as Recipe
+        from .training.run_dir import read_header
+
+        train = self._split(x, y, "x", "y")
+        val = None if validation_data is None else self._split(*_pair(validation_data), "validation x", "validation y")
+        if early_stop is not None and val is None:
+            raise CapsNetError("early_stop needs validation_data: it stops on the validation accuracy")
+        recipe = _recipe_values(epochs=epochs, batch_size=batch_size, lr=lr, lr_decay=lr_decay, optimizer=optimizer,
+                                shift=shift, seed=seed, early_stop=early_stop)
+        temporary = tempfile.TemporaryDirectory(prefix="pycapsnet-fit-") if out is None else None
+        run = Recipe(backend=self.B.name, device=None, dtype=self.B.dtype, dataset="arrays", data_dir=None,
+                     limit=None, limit_test=None, image_size=None, channels=None, test_fraction=0.2,
+                     val_fraction=None, architecture={}, model=self.network, arrays=(train, val),
+                     out=out or temporary.name, overwrite=overwrite or out is None, progress=progress,
+                     scratch=out is None, **recipe)
+        was = speaking()
+        try:
+            speaking(was and progress)  # progress=False: nothing printed
+            trainer.train(run)
+            path = os.path.join(run.out, "checkpoint.npz")
+            self.history = list(read_header(path).get("history") or [])
+        finally:
+            speaking(was)
+            if temporary is not None:
+                temporary.cleanup()
+        self.recipe = run.recipe
+        self.path = None if out is None else path
+        return self.history
+
+    def _split(self, x, y, xname, yname):
+        from .training.data import Split
+
+        xa = images(x, self.input_shape, xname)
+        return Split(xa, labels(y, len(xa), self.network.n_classes, yname), "arrays", self.classes)
+
+    # ---- scoring ------------------------------------------------------------------------------------
+    @_keywords
+    def evaluate(self, x, y, *, batch_size: int = 100) -> dict:
+        """{"loss", "accuracy"}: the mean training loss (with the label mask, as in training) and the
+        share of images whose highest score is their class."""
+        from .training.data import Split
+        from .training.trainer import evaluate
+
+        xa = images(x, self.input_shape)
+        split = Split(xa, labels(y, len(xa), self.network.n_classes), "arrays", self.classes)
+        acc, loss = evaluate(self.network, split, _positive(batch_size, "batch_size"))
+        return {"loss": loss, "accuracy": acc}
+
+    def predict_scores(self, x, *, batch_size: int = 100) -> np.ndarray:
+        """(N, J) class scores: each class capsule's length |v_j| (EM: its activation a_j), in
+        [0, 1] -- not probabilities: they need not sum to 1."""
+        return self.network.scores(images(x, self.input_shape), _positive(batch_size, "batch_size"))
+
+    def predict(self, x, top: int | None = None, *, batch_size: int = 100):
+        """Arrays: (N,) class indices (with ``top``, each image's ``top`` best as [(name, score)]).
+        Image files (a path or a list of them): [(path, [(name, score), ...]), ...], each read as
+        the run read its own."""
+        if isinstance(x, (str, os.PathLike)) or (isinstance(x, (list, tuple)) and x and
+                                                 all(isinstance(p, (str, os.PathLike)) for p in x)):
+            return super().predict([x] if isinstance(x, (str, os.PathLike)) else list(x), top or 1)
+        xa = images(x, self.input_shape)
+        if top is not None:
+            return self.best(xa, _positive(top, "top"), _positive(batch_size, "batch_size"))
+        return np.argmax(self.predict_scores(xa, batch_size=batch_size), axis=1).astype(np.int64)
+
+    # ---- saving, describing -------------------------------------------------------------------------
+    def save(self, path: str) -> str:
+        """A checkpoint file (``.npz``; a directory: its checkpoint.npz) that ``pycapsnet.load``,
+        ``pycapsnet evaluate``, ``predict``, ``inspect`` and ``--resume`` read; returns its path."""
+        from .training import checkpoint
+
+        epoch = self.history[-1]["epoch"] if self.history else 0
+        return checkpoint.save(path, self.network, epoch=epoch, recipe=self.recipe or None,
+                               history=self.history or None, classes=list(self.classes))
+
+    def summary(self) -> str:
+        """A table: each layer, what flows out of it, its parameters; then the totals."""
+        rows = [(name, type(layer).__name__, str(getattr(layer, "out_flow", "")), _count(layer))
+                for name, layer in self.network.body.named_layers()]
+        if self.network.decoder is not None:
+            rows += [(name, type(layer).__name__, f"{layer.params['W'].shape[1]} features" if "W" in layer.params
+                      else "", _count(layer)) for name, layer in self.network.decoder.named_layers()]
+        widths = [max(len(r[k]) for r in rows + [("layer", "kind", "output (per image)", "")]) for k in range(3)]
+        lines = [f"{'layer':{widths[0]}}  {'kind':{widths[1]}}  {'output (per image)':{widths[2]}}  parameters"]
+        lines += [f"{n:{widths[0]}}  {k:{widths[1]}}  {o:{widths[2]}}  {p:>10,}" for n, k, o, p in rows]
+        lines.append(f"total: {self.network.n_params():,} parameters on {self.B.label}; input "
+                     f"{'x'.join(map(str, self.input_shape))}, {self.network.n_classes} classes")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        layers = ", ".join(name for name, _ in self.network.body.named_layers())
+        return (f"pycapsnet.Model({layers}; {self.network.n_params():,} parameters, "
+                f"{'x'.join(map(str, self.input_shape))} -> {self.network.n_classes} classes, {self.B.label})")
+
+
+def _count(layer) -> int:
+    return int(sum(math.prod(p.shape) for p in layer.params.values()))
+
+
+def _pair(data):
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        raise CapsNetError("validation_data must be a pair (x, y)")
+    return data
+
+
+def _positive(v, name):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise CapsNetError(f"{name} must be a whole number of at least 1, got {v!r}")
+    return int(v)
+
+
+def _recipe_values(**values) -> dict:
+    """fit's recipe keywords checked as the command line's flags check them."""
+    from .training import optim
+
+    for name in ("epochs", "batch_size"):
+        _positive(values[name], name)
+    if values["early_stop"] is not None:
+        _positive(values["early_stop"], "early_stop")
+    for name in ("lr", "lr_decay"):
+        v = values[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise CapsNetError(f"{name} must be a positive number, got {v!r}")
+    if isinstance(values["shift"], bool) or not isinstance(values["shift"], (int, np.integer)) or values["shift"] < 0:
+        raise CapsNetError(f"shift must be a whole number of pixels, 0 or more, got {values['shift']!r}")
+    if isinstance(values["seed"], bool) or not isinstance(values["seed"], (int, np.integer)) or values["seed"] < 0:
+        raise CapsNetError(f"seed must be a whole number of at least 0, got {values['seed']!r}")
+    if values["optimizer"] not in optim.NAMES:
+        raise CapsNetError(f"optimizer must be one of {', '.join(optim.NAMES)}, got {values['optimizer']!r}")
+    return values
+
+
+def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="numpy", device=None,
+          dtype="float32", seed=0, classes=None, **options) -> Model:
+    """A new Model: ``network`` "capsnet" (the paper's, dynamic routing), "attention" or "em" --
+    ``options`` then set its CapsNetConfig fields (routing_iters=1, share_spatial=True, ...) -- or a
+    description (architecture.network(...), or its JSON file), whose input_shape and n_classes
+    these set where it leaves them null.  ``classes``: names for the classes."""
+    import backends
+
+    from .core import architecture
+    from .core.model import CapsNet
+
+    B = backends.get(backend, device=device, dtype=dtype)
+    if isinstance(network, str) and network in BUILT_IN:
+        net = CapsNet(B, input_shape=tuple(input_shape), n_classes=n_classes, seed=seed, routing=BUILT_IN[network],
+                      **options)
+    else:
+        if options:
+            raise CapsNetError(f"options {', '.join(options)} configure a built-in network; a description sets "
+                               "its layers' own")
+        arch = architecture.load(network) if isinstance(network, (str, os.PathLike)) else dict(network)
+        arch["input_shape"] = list(input_shape) if arch.get("input_shape") is None else arch["input_shape"]
+        arch["n_classes"] = n_classes if arch.get("n_classes") is None else arch["n_classes"]
+        net = architecture.build(arch, B, seed=seed)
+    if classes is not None and len(classes) != net.n_classes:
+        raise CapsNetError(f"classes names {len(classes)} classes, but the network has {net.n_classes}")
+    return Model(net, classes)
+
