@@ -9,6 +9,12 @@ setup(
                 "on NumPy, CuPy and PyTorch",
     long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    license="MIT",
+    license_files=["LICENSE"],
+    author="the pycapsnet authors",
+    url="https://github.com/pycapsnet/pycapsnet",
+    project_urls={"Documentation": "https://github.com/pycapsnet/pycapsnet/tree/main/docs",
+                  "Source": "https://github.com/pycapsnet/pycapsnet"},
     python_requires=">=3.9",
     packages=find_packages(include=["pycapsnet", "pycapsnet.*", "backends", "backends.*"]),
     install_requires=[
@@ -23,10 +29,12 @@ setup(
     extras_require={
         "torch": ["torch>=2.1"],
         "cupy": ["cupy-cuda12x>=13"],
-        "test": ["pytest>=7", "torch>=2.1", "tensorboard>=2.10"],
+        "test": ["pytest>=7", "torch>=2.1", "tensorboard>=2.10", "build>=1", "twine>=5"],
         "tensorboard": ["tensorboard>=2.10"],
     },
     entry_points={"console_scripts": ["pycapsnet=pycapsnet.tools.cli:main"]},
     scripts=["train_numpy.py", "train_cupy.py", "train_torch.py"],
-    classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
+    classifiers=["Programming Language :: Python :: 3",
+                 "Operating System :: POSIX :: Linux", "Intended Audience :: Science/Research",
+                 "Topic :: Scientific/Engineering :: Artificial Intelligence"],
 )

@@ -5,7 +5,7 @@ from .core.model import CapsNet, CapsNetConfig, Outputs
 
 __version__ = "0.1.0"
 __all__ = ["CapsNet", "CapsNetConfig", "Outputs", "CapsNetError", "BackendError", "Model", "build", "load",
-           "__version__"]
+           "load_digits", "__version__"]
 
 
 def build(network="capsnet", **options):
@@ -24,8 +24,8 @@ def load(path: str, backend: str = "numpy", device: str | None = None, dtype: st
 
 
 def __getattr__(name):
-    if name == "Model":  # imported when asked for: pycapsnet.api reads the training package
-        from .api import Model
+    if name in ("Model", "load_digits"):  # imported when asked for: pycapsnet.api reads the training package
+        from . import api
 
-        return Model
+        return getattr(api, name)
     raise AttributeError(f"module 'pycapsnet' has no attribute {name!r}")

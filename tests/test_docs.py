@@ -40,6 +40,7 @@ LONG = {
         "[Image.fromarray((255 * np.random.rand(28, 28)).astype('uint8')).save(p) "
         "for p in ('photo.jpg', 'more_images/a.png')]\" && pycapsnet predict runs/mine photo.jpg more_images/ --top 3",
     'pip install -e ".[torch]"': (None, "the test command installs torch (the [test] extra)"),
+    "pycapsnet data mnist": (None, "downloads: tests/test_download.py runs it against a server on 127.0.0.1"),
     "bash benchmarks/gpu_check.sh": (None, "needs a CUDA GPU; benchmarks/gpu_check.sh is run on one"),
     "torchrun --standalone --nproc_per_node 2 train_numpy.py --out runs/parallel":
         f"torchrun --standalone --nproc_per_node 2 train_numpy.py --out runs/parallel {QUICK_MODEL}",

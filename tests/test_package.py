@@ -1,0 +1,57 @@
+"""A package people can depend on: `python -m build` makes an sdist and a wheel that twine accepts,
+the wheel carries the licence and its metadata, and installed in a fresh virtual environment it runs
+`pycapsnet --version` (dependencies from the environment this test runs in: nothing is downloaded)."""
+import shutil
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import pycapsnet
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    pytest.importorskip("build", reason="python -m build comes with the [test] extra")
+    out = tmp_path_factory.mktemp("dist")
+    done = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_sdist_and_wheel_pass_twine_and_carry_the_licence(dist):
+    pytest.importorskip("twine", reason="twine comes with the [test] extra")
+    files = sorted(p.name for p in dist.iterdir())
+    assert any(f.endswith(".whl") for f in files) and any(f.endswith(".tar.gz") for f in files), files
+    done = subprocess.run([sys.executable, "-m", "twine", "check", *map(str, dist.iterdir())],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    wheel = next(dist.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith("METADATA"))).decode()
+        assert any(n.endswith("LICENSE") for n in z.namelist())
+    assert "License-Expression: MIT" in meta or "License: MIT" in meta
+    assert "Author: the pycapsnet authors" in meta and "Project-URL" in meta and "Requires-Python: >=3.9" in meta
+
+
+def test_the_wheel_installs_in_a_fresh_environment_and_runs(dist, tmp_path):
+    env = tmp_path / "venv"
+    venv.create(env, system_site_packages=True, with_pip=True)
+    python = env / "bin" / "python"
+    wheel = next(dist.glob("*.whl"))
+    done = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = subprocess.run([str(env / "bin" / "pycapsnet"), "--version"], capture_output=True, text=True,
+                          cwd=str(tmp_path), timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"pycapsnet {pycapsnet.__version__}", done.stderr
+    where = subprocess.run([str(python), "-c", "import pycapsnet; print(pycapsnet.__file__)"], capture_output=True,
+                           text=True, cwd=str(tmp_path))
+    assert str(env) in where.stdout, where.stdout  # the wheel's copy, not this checkout's
+    shutil.rmtree(env)
