@@ -81,6 +81,11 @@ class Backend(abc.ABC):
     def __repr__(self):
         return f"<{type(self).__name__} {self.name}:{self.device} {self.dtype}>"
 
+    def __reduce__(self):
+        """Pickled (and deep-copied) as its name, device and dtype: it holds library modules and a
+        thread pool, which do not pickle; what it computes depends on these three alone."""
+        return (_rebuilt, (self.name, self.device, self.dtype))
+
     @property
     def label(self) -> str:
         """Short name used in tables, e.g. ``torch:cuda/float32``."""
@@ -509,3 +514,10 @@ class Backend(abc.ABC):
         """``fn`` to run on a pool thread as on the calling one: where a library keeps per-thread
         state the caller set (NumPy's floating-point error handling), the backend carries it over."""
         return fn
+
+
+def _rebuilt(name, device, dtype):
+    """The backend ``Backend.__reduce__`` describes."""
+    from . import get
+
+    return get(name, device=device, dtype=dtype)

@@ -28,7 +28,7 @@ import backends
 from .core.layers import Layer as _CoreLayer
 from .core.network import Network as _CoreNetwork, Sequential
 from .core.checks import check_labels
-from .errors import CapsNetError
+from .errors import BackendError, CapsNetError
 
 # What a forward leaves on a layer for its backward
 SAVED = ("cache", "_cache", "trace", "in_shape")
@@ -156,8 +156,10 @@ class _Op:
         B = backends.get("torch", device=device, dtype=dtype)
         old = self.B
         for obj in self.objects:
-            for a, value in vars(obj).items():
-                setattr(obj, a, _moved(value, B, old))
+            for a, value in list(vars(obj).items()):
+                moved = _moved(value, B, old)
+                if moved is not value:  # what holds no tensor (a layer's Flow, sizes) is left as it is
+                    setattr(obj, a, moved)
             for a in SAVED:
                 if hasattr(obj, a) and a != "in_shape":
                     setattr(obj, a, None)
@@ -172,13 +174,21 @@ def _moved(value, B, old):
     if value is old:
         return B
     if isinstance(value, torch.Tensor):
-        return value.to(B._device, B._float() if value.is_floating_point() else None)
+        return value.to(torch.device(B.device), getattr(torch, B.dtype) if value.is_floating_point() else None)
     if isinstance(value, dict):
         for k in list(value):
             value[k] = _moved(value[k], B, old)
     elif isinstance(value, list):
         value[:] = [_moved(v, B, old) for v in value]
     return value
+
+
+def _torch_name(owner, part: str) -> str:
+    """A layer's name as a submodule's: one that torch.nn.Module already uses for an attribute
+    (``training``, ``forward``, ``to``) gets a trailing underscore (``to_``)."""
+    while hasattr(owner, part) and part not in owner._modules:
+        part += "_"
+    return part
 
 
 def _parts(y) -> list:
@@ -258,7 +268,8 @@ class _Capsule(torch.autograd.Function):
         # tensors, so that torch can run it again (retain_graph, gradcheck)
         state, used = op.for_backward(ctx.saved)
         op.restore(state)
-        dys = [op.B.zeros(s) if d is None else d.contiguous() for d, s in zip(dys, ctx.shapes)]
+        # detached: under create_graph, torch hands the backward gradients that require grad
+        dys = [op.B.zeros(s) if d is None else d.detach().contiguous() for d, s in zip(dys, ctx.shapes)]
         wanted = ctx.needs_input_grad[2:2 + n]
         dxs, grads = op.backward(dys, any(wanted))
         op.restore(ctx.empty)  # nothing of this graph stays on the layers
@@ -274,13 +285,17 @@ class _Module(torch.nn.Module):
             raise CapsNetError(f"{type(root).__name__} is built on the {root.B.name} backend; pycapsnet.torch wraps "
                                "layers built on the torch backend: build it with backends.get('torch', dtype=...)")
         self._op = op
+        self._names = {}  # pycapsnet's parameter name -> the module's (see _torch_name)
         for name, layer, k in op.slots:
             *path, leaf = name.split(".")
-            owner = self
+            owner, parts = self, []
             for part in path:
+                part = _torch_name(owner, part)
                 if part not in owner._modules:
                     owner.add_module(part, torch.nn.Module())
                 owner = owner._modules[part]
+                parts.append(part)
+            self._names[name] = ".".join([*parts, leaf])
             owner.register_parameter(leaf, torch.nn.Parameter(layer.params[k]))  # the same storage
 
     @property
@@ -289,11 +304,28 @@ class _Module(torch.nn.Module):
         return self._op.root
 
     def _params(self) -> list:
-        return [self.get_parameter(name) for name, _, _ in self._op.slots]
+        return [self.get_parameter(self._names[name]) for name, _, _ in self._op.slots]
 
     def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.double()``, ``.cuda()``, ...: the parameters converted, then the layers
+        moved to a backend of their device and dtype; where pycapsnet cannot compute in it
+        (``.half()``), the module is left as it was and the error says why."""
+        before = [p.data for p in self._params()]
         super()._apply(fn, *args, **kwargs)
-        self._op.move(self._params())
+        try:
+            self._op.move(self._params())
+        except (BackendError, CapsNetError) as e:
+            for p, old in zip(self._params(), before):
+                p.data = old
+            raise CapsNetError(f"{type(self).__name__} left as it was ({self._op.B.dtype} on {self._op.B.device}): "
+                               f"{e}") from None
+        return self
+
+    def train(self, mode: bool = True):
+        """Training or evaluation mode, for torch's modules and the pycapsnet network alike
+        (a Dropout inside drops only in training)."""
+        super().train(mode)
+        self._op.root.train(mode)
         return self
 
     def _call(self, op, xs):
@@ -302,7 +334,13 @@ class _Module(torch.nn.Module):
             if not isinstance(x, torch.Tensor):
                 raise CapsNetError(f"{type(self).__name__} takes torch tensors, got {type(x).__name__}: "
                                    "torch.as_tensor(x) first")
-            if x.is_floating_point() and (str(x.dtype) != f"torch.{B.dtype}" or x.device != B._device):
+            if not x.is_floating_point():
+                raise CapsNetError(f"{type(self).__name__} takes float tensors, got {str(x.dtype)[6:]}: "
+                                   f"x.to(torch.{B.dtype}) (images as floats in [0, 1])")
+            if x.ndim == 0 or x.shape[0] == 0:
+                raise CapsNetError(f"{type(self).__name__} got a batch of no samples (shape {tuple(x.shape)}): "
+                                   "give at least one")
+            if str(x.dtype) != f"torch.{B.dtype}" or x.device != torch.device(B.device):
                 raise CapsNetError(f"an input is {str(x.dtype)[6:]} on {x.device}, but the module computes in "
                                    f"{B.dtype} on {B.device}: x.to({B.device!r}, torch.{B.dtype}), or move the "
                                    "module with .to()")
@@ -341,12 +379,20 @@ class Network(_Module):
         B = self._op.B
         return B.asarray(check_labels(B, self._op.root.n_classes, y, x.shape[0]))
 
+    def _images(self, x):
+        shape = self._op.root.input_shape
+        if isinstance(x, torch.Tensor) and tuple(x.shape[1:]) != tuple(shape):
+            raise CapsNetError(f"the network takes images (N, {', '.join(map(str, shape))}), got a tensor of shape "
+                               f"{tuple(x.shape)}")
+
     def forward(self, x, y=None):
+        self._images(x)
         self._op.labels = None if y is None else self._labels(y, x)
         ys = self._call(self._op, (x,))
         return ys[0], ys[1], ys[2] if len(ys) > 2 else None
 
     def loss(self, x, y):
+        self._images(x)
         self._loss_op.labels = self._labels(y, x)
         return self._call(self._loss_op, (x,))[0]
 

@@ -243,3 +243,50 @@ def test_on_a_gpu_the_wrapped_layer_passes_gradcheck_and_moves_with_to():
     assert module.wrapped.B.device == "cpu" and torch.allclose(module(u.detach().cpu()), on_cpu, rtol=1e-12)
     module.cuda()
     assert module.wrapped.B.device.startswith("cuda") and module(u).is_cuda
+
+
+def _described_with_awkward_names(B):
+    from pycapsnet.core import architecture as A
+
+    desc = A.network([A.conv2d(4, 9, name="to"), A.relu(), A.dropout(0.5, name="drop"),
+                      A.primary_caps(2, 4, 9, 2, name="training"), A.dynamic_caps(10, 8, name="forward")],
+                     input_shape=(1, 28, 28), n_classes=10)
+    return A.build(desc, B, seed=0)
+
+
+@pytest.mark.parametrize("which", ["built-in", "described"])
+def test_dtype_copies_and_modes_on_any_network(which, tmp_path):
+    """.double() on a network from a description (the built-in is one too), deepcopy, pickle and
+    torch.save, .eval() reaching a Dropout inside, layer names torch's Module already uses."""
+    import copy
+    import pickle
+
+    B = backends.get("torch")
+    net = CapsNet(B, seed=0, conv_channels=16, primary_types=4) if which == "built-in" else _described_with_awkward_names(B)
+    m = pct.Network(net).eval()
+    x = torch.rand(2, 1, 28, 28)
+    scores = m(x)[1]
+    torch.save(m, tmp_path / "m.pt")
+    for other in (copy.deepcopy(m), pickle.loads(pickle.dumps(m)), torch.load(tmp_path / "m.pt", weights_only=False)):
+        assert torch.equal(other(x)[1], scores)
+    d = copy.deepcopy(m).double()
+    assert d(x.double())[1].dtype == torch.float64
+    torch.testing.assert_close(d(x.double())[1].float(), scores, rtol=1e-4, atol=1e-6)
+    if which == "described":
+        assert {"to_.W", "training_.W", "forward_.W"} <= {k for k, _ in m.named_parameters()}
+        assert torch.equal(m(x)[1], m(x)[1])          # eval: the dropout drops nothing
+        m.train()
+        assert not torch.equal(m(x)[1], m(x)[1])      # train: it drops
+
+
+def test_a_failed_conversion_and_bad_inputs_are_one_clear_error():
+    B = backends.get("torch")
+    m = pct.Network(CapsNet(B, seed=0, conv_channels=16, primary_types=4))
+    with pytest.raises(CapsNetError, match="left as it was .*float16"):
+        m.half()
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    m(torch.rand(1, 1, 28, 28))  # still computes, in float32
+    for bad, message in ((torch.zeros(0, 1, 28, 28), "no samples"), (torch.zeros(2, 1, 20, 20), r"\(N, 1, 28, 28\)"),
+                         (torch.zeros(2, 1, 28, 28, dtype=torch.int64), "takes float tensors")):
+        with pytest.raises(CapsNetError, match=message):
+            m(bad)
