@@ -292,7 +292,9 @@ def _options(fn, spec, label):
 
 
 def build_body(B, body, input_shape, rng):
-    """(Sequential, the Flow it emits) from the body's layer descriptions."""
+    """(Sequential, the Flow it emits, how its last layer is named in messages) from the body's
+    layer descriptions; each layer keeps the Flow it takes and the one it emits (``in_flow``,
+    ``out_flow``)."""
     c, h, w = input_shape
     flow, prev, layers, counts = Flow("image", (h, w), c), "the input", [], {}
     for k, spec in enumerate(body):

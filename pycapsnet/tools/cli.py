@@ -386,7 +386,7 @@ def build_parser():
 
     g = sub.add_parser("gradcheck", help="finite-difference checks of every layer and the full loss")
     g.add_argument("--backend", default="numpy", help=f"{specs} (default: numpy)")
-    g.add_argument("--dtype", default="float64", choices=FLOAT_DTYPES,
+    g.add_argument("--dtype", default="float64", choices=FLOAT_DTYPES, metavar="float64",
                    help="float64 only: float32 rounding swamps finite differences, so it is refused")
     g.add_argument("--samples", type=positive_int, default=20, help="entries sampled per tensor (default: 20)")
     g.add_argument("--tol", type=positive_float, default=1e-6, help="max relative error (default: 1e-6)")
