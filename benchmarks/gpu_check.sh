@@ -21,6 +21,14 @@
 #  cpuprofile  the host CPU step's profile (products and the rest, per layer) for 4, 8 and one
 #              thread per core, and torch's with NumPy's products and routing (its choice on AMD
 #              CPUs only; PYCAPSNET_TORCH_CPU_MATMUL=numpy)
+#  mnist       the paper's network on full MNIST (the IDX files in $MNIST_DIR, default
+#              ../shared/data/mnist), its recipe and a 5,001-digit validation split, $MNIST_EPOCHS
+#              (30) epochs, then its record for docs/results (benchmarks/record_run.py) and epoch 1
+#              again, to show that it reproduces
+#  table1, affine, multimnist   the paper's experiments from full MNIST ($EXP_EPOCHS epochs, 5;
+#              $EXP_SEEDS seeds, 3), results in OUTDIR/NAME
+#  The runs take $DEVICE (cuda) and extra flags in $RUN_FLAGS: DEVICE=cpu RUN_FLAGS="--limit 64
+#  --limit-test 32" runs them at toy size on a CPU, to catch a typo before the GPU's minutes.
 #
 # `python` on PATH must be the interpreter that has NumPy, CuPy and torch (a machine's plain
 # `python` may be another one: put the right one's bin/ first on PATH).  Each bench JSON records
@@ -37,6 +45,9 @@ cd "$(dirname "$0")/.."
 out=${1:-gpu-results}
 shift || true
 parts=${*:-tests gradcheck crosscheck bench profile train cpu cpuprofile}
+device=${DEVICE:-cuda}
+data=${MNIST_DIR:-../shared/data/mnist}
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${PYCAPSNET_CODE_VERSION:-unknown}")
 mkdir -p "$out"
 failed=0
 export PYTHONUNBUFFERED=1
@@ -114,5 +125,24 @@ if want cpuprofile; then
             --backend torch --steps 6
     done
 fi
+if want mnist; then
+    flags="--dataset mnist --data-dir $data --val-fraction 0.08333 --no-progress --overwrite ${RUN_FLAGS:-}"
+    run mnist_capsnet 420 4 python train_torch.py --device "$device" $flags --epochs "${MNIST_EPOCHS:-30}" \
+        --out "$out/mnist-capsnet"
+    run mnist_record 30 4 python benchmarks/record_run.py "$out/mnist-capsnet" "$out/record-mnist-capsnet" \
+        --command "python train_torch.py --device $device $flags --epochs ${MNIST_EPOCHS:-30} --out OUT" \
+        --data-dir "$data" --commit "$commit" --log "$out/mnist_capsnet.log"
+    run mnist_epoch1_again 100 2 python train_torch.py --device "$device" $flags --epochs 1 --out "$out/mnist-capsnet-e1"
+    run mnist_epoch1_same 20 2 python -c "import json, sys; a, b = ([json.loads(open(f'$out/{d}/metrics.jsonl').readline())
+for d in ('mnist-capsnet', 'mnist-capsnet-e1')]); keys = ('train_loss', 'train_acc', 'val_acc', 'test_acc');
+print({k: (a[k], b[k]) for k in keys}); sys.exit(any(a[k] != b[k] for k in keys))"
+fi
+for name in table1 affine multimnist; do
+    if want $name; then
+        backend=$([ "$device" = cpu ] && echo numpy || echo "torch:$device")
+        run "experiment_$name" 560 14 python -m pycapsnet experiment $name --backend "$backend" --data-dir "$data" \
+            --epochs "${EXP_EPOCHS:-5}" --seeds "${EXP_SEEDS:-3}" --out "$out/$name" ${EXP_FLAGS:-}
+    fi
+done
 echo "commands failed: $failed"
 exit "$failed"
