@@ -291,10 +291,13 @@ def _options(fn, spec, label):
     return options
 
 
-def build_body(B, body, input_shape, rng):
+def build_body(B, body, input_shape, rng=None):
     """(Sequential, the Flow it emits, how its last layer is named in messages) from the body's
-    layer descriptions; each layer keeps the Flow it takes and the one it emits (``in_flow``,
-    ``out_flow``)."""
+    layer descriptions, for images of ``input_shape`` (C, H, W), initialised from ``rng`` (default:
+    seed 0).  Each layer's input is worked out from the one before, so that layers built this way
+    need no count the description can infer; each keeps the Flow it takes and the one it emits
+    (``in_flow``, ``out_flow``)."""
+    rng = np.random.default_rng(0) if rng is None else rng
     c, h, w = input_shape
     flow, prev, layers, counts = Flow("image", (h, w), c), "the input", [], {}
     for k, spec in enumerate(body):
