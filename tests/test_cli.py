@@ -193,3 +193,30 @@ def test_console_entry_point_is_declared():
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py")) as f:
         setup = f.read()
     assert "pycapsnet=pycapsnet.tools.cli:main" in setup
+
+
+def test_inspect_draws_every_routing_layer_of_a_composition(tmp_path, capsys):
+    """ConvCaps and two routing layers: a picture and the arrays of each layer's coefficients;
+    Figure 4 for the capsule and over the range asked for."""
+    import json
+
+    from pycapsnet.core import architecture as A
+    from pycapsnet.training import trainer
+
+    net = A.network([A.conv2d(8, 9, name="conv1"), A.relu(), A.primary_caps(4, 4, kernel=9, stride=2, name="primary"),
+                     A.conv_caps(4, 4, kernel=3, name="convcaps"), A.dynamic_caps(6, 8, name="caps1"),
+                     A.dynamic_caps(10, 16, name="classcaps")], decoder=A.decoder((16,)))
+    (tmp_path / "net.json").write_text(json.dumps(net))
+    run = tmp_path / "run"
+    assert trainer.main("numpy", ["--network", str(tmp_path / "net.json"), "--limit", "32", "--limit-test", "16",
+                                  "--batch-size", "16", "--epochs", "1", "--no-progress", "--out", str(run)]) == 0
+    out = tmp_path / "pngs"
+    assert cli.main(["inspect", str(run), "--out", str(out), "--capsule", "3", "--range", "0.5"]) == 0
+    for stem, shape in (("coupling_convcaps", (36, 4)), ("coupling_caps1", (64, 6)), ("coupling", (6, 10))):
+        assert (out / f"{stem}.png").stat().st_size > 5000
+        with np.load(out / f"{stem}.npz") as z:
+            assert sorted(z.files) == ["iteration_1", "iteration_2", "iteration_3"] and z["iteration_1"].shape == shape
+    assert (out / "perturbation.png").exists()
+    capsys.readouterr()
+    assert cli.main(["inspect", str(run), "--out", str(out), "--capsule", "10"]) == 2
+    assert "--capsule must be a class index 0..9" in capsys.readouterr().err

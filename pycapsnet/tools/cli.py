@@ -191,90 +191,10 @@ def cmd_crosscheck(args):
 
 
 # ---- inspect -----------------------------------------------------------------------------------
-PERTURB_STEPS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)
-
-
-def _figure_4(model, v, pred, path, about):
-    """Each dimension of the predicted capsule moved over [-0.25, 0.25], then decoded."""
-    from . import plots
-
-    D, B = v.shape[-1], model.B
-    tweaked = np.repeat(v, D * len(PERTURB_STEPS), axis=0)  # (D*S, J, D)
-    for d in range(D):
-        for k, step in enumerate(PERTURB_STEPS):
-            tweaked[d * len(PERTURB_STEPS) + k, pred, d] += step
-    decoded = B.to_numpy(model.decode(tweaked, np.full(len(tweaked), pred)))
-    decoded = decoded.reshape(D, len(PERTURB_STEPS), *decoded.shape[1:])
-    return plots.perturbation_grid(decoded, PERTURB_STEPS, path, f"{about}: each of the {D} dimensions of "
-                                   f"capsule {pred} moved over [-0.25, 0.25], then decoded")
-
-
 def cmd_inspect(args):
-    try:
-        return _inspect(args)
-    except OSError as e:  # writing the pictures: a full disk, a folder gone
-        raise CapsNetError(f"cannot write into --out {args.out}: {e.strerror or e}; free some space or choose "
-                           "another --out") from None
+    from .inspect_run import inspect_run
 
-
-def _inspect(args):
-    from ..training import checkpoint as ckpt_mod
-    from ..training import data, files
-    from ..training.recipe import data_options, settle
-    from ..training.preflight import checked_data
-    from ..training.run_dir import prepare_out_dir, save_reconstructions
-    from . import plots
-
-    prepare_out_dir(args.out)  # before the loading, so that a bad --out fails at once
-    B = _backend(args.backend, "float32", args.device)
-    model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
-    args.eval_only = True
-    run = settle(args, ckpt)  # --dataset / --data-dir left out: the run's
-    if model.input_shape != (1, 28, 28) and not run.data_dir:
-        raise CapsNetError(f"this checkpoint expects {model.input_shape} images; give --data-dir")
-    train, test = data.load(run.dataset, run.data_dir, **data_options(run))
-    checked_data(run, train, test)
-    if not 0 <= args.index < len(test):
-        raise CapsNetError(f"--index must be in [0, {len(test) - 1}], got {args.index}")
-    x, y = test.images(slice(args.index, args.index + 1)), int(test.y[args.index])
-    with B.quiet_float_errors():
-        out = model.forward(x)
-    v = B.to_numpy(out.v)                                   # (1, J, D)
-    if not np.isfinite(v).all():
-        raise CapsNetError(f"the model in {ckpt['path']} gives class capsules that are not finite for test "
-                           f"image {args.index}: there is nothing to draw; inspect an earlier checkpoint")
-    pred = int(out.predictions[0])
-    names = ckpt["header"].get("classes") or test.classes  # class names, by index
-    if not model.routing_layers():
-        raise CapsNetError(f"{ckpt['path']} holds a network without capsule routing (a CNN): inspect draws "
-                           "routing; score it with pycapsnet evaluate")
-    _, classcaps = model.routing_layers()[-1]  # the layer that routes to the class capsules
-    couplings = [np.array(B.to_numpy(c)[0]) for c in classcaps.coupling]  # per iteration (I, J), copied
-    activations = [np.array(B.to_numpy(a)[0]) for a in getattr(classcaps, "activations", [])]  # EM
-    # before the reconstructions' forward pass reuses the routing's buffers
-    written = [save_reconstructions(model, test, os.path.join(args.out, "reconstructions.png"))]
-    if model.decoder is not None:  # the paper's Figure 4
-        written.append(_figure_4(model, v, pred, os.path.join(args.out, "perturbation.png"),
-                                 f"test image {args.index} (label {names[y]}, predicted {names[pred]})"))
-    em = _is_em(model)
-    what = "EM assignments R_ij of the class layer" if em else "coupling coefficients c_ij"
-    children = classcaps.in_flow  # the grid and types of the capsules routed to the classes
-    written.append(plots.coupling_heatmaps(
-        couplings, children.grid or (1, 1), children.types, os.path.join(args.out, "coupling.png"), pred,
-        f"{what} for test image {args.index} (label {names[y]}, predicted {names[pred]})",
-        symbol="R_ij" if em else "c_ij", child="child capsule" if em else "input capsule"))
-    if em:
-        written.append(plots.activation_bars(activations, os.path.join(args.out, "activations.png"), names, y, pred,
-                                             f"class activations a_j per EM iteration, test image {args.index} "
-                                             f"(label {names[y]}, predicted {names[pred]})"))
-    arrays = {f"iteration_{r + 1}": c for r, c in enumerate(couplings)}
-    files.atomic_write(os.path.join(args.out, "coupling.npz"), lambda f: np.savez(f, **arrays))
-    for p in written:
-        print(p)
-    i, j = couplings[0].shape
-    print(f"{os.path.join(args.out, 'coupling.npz')}: the {what} of test image {args.index}, one array per routing "
-          f"iteration ({', '.join(arrays)}), each ({i}, {j}): {i} {'child' if em else 'input'} capsules x {j} classes")
-    return 0
+    return inspect_run(args)
 
 
 # ---- train / evaluate ----------------------------------------------------------------------------
@@ -422,6 +342,10 @@ def build_parser():
     i.add_argument("checkpoint")
     i.add_argument("--out", default="inspect", help="output directory (default: ./inspect)")
     i.add_argument("--index", type=nonnegative_int, default=0, help="which test image to perturb and route (default: 0)")
+    i.add_argument("--capsule", type=nonnegative_int, default=None,
+                   help="the class capsule whose dimensions Figure 4 moves (default: the predicted one)")
+    i.add_argument("--range", type=positive_float, default=0.25, dest="perturb_range",
+                   help="Figure 4 moves each dimension over [-R, R], in ten steps (default: 0.25, the paper's)")
     i.add_argument("--backend", default="numpy", choices=NAMES)
     i.add_argument("--device", default=None)
     _data_flags(i)

@@ -114,8 +114,11 @@ def perturbation_grid(decoded, steps, path, title=""):
     return save(fig, path)
 
 
-def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title="", symbol="c_ij", child="primary capsule"):
-    """couplings: list over routing iterations of c_ij (I, J) for one input, I = positions * types.
+def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title="", symbol="c_ij", child="primary capsule",
+                      row_label=None, columns=None, parent="class capsule j"):
+    """couplings: list over routing iterations of c_ij (I, J) for one input, I = positions * types
+    (``row_label``: another description of the rows; ``columns``: names of the J parents, e.g. the
+    classes; ``parent``: what the columns are).
 
     Top row: c_ij per iteration (rows = primary capsules i, columns = class capsules j), on one colour
     scale fitted to the data (the coefficients start at 1/J and move by a few hundredths, which a 0..1
@@ -125,6 +128,7 @@ def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title="", sy
     R = len(couplings)
     cs = [np.asarray(c) for c in couplings]
     lo, hi = min(c.min() for c in cs), max(c.max() for c in cs)
+    chosen = None if grid_hw[0] * grid_hw[1] == 1 else chosen  # no grid: no map of where the evidence is
     rows = 2 if chosen is not None else 1
     fig, axes = plt.subplots(rows, R, figsize=(2.8 * R + 1.2, 4.6 * rows), squeeze=False,
                              gridspec_kw={"height_ratios": [2, 1] if rows == 2 else [1]})
@@ -132,9 +136,12 @@ def coupling_heatmaps(couplings, grid_hw, types, path, chosen=None, title="", sy
         ax = axes[0, r]
         im = ax.imshow(c, aspect="auto", cmap="viridis", vmin=lo, vmax=hi, interpolation="nearest")
         ax.set_title(f"iteration {r + 1}", fontsize=9)
-        ax.set_xlabel("class capsule j", fontsize=8)
+        ax.set_xlabel(parent, fontsize=8)
+        if columns is not None and len(columns) <= 40:
+            ax.set_xticks(range(len(columns)), [str(n) for n in columns], fontsize=6,
+                          rotation=90 if max(len(str(n)) for n in columns) > 2 else 0)
         if r == 0:
-            ax.set_ylabel(f"{child} i ({grid_hw[0]}x{grid_hw[1]} positions x {types} types)", fontsize=8)
+            ax.set_ylabel(row_label or f"{child} i ({grid_hw[0]}x{grid_hw[1]} positions x {types} types)", fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), label=symbol)
     if chosen is not None:
         maps = [c[:, chosen].reshape(grid_hw[0], grid_hw[1], types).mean(-1) for c in cs]

@@ -1,0 +1,136 @@
+"""``pycapsnet inspect RUN``: pictures of what a trained network does with one test image.
+
+    reconstructions.png   the first test images and their reconstructions
+    perturbation.png      Figure 4: each dimension of a class capsule moved over [-R, R], decoded
+    coupling.png          the class layer's coupling coefficients c_ij (EM: assignments R_ij) per
+                          routing iteration, the classes named; coupling.npz holds the arrays
+    coupling_<layer>.png  the same for every other routing layer (a ConvCaps layer's averaged over
+                          its window positions), with coupling_<layer>.npz
+    activations.png       EM: the class activations a_j after each iteration
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..errors import CapsNetError
+
+
+def inspect_run(args) -> int:
+    try:
+        return _inspect(args)
+    except OSError as e:  # writing the pictures: a full disk, a folder gone
+        raise CapsNetError(f"cannot write into --out {args.out}: {e.strerror or e}; free some space or choose "
+                           "another --out") from None
+
+
+def _inspect(args) -> int:
+    import backends
+
+    from ..training import checkpoint as ckpt_mod
+    from ..training import data
+    from ..training.preflight import checked_data
+    from ..training.recipe import data_options, settle
+    from ..training.run_dir import prepare_out_dir, save_reconstructions
+
+    prepare_out_dir(args.out)  # before the loading, so that a bad --out fails at once
+    B = backends.get(args.backend, device=args.device, dtype="float32")
+    model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
+    if not model.routing_layers():
+        raise CapsNetError(f"{ckpt['path']} holds a network without capsule routing (a CNN): inspect draws "
+                           "routing; score it with pycapsnet evaluate")
+    args.eval_only = True
+    run = settle(args, ckpt)  # --dataset / --data-dir left out: the run's
+    if model.input_shape != (1, 28, 28) and not run.data_dir:
+        raise CapsNetError(f"this checkpoint expects {model.input_shape} images; give --data-dir")
+    train, test = data.load(run.dataset, run.data_dir, **data_options(run))
+    checked_data(run, train, test)
+    if not 0 <= args.index < len(test):
+        raise CapsNetError(f"--index must be in [0, {len(test) - 1}], got {args.index}")
+    names = ckpt["header"].get("classes") or test.classes  # class names, by index
+    capsule = getattr(args, "capsule", None)
+    if capsule is not None and capsule >= model.n_classes:
+        raise CapsNetError(f"--capsule must be a class index 0..{model.n_classes - 1}, got {capsule}")
+    x, y = test.images(slice(args.index, args.index + 1)), int(test.y[args.index])
+    with B.quiet_float_errors():
+        out = model.forward(x)
+    v = B.to_numpy(out.v)                                   # (1, J, D)
+    if not np.isfinite(v).all():
+        raise CapsNetError(f"the model in {ckpt['path']} gives class capsules that are not finite for test "
+                           f"image {args.index}: there is nothing to draw; inspect an earlier checkpoint")
+    pred = int(out.predictions[0])
+    about = f"test image {args.index} (label {names[y]}, predicted {names[pred]})"
+    # every routing layer's coefficients, copied before the reconstructions' forward reuses the buffers
+    routed = [(name, layer, [np.array(B.to_numpy(c)[0]) for c in _coefficients(layer)])
+              for name, layer in model.routing_layers()]
+    activations = [np.array(B.to_numpy(a)[0]) for a in getattr(routed[-1][1], "activations", [])]  # EM
+    written = [save_reconstructions(model, test, os.path.join(args.out, "reconstructions.png"))]
+    if model.decoder is not None:  # the paper's Figure 4
+        chosen = pred if capsule is None else capsule
+        written.append(figure_4(model, v, chosen, getattr(args, "perturb_range", 0.25),
+                                os.path.join(args.out, "perturbation.png"), about, names[chosen]))
+    written += coupling_pictures(routed, args.out, about, names, pred, em=bool(activations))
+    if activations:
+        from . import plots
+
+        written.append(plots.activation_bars(activations, os.path.join(args.out, "activations.png"), names, y, pred,
+                                             f"class activations a_j per EM iteration, {about}"))
+    for p in written:
+        print(p)
+    return 0
+
+
+def _coefficients(layer) -> list:
+    """A routing layer's coefficients per iteration: c_ij (dynamic, attention, ConvCaps) or, for a
+    convolutional EM layer, its assignments R_ij."""
+    return layer.coupling if hasattr(type(layer), "coupling") else layer.assignments
+
+
+def figure_4(model, v, capsule, reach, path, about, name):
+    """Each dimension of class capsule ``capsule`` moved over [-reach, reach] in ten steps, decoded."""
+    from . import plots
+
+    steps = np.round(np.linspace(-reach, reach, 11), 6)
+    D, B = v.shape[-1], model.B
+    tweaked = np.repeat(v, D * len(steps), axis=0)  # (D*S, J, D)
+    for d in range(D):
+        tweaked[d * len(steps):(d + 1) * len(steps), capsule, d] += steps
+    decoded = B.to_numpy(model.decode(tweaked, np.full(len(tweaked), capsule)))
+    decoded = decoded.reshape(D, len(steps), *decoded.shape[1:])
+    return plots.perturbation_grid(decoded, steps, path, f"{about}: each of the {D} dimensions of capsule "
+                                   f"{name} moved over [-{reach:g}, {reach:g}], then decoded")
+
+
+def coupling_pictures(routed, out, about, names, pred, em=False) -> list:
+    """coupling.png and .npz for the class layer (the last routing layer), coupling_<layer>.png and
+    .npz for each other; returns the paths written."""
+    from ..training import files
+    from . import plots
+
+    written = []
+    symbol = "R_ij" if em else "c_ij"
+    for k, (name, layer, couplings) in enumerate(routed):
+        last = k == len(routed) - 1
+        stem = "coupling" if last else f"coupling_{name}"
+        children = layer.in_flow
+        if couplings[0].ndim == 3:  # a convolutional layer's (P, I, C): averaged over the window positions
+            couplings = [c.mean(axis=0) for c in couplings]
+            kk = int(round((couplings[0].shape[0] / children.types) ** 0.5))
+            rows, grid, types = f"window slot i ({kk}x{kk} offsets x {children.types} types)", (1, 1), children.types
+        else:
+            rows, grid, types = None, children.grid or (1, 1), children.types
+        kind = "EM assignments R_ij" if em else "coupling coefficients c_ij"
+        what = (f"{kind} of the class layer" if em else kind) if last else \
+            f"{kind} of layer '{name}'" + (" (mean over its positions)" if rows else "")
+        written.append(plots.coupling_heatmaps(
+            couplings, grid, types, os.path.join(out, f"{stem}.png"), pred if last and not rows else None,
+            f"{what}, {about}", symbol=symbol, child="child capsule" if em else "input capsule", row_label=rows,
+            columns=list(names) if last else None, parent="class capsule j" if last else f"capsule j of '{name}'"))
+        arrays = {f"iteration_{r + 1}": c for r, c in enumerate(couplings)}
+        path = os.path.join(out, f"{stem}.npz")
+        files.atomic_write(path, lambda f: np.savez(f, **arrays))
+        i, j = couplings[0].shape
+        print(f"{path}: the {what} of {about.split(' (')[0]}, one array per routing iteration ({', '.join(arrays)}), each ({i}, {j}): "
+              f"{i} {'child' if em else 'input'} capsules x {j} {'classes' if last else 'capsules'}")
+    return written
