@@ -16,7 +16,6 @@ holds; ``predict`` also takes image files, read as the run read its own (tools/p
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import math
@@ -25,6 +24,7 @@ import tempfile
 
 import numpy as np
 
+from .core.checks import nearest
 from .errors import CapsNetError
 from .tools.predict import Run
 
@@ -39,9 +39,9 @@ def _keywords(fn):
     def checked(*args, **kwargs):
         unknown = [k for k in kwargs if k not in names]
         if unknown:
-            near = difflib.get_close_matches(unknown[0], names, n=1)
+            near = nearest(unknown[0], names)
             raise TypeError(f"{fn.__qualname__}() got an unexpected keyword argument {unknown[0]!r}"
-                            + (f"; did you mean {near[0]!r}?" if near else f"; it takes {', '.join(names)}"))
+                            + (f"; did you mean {near!r}?" if near else f"; it takes {', '.join(names)}"))
         return fn(*args, **kwargs)
 
     return checked

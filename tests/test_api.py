@@ -131,3 +131,19 @@ def test_an_arrays_run_asks_for_data_on_the_command_line(digits, tmp_path, capsy
     assert cli.main(["evaluate", str(tmp_path / "r")]) == 2
     assert "trained on arrays in memory" in capsys.readouterr().err
     assert os.path.exists(tmp_path / "r" / "checkpoint.npz")
+
+
+def test_the_trainers_fit_checks_its_keywords_without_argparse(tmp_path):
+    """trainer.fit(network, **flags) on data it reads: a misspelt or abbreviated flag is a TypeError
+    naming the real one (argparse took 'epoch' for 'epochs'), a wrong value one CapsNetError."""
+    from pycapsnet.core import architecture as A
+    from pycapsnet.training.trainer import fit
+
+    net = A.network([A.conv2d(8, 9), A.relu(), A.primary_caps(2, 8, kernel=9, stride=2), A.dynamic_caps(10, 16)])
+    for wrong, near in (({"epoch": 1}, "epochs"), ({"limit_t": 16}, "limit_test"), ({"x": np.zeros(3)}, None)):
+        with pytest.raises(TypeError, match=f"did you mean '{near}'" if near else "unexpected keyword argument 'x'"):
+            fit(net, **wrong)
+    with pytest.raises(CapsNetError, match="lr = 'fast' is not a value its flag takes"):
+        fit(net, lr="fast")
+    last = fit(net, epochs=1, limit=32, limit_test=16, batch_size=16, no_progress=True, out=str(tmp_path / "r"))
+    assert last["epoch"] == 1

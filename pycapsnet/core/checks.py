@@ -15,6 +15,17 @@ from ..errors import CapsNetError
 MAX_ROUTING_ITERS = 32
 
 
+def nearest(name: str, names) -> str | None:
+    """The real name a misspelt or shortened ``name`` most likely meant: one it begins (the
+    shortest), else the closest by difflib; None if none is close."""
+    names = sorted(names)
+    started = [n for n in names if n.startswith(name)]
+    if started:
+        return min(started, key=len)
+    close = difflib.get_close_matches(name, names, n=1)
+    return close[0] if close else None
+
+
 def config_with(cfg, overrides: dict, backend_name: str):
     """``cfg`` with the fields in ``overrides`` replaced; an unknown name is refused with the
     closest field ("did you mean") and, for dtype or device, where those belong."""

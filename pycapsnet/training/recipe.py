@@ -381,6 +381,17 @@ def _recipe_problem(saved: dict) -> str | None:
     return None
 
 
+def check_recipe_values(values: dict, prefix: str = "") -> None:
+    """CapsNetError naming the first recipe value (or ``epochs``) that its flag would refuse: for
+    Python callers, who pass values without argparse's types."""
+    epochs = values.get("epochs")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise CapsNetError(f"{prefix}epochs = {epochs!r}: a whole number of at least 1")
+    bad = _recipe_problem({k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if k != "epochs"})
+    if bad:
+        raise CapsNetError(f"{prefix}{bad} is not a value its flag takes (see pycapsnet train --help)")
+
+
 def data_options(run: Run) -> dict:
     """data.load's options for --dataset folder, from the run (and the images its checkpoint held
     out); refused for other datasets."""

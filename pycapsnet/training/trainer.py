@@ -464,24 +464,33 @@ def main(backend: str | None = None, argv=None) -> int:
     return run(args, backend or args.backend)
 
 
-class _Refusing(argparse.ArgumentParser):
-    """A parser whose errors are CapsNetErrors (for ``fit``: Python callers get an exception, not an exit)."""
-
-    def error(self, message):
-        raise CapsNetError(f"fit: {message}")
+# fit's keywords beyond the recipe's and the architecture's: where the run goes and how it shows
+FIT_OPTIONS = {"epochs": None, "out": None, "resume": None, "overwrite": False, "no_progress": False,
+               "log_csv": None, "tensorboard": None, "no_graph": False, "device": None, "accept_changed_data": False}
 
 
 def fit(network, backend: str = "numpy", **flags) -> dict:
-    """Train ``network`` with the trainer of the command line, in Python; returns the last epoch's
-    record (test_acc, train_loss, ...).  ``network``: a description (``architecture.network(...)``),
-    built on ``backend`` from ``seed``, or a Network already built (its backend and weights are
-    used as they are).  ``flags`` are the command line's by their Python names: epochs=2,
-    out="runs/mine", batch_size=16, limit=500, dataset="folder", data_dir="...", ...  The run
-    directory holds what a command-line run's does, and its checkpoint records the network, so
-    ``pycapsnet evaluate`` / ``inspect`` and ``--resume`` need no code of the user's.  Bad input
-    raises CapsNetError; a non-finite loss raises NotFinite."""
-    from ..core.network import Network
+    """Train ``network`` with the trainer of the command line on data it reads (the embedded
+    digits, IDX files, a folder of images: ``dataset=``, ``data_dir=``), in Python; returns the
+    last epoch's record (test_acc, train_loss, ...).  ``network``: a description
+    (``architecture.network(...)``), built on ``backend`` from ``seed``, or a Network already built
+    (its backend and weights are used as they are).  ``flags`` are the command line's, by their
+    Python names (epochs=2, out="runs/mine", batch_size=16, limit=500, ...), each checked as the flag
+    checks it: an unknown name is a TypeError naming the nearest.  Arrays in memory:
+    ``pycapsnet.build(...).fit(x, y)``.  Bad input raises CapsNetError; a non-finite loss, NotFinite."""
+    import types
 
+    from ..core.checks import nearest
+    from ..core.network import Network
+    from .recipe import ARCHITECTURE, RECIPE, check_recipe_values
+
+    known = {*RECIPE, *ARCHITECTURE, *FIT_OPTIONS}
+    unknown = sorted(set(flags) - known)
+    if unknown:
+        near = nearest(unknown[0], known)
+        raise TypeError(f"fit() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f"; did you mean {near!r}?" if near else ""))
+    check_recipe_values({k: v for k, v in flags.items() if k in RECIPE or k == "epochs"}, "fit: ")
     model = network if isinstance(network, Network) else None
     if model is not None:
         if model.architecture is None:
@@ -490,12 +499,8 @@ def fit(network, backend: str = "numpy", **flags) -> dict:
         if flags.get("dtype", model.B.dtype) != model.B.dtype:
             raise CapsNetError(f"fit: dtype={flags['dtype']!r}, but the network is built in {model.B.dtype}")
         backend, flags = model.B.name, {**flags, "dtype": model.B.dtype}
-    argv = []
+    args = types.SimpleNamespace(**{k: None for k in (*RECIPE, *ARCHITECTURE)}, **FIT_OPTIONS)
     for k, v in flags.items():
-        if v is None or v is False:
-            continue
-        argv += [flag(k)] if v is True else [flag(k), *map(str, v if isinstance(v, (list, tuple)) else [v])]
-    p = _Refusing(prog="pycapsnet.fit")
-    add_arguments(p, None)
-    args = p.parse_args(argv + ["--backend", backend])
+        setattr(args, k, tuple(v) if isinstance(v, list) else v)
+    args.backend = backend
     return train(describe(args, backend, network=None if model is not None else network, model=model))
