@@ -147,3 +147,16 @@ def test_the_trainers_fit_checks_its_keywords_without_argparse(tmp_path):
         fit(net, lr="fast")
     last = fit(net, epochs=1, limit=32, limit_test=16, batch_size=16, no_progress=True, out=str(tmp_path / "r"))
     assert last["epoch"] == 1
+
+
+def test_layers_and_networks_show_their_structure():
+    import backends
+    from pycapsnet import CapsNet
+    from pycapsnet.core.capsules import ClassCaps
+
+    net = CapsNet("numpy", **SMALL)
+    text = repr(net)
+    assert text.startswith("Network(1x28x28 -> 10 classes, 1,638,480 parameters on numpy:cpu/float32")
+    assert "classcaps: ClassCaps(a 6x6 grid of 4 capsule types of 8D -> 10 capsules of 16D; W (36, 4, 10, 16, 8))" in text
+    assert "decoder: 512 -> 1024 -> 784" in text and "object at 0x" not in text + repr(net.body)
+    assert repr(ClassCaps(backends.get("numpy"), 4, 2, 4, 3, 5)) == "ClassCaps(W (4, 2, 3, 5, 4))"

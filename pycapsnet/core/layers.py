@@ -44,6 +44,13 @@ class Layer:
     def backward(self, dy, input_grad=True):  # pragma: no cover - interface
         raise NotImplementedError
 
+    def __repr__(self):
+        """The layer's kind, what it takes and gives where a description built it, and its
+        parameters' shapes: ``ClassCaps(a 6x6 grid of 32 capsule types of 8D -> 10 capsules of 16D; W (36, 32, 10, 16, 8))``."""
+        flows = f"{self.in_flow} -> {self.out_flow}" if hasattr(self, "out_flow") else ""
+        params = ", ".join(f"{k} {tuple(p.shape)}" for k, p in self.params.items())
+        return f"{type(self).__name__}({'; '.join(part for part in (flows, params) if part)})"
+
     def walk(self):
         """This layer and the layers it is made of, depth first."""
         yield self

@@ -29,6 +29,9 @@ class Sequential(Layer):
         if len(set(self.names)) != len(self.names):
             raise CapsNetError(f"layer names must be unique, got {self.names}")
 
+    def __repr__(self):
+        return "Sequential(\n" + "".join(f"  {name}: {layer!r}\n" for name, layer in self) + ")"
+
     def __iter__(self):
         return iter(zip(self.names, self.layers))
 
@@ -200,6 +203,14 @@ class Network:
                 size = int(np.prod(g.shape))
                 layer.grads[k] = backend.xp.reshape(self.flat_grads[offset:offset + size], tuple(g.shape))
                 offset += size
+
+    def __repr__(self):
+        parts = [f"  {name}: {layer!r}" for name, layer in self.body]
+        parts += [f"  head: {type(self.head).__name__}, loss: {type(self.class_loss).__name__}"
+                  + (f", decoder: {' -> '.join(str(l.params['W'].shape[1]) for _, l in self.decoder.named_layers())}"
+                     if self.decoder is not None else "")]
+        return (f"Network({'x'.join(map(str, self.input_shape))} -> {self.n_classes} classes, "
+                f"{self.n_params():,} parameters on {self.B.label}\n" + "\n".join(parts) + "\n)")
 
     # ---- structure ------------------------------------------------------------------------------
     def layers(self):
