@@ -98,7 +98,7 @@ def _experiment(tmp_path, *flags):
     return done, out
 
 
-@pytest.mark.parametrize("name,figure", [("table1", None), ("affine", "affine_examples.png"),
+@pytest.mark.parametrize("name,figure", [("table1", "table1.png"), ("affine", "affine_examples.png"),
                                          ("multimnist", "segmentation.png")])
 def test_each_experiment_runs_in_its_quick_form(tmp_path, name, figure):
     done, out = _experiment(tmp_path, name, "--quick")

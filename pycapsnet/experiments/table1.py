@@ -5,6 +5,8 @@ default run: 4,000 digits shifted by up to 2 pixels, Adam 2e-3 decayed 0.85 per 
 the error is the last epoch's (no choice of epoch on the test set)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..core import architecture as A
@@ -44,7 +46,30 @@ def run(args, B, out) -> dict:
         rows[name] = {"errors": errors, "mean": float(np.mean(errors)), "std": float(np.std(errors, ddof=1))
                       if len(errors) > 1 else None, "ms_per_step": 1e3 * float(np.median(steps)),
                       "params": model.n_params(), "paper": PAPER[name], "paper_std": PAPER_SPREAD.get(name)}
-    return {"train": len(train_set), "test": len(test_set), "rows": rows}
+    results = {"train": len(train_set), "test": len(test_set), "rows": rows}
+    figure(results, os.path.join(out, "table1.png"))
+    return results
+
+
+def figure(results, path):
+    """Each network's test error: its seeds as dots, their mean as a bar, the paper's as a mark."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    fig, ax = plt.subplots(figsize=(5.5, 3))
+    for k, (name, r) in enumerate(rows.items()):
+        ax.bar(k, r["mean"], color="C0" if name != "baseline" else "C7", alpha=0.6)
+        ax.plot([k] * len(r["errors"]), r["errors"], "o", color="k", ms=3)
+        ax.plot(k, r["paper"], "_", color="C3", ms=18, mew=2, label="paper" if k == 0 else None)
+    ax.set_xticks(range(len(rows)), list(rows))
+    ax.set_ylabel("test error (%)")
+    ax.set_title(f"Table 1 on {results['train']:,} training digits: seeds (dots), mean (bar), paper (red)", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def table(results) -> str:
