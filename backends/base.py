@@ -282,6 +282,12 @@ class Backend(abc.ABC):
         prod = w[..., None] * x if y is None else w[..., None] * x * y
         return self.xp.sum(prod, axis=2)
 
+    def sum_children_pair(self, w, v, x, wx=None):
+        """(Σ_i w_ij x_ijh, Σ_i v_ij x_ijh): two weightings of the same x.  ``wx``, the product
+        w x where the caller has formed it, is summed as it is here; the NumPy backend instead
+        takes both sums in one pass over x, one batched product with both rows of weights."""
+        return self.xp.sum(wx, axis=2) if wx is not None else self.sum_children(w, x), self.sum_children(v, x)
+
     def sum_entries(self, x, y, z=None):
         """Σ_h x_ijh y_ijh [z_jh]: x (N, P, I, C, H); y the same or a parent's (N, P, C, H), the same
         for every child; z (N, P, C, H) -> (N, P, I, C)."""

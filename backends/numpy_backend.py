@@ -72,12 +72,14 @@ class NumpyBackend(Backend):
 
     def _as_caller(self, fn):
         """NumPy's error state is per thread: the pool's threads take the caller's (quiet_float_errors
-        around a step then quiets its parts too)."""
+        around a step then quiets its parts too).  Set where it differs, and left there: a pool
+        thread runs the backend's parts alone, each of which sets what it needs."""
         state = np.geterr()
 
         def run(part):
-            with np.errstate(**state):
-                return fn(part)
+            if np.geterr() != state:
+                np.seterr(**state)
+            return fn(part)
 
         return run
 
@@ -140,6 +142,12 @@ class NumpyBackend(Backend):
             x = x * y
         lib = self.lib
         return lib.matmul(lib.swapaxes(w, 2, 3)[..., None, :], lib.swapaxes(x, 2, 3))[..., 0, :]
+
+    def sum_children_pair(self, w, v, x, wx=None):
+        lib = self.lib
+        wv = lib.stack([lib.swapaxes(w, 2, 3), lib.swapaxes(v, 2, 3)], axis=-2)    # (N, P, C, 2, I)
+        both = lib.matmul(wv, lib.swapaxes(x, 2, 3))                              # (N, P, C, 2, H)
+        return both[..., 0, :], both[..., 1, :]
 
     def sum_entries(self, x, y, z=None):
         lib = self.lib

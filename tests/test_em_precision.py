@@ -151,3 +151,15 @@ def test_a_saturated_primary_activation_keeps_its_slope(spec):
     (torch.exp(torch.nn.functional.logsigmoid((ht @ W + b)[..., 32:])) * torch.tensor(da)).sum().backward()
     assert 0 < np.abs(dh).min() and np.abs(dh).max() < 1e-15  # e^-40: tiny, and not zero
     assert_close(dh, ht.grad.numpy(), RTOL, what="dh")
+
+
+@pytest.mark.parametrize("spec", CPU_BACKENDS)
+def test_sum_children_pair_is_two_sums(spec):
+    """The one-pass pair of weighted sums (NumPy: one batched product) gives each sum."""
+    B = backends.get(spec, dtype="float64")
+    rng = np.random.default_rng(0)
+    w, v, x = (B.asarray(rng.standard_normal(s)) for s in ((2, 3, 5, 4), (2, 3, 5, 4), (2, 3, 5, 4, 16)))
+    for wx in (None, w[..., None] * x):
+        a, b = B.sum_children_pair(w, v, x, wx=wx)
+        np.testing.assert_allclose(B.to_numpy(a), B.to_numpy(B.sum_children(w, x)), rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(B.to_numpy(b), B.to_numpy(B.sum_children(v, x)), rtol=1e-13, atol=1e-13)

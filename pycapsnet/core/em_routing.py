@@ -139,6 +139,11 @@ def em_forward(B, V, a_in, beta_u, beta_a, lambdas, eps=1e-6, group=Identity, fi
     return mu, a, trace
 
 
+def _weights(R, a_in, r, eps):
+    """w_ij = R_ij a_i / (r_j + ε), the M-step's normalised weights."""
+    return R * a_in[..., None] / (r[:, :, None] + eps)
+
+
 def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Identity, mode="full", out=None):
     """From dL/dμ (N, P, C, H) and dL/da (N, P, C) of the last iteration to
     (dV (N, P, I, C, H), da_in (N, P, I), dβ_u (C,), dβ_a (C,)); dV is written into ``out`` if given."""
@@ -160,6 +165,7 @@ def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Ide
     for t in steps:
         R, mu, var, r, z, a = trace[t]
         d = V - mu[:, :, None]                                 # (N, P, I, C, H)
+        w = _weights(R, a_in, r, eps)                          # (N, P, I, C)
         if t == last:
             # a (1 - a) = sigmoid(z) sigmoid(-z): from z, so that a saturated a_j (1 - a_j rounds to 0
             # once z > ~37 in float64) keeps its exact, tiny slope e^-z
@@ -170,8 +176,10 @@ def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Ide
             dz = sigmoid(xp, -z) * xp.sum(dL, axis=2)          # d ln sigmoid(z) / dz = sigmoid(-z) = 1 - a
             q = d / var[:, :, None]
             dLq = q * dL[..., None]                            # dL_ij q_ijh
+            # Σ_i dL_ij q_ijh, and Σ_i w_ij q_ijh for the variance term below (a backend may take
+            # both in one pass over q)
+            dmu_t, wq = B.sum_children_pair(dL, w, q, wx=dLq)
             dV -= dLq
-            dmu_t = xp.sum(dLq, axis=2)
             dLq *= q
             dvar = 0.5 * (xp.sum(dLq, axis=2) - xp.sum(dL, axis=2)[..., None] / var)
             del q, dLq
@@ -181,13 +189,12 @@ def em_backward(B, V, a_in, beta_u, lambdas, trace, dmu, da, eps=1e-6, group=Ide
         dbeta_u += H * xp.sum(dcost * r, axis=(0, 1))
         dr = dcost * (H * beta_u + 0.5 * xp.sum(xp.log(var), axis=-1))
         dvar = dvar + (dcost * r)[..., None] / (2 * var)
-        Rp = R * a_in[..., None]
-        w = Rp / (r[:, :, None] + eps)
         # σ² depends on μ too: dμ -= 2 dσ² sum_i w_ij d_ijh.  In exact arithmetic that sum is
         # μ_jh ε / (r_j + ε), but it must be summed from the same rounded d that moments_backward
         # uses: where one child carries a parent (d ~ 1e-8, σ² at its floor, dσ² ~ 1e3) the closed
-        # form leaves 2 dσ² times μ's rounding uncancelled in dV (docs/backprop.md)
-        dmu_t = dmu_t - 2 * dvar * B.sum_children(w, d)
+        # form leaves 2 dσ² times μ's rounding uncancelled in dV (docs/backprop.md).  After an
+        # E-step it is σ² sum_i w q, summed above with the E-step's own sum over q.
+        dmu_t = dmu_t - 2 * dvar * (B.sum_children(w, d) if t == last else var * wq)
         # with g = dσ² d + dμ:  dV += w (2 dσ² d + dμ) = w (2g - dμ),  and, as V = d + μ,
         # dw_ij = sum_h (dσ² d² + dμ V) = sum_h d g + k_j  with  k_j = sum_h dμ_jh μ_jh
         dw = B.moments_backward(d, w, dmu_t, dvar, dV)                       # sum_h d g = dw - k_j (N, P, I, C)
