@@ -16,7 +16,7 @@ setup(
     project_urls={"Documentation": "https://github.com/pycapsnet/pycapsnet/tree/main/docs",
                   "Source": "https://github.com/pycapsnet/pycapsnet"},
     python_requires=">=3.9",
-    packages=find_packages(include=["pycapsnet", "pycapsnet.*", "backends", "backends.*"]),
+    packages=find_packages(include=["pycapsnet", "pycapsnet.*"]),  # backends/ installs as pycapsnet.backends (a link)
     install_requires=[
         "numpy>=1.24",
         "scipy>=1.10",

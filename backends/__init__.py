@@ -1,8 +1,9 @@
 """Array backends for pycapsnet: ``backends.get("numpy" | "cupy" | "torch", device=..., dtype=...)``.
 
-Each backend is a small subclass of :class:`backends.base.Backend` (after einops' backend layer);
-its library is imported only when the backend is created, so ``import backends`` -- and
-``import pycapsnet`` -- pull in neither CuPy nor PyTorch.
+This folder installs as ``pycapsnet.backends`` (``from pycapsnet import backends``): the package
+claims no top-level name but its own.  Each backend is a small subclass of
+:class:`pycapsnet.backends.base.Backend` (after einops' backend layer); its library is imported only
+when the backend is created, so ``import pycapsnet`` pulls in neither CuPy nor PyTorch.
 """
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ import sys
 # NumPy's BLAS, OpenBLAS, keeps its idle worker threads spinning for a while (2^28 cycles) after
 # every product.  On a machine with few cores they then hold the cores that the NumPy backend's own
 # threads (the routing products and small products split over the batch) need; told to sleep after
-# 2^16 cycles, they give the cores back (docs/performance.md, "What limits each machine").  OpenBLAS reads
-# this when NumPy loads it, so it applies when this package is imported before NumPy, as the
-# training scripts, the CLI and the benchmarks do.  A value already in the environment wins.  When
-# NumPy came first, the setting is too late for this process (the numpy backend then warns:
-# ``PerformanceWarning``), but still reaches the processes it starts.
-OPENBLAS_TIMEOUT_TOO_LATE = "numpy" in sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in os.environ
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
+# 2^16 cycles, they give the cores back (docs/performance.md, "What limits each machine").  OpenBLAS
+# reads this setting when NumPy loads it: so it is set here, before this package first imports
+# NumPy.  A value already in the environment wins.  Where NumPy came first (a notebook's first
+# line), OpenBLAS is told again and its threads restarted (host.rearm_blas_thread_timeout).
+if "OPENBLAS_THREAD_TIMEOUT" not in os.environ:
+    os.environ["OPENBLAS_THREAD_TIMEOUT"] = "16"
+    if "numpy" in sys.modules:
+        from .host import rearm_blas_thread_timeout
 
-from .base import Backend, BackendError, PerformanceWarning  # noqa: E402  (after the setting: base imports NumPy)
+        rearm_blas_thread_timeout()
+
+from .base import Backend, BackendError  # noqa: E402  (after the setting: base imports NumPy)
 
 # name -> (module, class); imported on first use
 _REGISTRY = {
@@ -70,5 +74,5 @@ def gpu_unavailable_reason(name: str) -> str | None:
     return None
 
 
-__all__ = ["Backend", "BackendError", "PerformanceWarning", "get", "gpu_unavailable_reason", "device_for_rank",
+__all__ = ["Backend", "BackendError", "get", "gpu_unavailable_reason", "device_for_rank",
            "NAMES"]

@@ -56,10 +56,6 @@ class BackendError(RuntimeError):
     """A backend cannot be created: unknown name, missing library, missing device, bad dtype."""
 
 
-class PerformanceWarning(UserWarning):
-    """The backend runs correctly, but slower than it could, for a reason the user can fix."""
-
-
 class Backend(abc.ABC):
     name: str = "abstract"
     # Elementwise passes over big arrays (the optimizers') work this many elements at a time, so

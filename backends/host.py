@@ -6,6 +6,47 @@ from __future__ import annotations
 import os
 import threading
 
+
+def _loaded_openblas():
+    """ctypes handle of the OpenBLAS this process has loaded (NumPy's), or None (another BLAS, or a
+    system that does not list its mappings)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in os.path.basename(line.split()[-1]).lower()}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def blas_thread_timeout() -> int | None:
+    """The thread timeout the loaded OpenBLAS holds (log2 of the cycles its idle threads spin; 0
+    for its built-in 2^28), or None where it cannot say."""
+    lib = _loaded_openblas()
+    fn = getattr(lib, "openblas_thread_timeout", None)
+    return None if fn is None else int(fn())
+
+
+def rearm_blas_thread_timeout() -> bool:
+    """Make an OpenBLAS that NumPy loaded before OPENBLAS_THREAD_TIMEOUT was set take it: OpenBLAS
+    reads its environment again (``openblas_read_env``) and stops its worker threads
+    (``blas_thread_shutdown_``, what it does itself around a fork); the next threaded product
+    starts them again, with the timeout.  Both are exported by OpenBLAS builds (NumPy's wheels'
+    included); where either is missing, nothing is done.  True if done."""
+    lib = _loaded_openblas()
+    read_env, shutdown = (getattr(lib, name, None) for name in ("openblas_read_env", "blas_thread_shutdown_"))
+    if read_env is None or shutdown is None:
+        return False
+    read_env()
+    shutdown()
+    return True
+
 def machine_memory() -> int | None:
     """Bytes of physical memory of this machine, or the process's address-space limit where one is
     set lower (``ulimit -v``, a batch system's); None where the system says neither."""

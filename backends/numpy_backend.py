@@ -7,13 +7,9 @@ products and ClassCaps' batches of small products over the batch, on its threads
 (The CuPy backend overrides the routing products: those here write into NumPy arrays.)"""
 from __future__ import annotations
 
-import os
-import sys
-import warnings
-
 import numpy as np
 
-from .base import Backend, PerformanceWarning
+from .base import Backend
 from .host import cpu_threads, keep_freed_memory
 
 
@@ -176,7 +172,6 @@ class NumpyBackend(Backend):
         if elements < self.parallel_min_elements:
             part(slice(None))
             return
-        _warn_if_blas_spins()
         self._over_batch(part, n)
 
     def matmul(self, a, b, out=None):
@@ -193,7 +188,6 @@ class NumpyBackend(Backend):
             # an operand broadcast along the first batch axis (size 1 there) is used whole
             np.matmul(a if a.shape[0] == 1 else a[sl], b if b.shape[0] == 1 else b[sl], out=res[sl])
 
-        _warn_if_blas_spins()
         self._over_batch(part, lead[0])
         return res
 
@@ -251,43 +245,6 @@ class NumpyBackend(Backend):
         oh, ow = (h - kh) // stride + 1, (w - kw) // stride + 1
         return self.lib.lib.stride_tricks.as_strided(
             x, (n, oh, ow, kh, kw, c), (sn, stride * sh, stride * sw, sh, sw, sc))
-
-
-_blas_spins_checked = False
-
-
-def _warn_if_blas_spins():
-    """Once per process, at the first split over threads: warn if NumPy loaded OpenBLAS before
-    ``import backends`` could set its thread timeout.  OpenBLAS's idle workers then spin after every
-    product, on the core that the split needs (backends/__init__.py)."""
-    global _blas_spins_checked
-    if _blas_spins_checked:
-        return
-    _blas_spins_checked = True
-    from . import OPENBLAS_TIMEOUT_TOO_LATE
-
-    if OPENBLAS_TIMEOUT_TOO_LATE and "openblas" in _blas_name():
-        warnings.warn(
-            "NumPy was imported before pycapsnet, so its OpenBLAS started with idle threads that spin "
-            "after every product, on the core the numpy backend's own threads need: a train step "
-            "takes longer. Import pycapsnet (or backends) before numpy, or set "
-            "OPENBLAS_THREAD_TIMEOUT=16 in the environment.", PerformanceWarning,
-            stacklevel=_first_caller_outside_the_library())
-
-
-# the packages a warning's line should not point into: it is about the caller's script
-_LIBRARY_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), pkg, "")
-                      for pkg in ("backends", "pycapsnet"))
-
-
-def _first_caller_outside_the_library() -> int:
-    """The ``stacklevel`` at which a warning raised by our caller points at the first frame outside
-    backends/ and pycapsnet/ -- the user's line that started the work, not a layer's -- as Python
-    3.12's ``skip_file_prefixes`` does."""
-    frame, level = sys._getframe(1), 1  # level 1: the line that calls warnings.warn
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _blas_name() -> str:

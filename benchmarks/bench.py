@@ -47,9 +47,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run by path: the repository root, for benchmarks.distributed_step
     sys.path.insert(0, ROOT)
 
-from backends import NAMES
-from backends.base import FLOAT_DTYPES
-from backends.torch_backend import is_torch_device  # (imports no torch)
+from pycapsnet.backends import NAMES
+from pycapsnet.backends.base import FLOAT_DTYPES
+from pycapsnet.backends.torch_backend import is_torch_device  # (imports no torch)
 from benchmarks.distributed_step import cpu_model
 from benchmarks.provenance import code_version
 from pycapsnet.training.argtypes import nonnegative_int, positive_int, writable_file
@@ -95,7 +95,7 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28, floor=False
     """Measure one implementation: 'numpy', 'torch', 'torch:cuda', 'cupy', 'autograd', 'autograd:cuda'.
     With ``floor``, then also the GEMM floor (``gemm_floor``) and the pairs of a step and its own
     products (``paired_steps``), in the same process right after the steps."""
-    from backends.host import keep_freed_memory, process_memory
+    from pycapsnet.backends.host import keep_freed_memory, process_memory
 
     keep_freed_memory()  # what the CPU backends do (backends/base.py): the reference gets it too
     x, y = _batch(batch, input_size)
@@ -152,7 +152,7 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
     (a dict; {'impl', 'error'} when it cannot run here)."""
     import torch
 
-    from backends.host import process_memory, reset_process_peak
+    from pycapsnet.backends.host import process_memory, reset_process_peak
     from pycapsnet import CapsNet
     from pycapsnet.tools.reference import AutogradCapsNet
 
@@ -208,8 +208,8 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
 def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     """pycapsnet's train step (recorded where the trainer records it) and evaluation, as
     ``_reference_step`` returns them."""
-    import backends
-    from backends.host import process_memory, reset_process_peak
+    from pycapsnet import backends
+    from pycapsnet.backends.host import process_memory, reset_process_peak
     from pycapsnet import CapsNet
     from pycapsnet.training import optim
     from pycapsnet.training.graph import CapturedEval, CapturedStep
@@ -314,7 +314,7 @@ def step_products(cfg, n, dtype):
 def _floor_operands(impl, batch, dtype, config):
     """The step's products (``step_products``) on preallocated random operands, and the product and
     sync to run them with: a dict, or {'impl', 'error'} where the backend cannot run here."""
-    import backends
+    from pycapsnet import backends
 
     # the autograd references' products are torch's (autograd:cuda, autograd-compiled:cpu -> torch:cuda, torch:cpu)
     name = "torch" + impl[impl.index(":"):] if impl.startswith("autograd") else impl.partition("+")[0]

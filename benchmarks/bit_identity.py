@@ -13,7 +13,7 @@ from an older checkout compares with one from this tree.
 import argparse
 import sys
 
-import backends  # noqa: F401  (first: it sets NumPy's BLAS thread timeout)
+from pycapsnet import backends  # noqa: F401  (first: it sets NumPy's BLAS thread timeout)
 import numpy as np
 
 

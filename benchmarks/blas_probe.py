@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 
-import backends  # noqa: F401,I001  (imported for its effect, before NumPy: see backends/__init__.py)
+from pycapsnet import backends  # noqa: F401,I001  (imported for its effect, before NumPy: see backends/__init__.py)
 import numpy as np
 
-from backends.host import keep_freed_memory
+from pycapsnet.backends.host import keep_freed_memory
 from pycapsnet.training.argtypes import positive_int
 from bench import _median_time  # (run as a script: benchmarks/ is on the path)
 

@@ -29,13 +29,13 @@ import statistics
 import sys
 import time
 
-import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
+from pycapsnet import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
 import numpy as np
 
 if __package__ in (None, ""):  # run by path (torchrun): the repository root, for benchmarks.provenance
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends.host import cpu_info  # noqa: E402
+from pycapsnet.backends.host import cpu_info  # noqa: E402
 from benchmarks.provenance import code_version  # noqa: E402
 from pycapsnet.training.argtypes import positive_int, writable_file  # noqa: E402
 

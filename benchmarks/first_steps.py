@@ -9,7 +9,7 @@ It shows how fast the lengths grow when many primary capsules feed each class ca
 Adam steps move every W_ij by about lr, and s_j sums P*T such moves (docs/experiments.md)."""
 import argparse
 
-import backends  # noqa: F401,I001  (before NumPy: see backends/__init__.py)
+from pycapsnet import backends  # noqa: F401,I001  (before NumPy: see backends/__init__.py)
 import numpy as np
 
 from pycapsnet.core import architecture as A

@@ -17,7 +17,7 @@ import json
 import statistics
 import time
 
-import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
+from pycapsnet import backends  # noqa: I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
 import numpy as np
 
 from benchmarks.provenance import code_version
@@ -35,7 +35,7 @@ def main(argv=None):
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N], for torch and the reference")
     p.add_argument("--reference", action="store_true", help="time the autograd reference instead")
     args = p.parse_args(argv)
-    from backends.host import process_memory
+    from pycapsnet.backends.host import process_memory
     from benchmarks.distributed_step import cpu_model
     from pycapsnet import CapsNet
     from pycapsnet.training.optim import Adam

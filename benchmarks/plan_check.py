@@ -17,7 +17,7 @@ import os
 import resource
 import sys
 
-import backends  # noqa: F401,I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
+from pycapsnet import backends  # noqa: F401,I001  (before NumPy: it sets NumPy's BLAS thread timeout, see backends/__init__.py)
 
 if __package__ in (None, ""):  # run by path: the repository root, for benchmarks.distributed_step
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-import backends
+from pycapsnet import backends
 import pycapsnet.torch as pct
 from pycapsnet import CapsNet
 

@@ -19,7 +19,6 @@ import json
 import os
 import sys
 
-import backends  # noqa: F401  (first, as the training scripts do: it sets NumPy's BLAS thread timeout)
 from pycapsnet import CapsNetError
 from pycapsnet.core import architecture as A
 from pycapsnet.training.trainer import fit

@@ -278,7 +278,7 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
     ``options`` then set its CapsNetConfig fields (routing_iters=1, share_spatial=True, ...) -- or a
     description (architecture.network(...), or its JSON file), whose input_shape and n_classes
     these set where it leaves them null.  ``classes``: names for the classes."""
-    import backends
+    from pycapsnet import backends
 
     from .core import architecture
     from .core.model import CapsNet

@@ -1,5 +1,5 @@
 """Errors pycapsnet raises for bad input.  Each message names the problem and the fix."""
-from backends.base import BackendError  # noqa: F401  (re-exported)
+from pycapsnet.backends.base import BackendError  # noqa: F401  (re-exported)
 
 
 class CapsNetError(ValueError):

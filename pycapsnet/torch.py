@@ -1,6 +1,8 @@
 """pycapsnet's layers and networks inside PyTorch models, with pycapsnet's own backward.
 
-    import backends, pycapsnet.torch as pct
+    from pycapsnet import backends
+
+    import pycapsnet.torch as pct
     from pycapsnet.core.capsules import ClassCaps
     caps = pct.Layer(ClassCaps(backends.get("torch"), positions=36, types=32, in_dim=8, n_classes=10, out_dim=16))
     v = caps(u)            # u (N, 36, 32, 8): a torch tensor, from a torch stem or anything else
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-import backends
+from pycapsnet import backends
 from .core.layers import Layer as _CoreLayer
 from .core.network import Network as _CoreNetwork, Sequential
 from .core.checks import check_labels

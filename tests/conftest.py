@@ -2,7 +2,7 @@
 
 CPU backends (numpy, torch on CPU) always run.  The GPU ones (cupy, torch:cuda) run when the library
 and a CUDA GPU are present, and are skipped otherwise with the reason the backend itself gives."""
-import backends  # noqa: I001  (first, as in users' scripts: it sets NumPy's BLAS thread timeout)
+from pycapsnet import backends  # noqa: I001  (first, as in users' scripts: it sets NumPy's BLAS thread timeout)
 import numpy as np
 import pytest
 

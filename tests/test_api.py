@@ -150,7 +150,7 @@ def test_the_trainers_fit_checks_its_keywords_without_argparse(tmp_path):
 
 
 def test_layers_and_networks_show_their_structure():
-    import backends
+    from pycapsnet import backends
     from pycapsnet import CapsNet
     from pycapsnet.core.capsules import ClassCaps
 

@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch: pip install torch")
 
-import backends  # noqa: E402
+from pycapsnet import backends  # noqa: E402
 from pycapsnet.tools.reference import AutogradCapsNet  # noqa: E402
 from pycapsnet import CapsNet  # noqa: E402
 from tests.conftest import CPU_BACKENDS, SMALL, assert_close  # noqa: E402

@@ -6,14 +6,14 @@ import sys
 import numpy as np
 import pytest
 
-import backends
-from backends import BackendError
-from backends.numpy_backend import _blas_name
+from pycapsnet import backends
+from pycapsnet.backends import BackendError
+from pycapsnet.backends.numpy_backend import _blas_name
 from tests.conftest import CPU_BACKENDS, GPU_BACKENDS
 
 
 def test_import_pycapsnet_imports_neither_cupy_nor_torch():
-    code = ("import sys, pycapsnet, backends; m = pycapsnet.CapsNet('numpy', **{}); "
+    code = ("import sys, pycapsnet; m = pycapsnet.CapsNet('numpy', **{}); "
             "print('torch' in sys.modules, 'cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
@@ -169,7 +169,7 @@ def test_routing_products_equal_their_einsum_in_c_order(backend, name, monkeypat
     # "default": Backend's plain broadcast form, which a backend inherits unless it overrides it.
     # C order: the layers reshape these results (dû -> (P, T, N, J*D)); a result in another memory
     # order makes each reshape a full copy, and the next matmul leave BLAS.
-    from backends.base import Backend
+    from pycapsnet.backends.base import Backend
     B = _routing_backend(backend, monkeypatch)
     subscripts, shapes = ROUTING_PRODUCTS[name]
     rng = np.random.default_rng(0)
@@ -184,7 +184,7 @@ def test_routing_products_equal_their_einsum_in_c_order(backend, name, monkeypat
 def test_outer_sum_writes_into_a_block_of_u_hat(backend, monkeypatch):
     """outer_sum(..., out=): ClassCaps writes each block's dû over that block of û, a strided view
     (I, n, J, D) of the (I, N, J, D) array; the samples outside the block stay as they were."""
-    from backends.base import Backend
+    from pycapsnet.backends.base import Backend
     B = _routing_backend(backend, monkeypatch)
     outer_sum = (lambda *a, **k: Backend.outer_sum(B, *a, **k)) if backend == "default" else B.outer_sum
     rng = np.random.default_rng(0)
@@ -206,7 +206,7 @@ def test_predictions_and_their_blocks_are_u_hat(backend, shared, threads, monkey
     layout the backend stores it in; B.route_block gives a block of its samples.  On NumPy, and on
     PyTorch with NumPy's BLAS, û is sample-major, so a block is read in place (no copy), and the
     products are split over threads (forced here for small shapes)."""
-    from backends.base import Backend
+    from pycapsnet.backends.base import Backend
     B = _routing_backend(backend, monkeypatch)
     numpy_products = B if backend in ("numpy", "default") else getattr(B, "_numpy", None)
     if numpy_products is not None:
@@ -248,7 +248,7 @@ def test_numpy_contiguous_copies_split_over_threads(threads):
 def test_relu_and_its_backward_equal_their_definition(backend, threads):
     """B.relu = max(x, 0) and B.relu_backward = dy [y > 0] on every backend, NumPy's split over its
     threads (forced here for a small array); zeros and negative zeros stay off the mask."""
-    from backends.base import Backend
+    from pycapsnet.backends.base import Backend
     B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
     B.threads, B.parallel_pass_elements = threads, 0
     relu, relu_backward = ((lambda x: Backend.relu(B, x)), (lambda dy, y: Backend.relu_backward(B, dy, y))) \
@@ -276,7 +276,7 @@ EM_SUMS = {
 @pytest.mark.parametrize("case", EM_SUMS)
 @pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
 def test_em_routing_sums_equal_their_einsum(backend, case):
-    from backends.base import Backend
+    from pycapsnet.backends.base import Backend
     B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
     name, subscripts, shapes = EM_SUMS[case]
     rng = np.random.default_rng(0)
@@ -289,7 +289,7 @@ def test_em_routing_sums_equal_their_einsum(backend, case):
 @pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
 def test_em_moments_backward_equals_its_einsum(backend):
     """dV += w (2 dσ² d + dμ) and Σ_h d (dσ² d + dμ): the votes' side of the M-step's backward."""
-    from backends.base import Backend
+    from pycapsnet.backends.base import Backend
     B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
     fn = Backend.moments_backward.__get__(B) if backend == "default" else B.moments_backward
     rng = np.random.default_rng(0)
@@ -315,7 +315,7 @@ def window_children(grid, k, stride):
 @pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
 def test_window_sum_and_max_equal_their_definition(backend, grid, k, stride):
     """Every slot gets the sum (the maximum) of x over the slots that hold its child."""
-    from backends.base import Backend
+    from pycapsnet.backends.base import Backend
     B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
     ops = [getattr(Backend, op).__get__(B) if backend == "default" else getattr(B, op)
            for op in ("window_sum", "window_max")]
@@ -333,7 +333,7 @@ def test_window_sum_and_max_equal_their_definition(backend, grid, k, stride):
 @pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS + ["default"])
 def test_matrix_capsule_votes_and_their_backward_equal_their_einsum(backend):
     """V_ij = M_i W_ij, dW_ij = sum_{n,p} M_i^T dV_ij, dM_i = sum_j dV_ij W_ij^T, with 4x4 poses kept flat."""
-    from backends.base import Backend
+    from pycapsnet.backends.base import Backend
     B = backends.get("numpy" if backend == "default" else backend, dtype="float64")
     votes, votes_backward = ((Backend.votes.__get__(B), Backend.votes_backward.__get__(B)) if backend == "default"
                              else (B.votes, B.votes_backward))
@@ -449,7 +449,7 @@ def test_torch_cpu_products_by_numpys_blas_equal_torchs(dtype, monkeypatch):
 
 def test_torch_cpu_products_choose_by_cpu_unless_told(monkeypatch):
     pytest.importorskip("torch")
-    from backends import torch_backend
+    from pycapsnet.backends import torch_backend
 
     monkeypatch.delenv("PYCAPSNET_TORCH_CPU_MATMUL", raising=False)
     monkeypatch.setattr(torch_backend, "cpu_vendor", lambda: "AuthenticAMD")
@@ -469,8 +469,8 @@ def _env_without_blas_timeout():
     return {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
 
 
-def test_importing_backends_sets_the_blas_thread_timeout_unless_given():
-    code = "import os, backends; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+def test_importing_pycapsnet_sets_the_blas_thread_timeout_unless_given():
+    code = "import os, pycapsnet; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
     env = _env_without_blas_timeout()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "16"
@@ -479,43 +479,42 @@ def test_importing_backends_sets_the_blas_thread_timeout_unless_given():
     assert out.stdout.strip() == "7"
 
 
-def _no_spin_warning_here():
-    """Why the numpy-first warning cannot fire on this machine, or '' if it can."""
-    if backends.get("numpy").threads < 2:
-        return "the numpy backend runs no threads of its own here"
-    if "openblas" not in _blas_name():
-        return "NumPy's BLAS here is not OpenBLAS (or it does not say)"
-    return ""
+def _no_openblas_here():
+    """Why OpenBLAS's thread timeout cannot be read here, or '' if it can."""
+    from pycapsnet.backends.host import blas_thread_timeout
+
+    return "" if "openblas" in _blas_name() and blas_thread_timeout() is not None else \
+        "NumPy's BLAS here is not an OpenBLAS that says its thread timeout"
 
 
-@pytest.mark.skipif(bool(_no_spin_warning_here()), reason=_no_spin_warning_here())
-@pytest.mark.parametrize("imports, timeout, warned", [
-    ("import numpy, backends", None, True),    # too late for OpenBLAS: one warning, with the fix
-    ("import backends, numpy", None, False),
-    ("import numpy, backends", "16", False),   # the user set it: nothing to say
+@pytest.mark.skipif(bool(_no_openblas_here()), reason=_no_openblas_here())
+@pytest.mark.parametrize("imports, given, expected", [
+    ("import numpy, pycapsnet", None, 16),   # NumPy first, as a notebook does: OpenBLAS is told again
+    ("import pycapsnet, numpy", None, 16),
+    ("import numpy, pycapsnet", "7", 7),     # the user's own setting is left as it is
 ])
-def test_numpy_backend_warns_once_when_numpy_came_first(imports, timeout, warned):
-    # two backends, each running a batch of small products split over its threads
-    split = "B = backends.get('numpy'); B.matmul(numpy.ones((1152, 64, 8)), numpy.ones((1152, 8, 160)))"
-    code = f"{imports}; {split}; {split}"
+def test_the_blas_thread_timeout_holds_whichever_came_first_without_a_warning(imports, given, expected):
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when NumPy loads it; imported after NumPy, pycapsnet
+    has it read again and restarts its threads (host.rearm_blas_thread_timeout).  The threads must
+    then work: products split over the numpy backend's threads and OpenBLAS's own, no warning."""
+    code = (f"{imports}; from pycapsnet.backends.host import blas_thread_timeout; "
+            "B = pycapsnet.backends.get('numpy'); B.matmul(numpy.ones((1152, 64, 8)), numpy.ones((1152, 8, 160))); "
+            "a = numpy.ones((400, 400)); assert float((a @ a)[0, 0]) == 400.0; print(blas_thread_timeout())")
     env = _env_without_blas_timeout()
-    if timeout:
-        env["OPENBLAS_THREAD_TIMEOUT"] = timeout
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert out.stderr.count("PerformanceWarning") == (1 if warned else 0), out.stderr
-    if warned:
-        assert "Import pycapsnet (or backends) before numpy" in out.stderr
+    if given:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True,
+                         env=env)
+    assert out.stdout.split() == [str(expected)] and out.stderr == "", out.stderr
 
 
-@pytest.mark.skipif(bool(_no_spin_warning_here()), reason=_no_spin_warning_here())
-def test_the_numpy_first_warning_points_at_the_users_line_not_into_the_library(tmp_path):
-    # the split happens deep in ClassCaps' forward; the warning is about the script's imports
-    script = tmp_path / "study.py"
-    script.write_text("import numpy\nimport backends\nfrom pycapsnet import CapsNet\n"
-                      "model = CapsNet(backends.get('numpy'), seed=0)\n"
-                      "model.predict(numpy.zeros((64, 1, 28, 28), numpy.float32))\n")
-    env = _env_without_blas_timeout()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a script's own folder comes first on its path
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=env)
-    assert f"{script}:5: PerformanceWarning" in out.stderr, out.stderr
+def test_a_users_own_backends_module_does_not_break_pycapsnet(tmp_path):
+    """The package claims no top-level name but ``pycapsnet``: backends/ installs as
+    pycapsnet.backends, so a user's ``backends.py`` in the working folder (first on the path) is theirs."""
+    (tmp_path / "backends.py").write_text("raise ImportError('the user\'s own backends.py was imported')\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    code = ("import pycapsnet, numpy; m = pycapsnet.build('capsnet', conv_channels=8, primary_types=2); "
+            "print(m.predict(numpy.zeros((2, 1, 28, 28), numpy.float32)).shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "(2,)", out.stderr

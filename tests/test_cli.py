@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet import CapsNet
 from pycapsnet.training import checkpoint
 from pycapsnet.tools import cli

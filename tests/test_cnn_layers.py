@@ -3,7 +3,7 @@ float64 finite differences, PyTorch autograd as the oracle, numpy against torch,
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet import CapsNetError
 from pycapsnet.core import architecture as A
 from pycapsnet.core.layers import Dropout, Flatten, MaxPool2d

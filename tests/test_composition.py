@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet import CapsNet, CapsNetError
 from pycapsnet.training import checkpoint
 from pycapsnet.core import architecture as A

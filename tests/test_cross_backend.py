@@ -3,7 +3,7 @@ NumPy vs PyTorch always; CuPy and torch:cuda when a GPU is present."""
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet import CapsNet
 from tests.conftest import GPU_BACKENDS, SMALL, assert_close
 

@@ -4,7 +4,7 @@ float dtypes, and the assignment normalisation over every parent that receives a
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet import CapsNet
 from pycapsnet.tools import gradcheck
 from pycapsnet.core.em_routing import em_backward, em_forward

@@ -4,7 +4,7 @@ backward that mixes a closed form with the rounded d is off by 2 |dσ²| · (μ'
 the tensor.  The oracles: autograd in float64 (both modes) and, for "final" (the last M-step with
 its assignments held), central differences of that function computed in long double.  The tolerance
 is 1e-10 of each tensor's largest entry (assert_close)."""
-import backends  # noqa: I001
+from pycapsnet import backends  # noqa: I001
 import numpy as np
 import pytest
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet import CapsNetError
 from pycapsnet.core import architecture as A
 from pycapsnet.experiments import digits, multimnist

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet.training import checkpoint, data, optim, trainer
 from pycapsnet.tools import cli
 from pycapsnet.core.model import CapsNet

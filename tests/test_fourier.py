@@ -4,7 +4,7 @@ the autograd oracle, which convolves with torch.nn.functional.conv2d, checks it 
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet import CapsNet
 from pycapsnet.core.fourier import FourierConv2d, dft_matrices, half_spectrum
 from pycapsnet.core.layers import Conv2d

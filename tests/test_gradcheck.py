@@ -3,7 +3,7 @@ backward: each layer, and the full loss w.r.t. every parameter tensor and the in
 routing-gradient modes.  Max relative error < 1e-6 (see pycapsnet.tools.gradcheck for the metric)."""
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet.tools import gradcheck
 
 B64 = backends.get("numpy", dtype="float64")

@@ -8,8 +8,8 @@ import functools
 import numpy as np
 import pytest
 
-import backends
-from backends import BackendError
+from pycapsnet import backends
+from pycapsnet.backends import BackendError
 from pycapsnet import CapsNet, CapsNetError
 from pycapsnet.training import optim, recipe, trainer
 from pycapsnet.training.graph import CapturedEval, CapturedStep
@@ -113,7 +113,7 @@ def test_trainer_uses_the_recordings_for_full_batches(tmp_path, monkeypatch, rec
     of trainer.EVAL_BATCH); the last, smaller batch of each runs op by op.  Same numbers as
     --no-graph.  (torch on the CPU, told it can capture: the recording is then a re-run with host
     transfers refused, so this checks the trainer's bookkeeping.)"""
-    torch_backend = pytest.importorskip("backends.torch_backend")
+    torch_backend = pytest.importorskip("pycapsnet.backends.torch_backend")
     monkeypatch.setattr(torch_backend.TorchBackend, "can_capture", True)
     monkeypatch.setattr(trainer, "EVAL_BATCH", 16)
     calls = []
@@ -219,7 +219,7 @@ class _FakeBlas(str):  # stands in for backends.cublas.DirectCublas
 
 
 def _fake_cupy_backend():
-    cupy_backend = pytest.importorskip("backends.cupy_backend")
+    cupy_backend = pytest.importorskip("pycapsnet.backends.cupy_backend")
     B = cupy_backend.CupyBackend.__new__(cupy_backend.CupyBackend)  # no cupy or GPU needed for capture
     cuda = _FakeCuda()
     cuda.Stream = functools.partial(_FakeCuda.Stream, cuda)

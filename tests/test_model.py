@@ -4,7 +4,7 @@ import re
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet import CapsNet, CapsNetConfig, CapsNetError
 from pycapsnet.core.model import param_shapes
 from tests.conftest import CPU_BACKENDS, SMALL

@@ -1,8 +1,8 @@
 """``pycapsnet plan``: the planned peak of a train step against the measured one, the largest batch
 for a budget, and the command's output and errors."""
-import backends  # noqa: F401,I001
+from pycapsnet import backends  # noqa: F401,I001
 import pytest
-from backends.numpy_backend import NumpyBackend
+from pycapsnet.backends.numpy_backend import NumpyBackend
 
 from pycapsnet.tools import cli
 from pycapsnet.core.capsules import ClassCaps

@@ -8,10 +8,10 @@ import array_api_compat.numpy
 import numpy as np
 import pytest
 
-import backends
-from backends import cublas
-from backends import cupy_backend
-from backends.cupy_backend import _CupyNamespace
+from pycapsnet import backends
+from pycapsnet.backends import cublas
+from pycapsnet.backends import cupy_backend
+from pycapsnet.backends.cupy_backend import _CupyNamespace
 from tests.conftest import CPU_BACKENDS
 from tests.test_backends import ROUTING_PRODUCTS
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet import CapsNet, CapsNetError
 from pycapsnet.core.capsules import AttentionCaps, ClassCaps, PrimaryCaps
 from pycapsnet.core.conv_caps import ConvCaps

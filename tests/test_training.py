@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends
+from pycapsnet import backends
 from pycapsnet import CapsNet, CapsNetError
 from pycapsnet.training import checkpoint, data, optim, recipe, trainer
 from pycapsnet.tools import cli
@@ -56,7 +56,7 @@ def test_torch_fused_adam_is_the_blockwise_update(dtype, tol, monkeypatch):
     optim.Adam's own update (Backend.adam) over several steps; an apply() before any prepare() moves
     no weight on either."""
     pytest.importorskip("torch")
-    from backends.base import Backend
+    from pycapsnet.backends.base import Backend
     B = backends.get("torch", dtype=dtype)
     models = [CapsNet(B, **SMALL) for _ in range(2)]
     opts = [optim.Adam(m, lr=1e-2) for m in models]

@@ -362,7 +362,7 @@ def _fits_memory(arch, B) -> None:
     host copies of parameters and moments that a checkpoint writes), and the largest is first
     drawn in float64 and copied (12 bytes an entry).  Working arrays come on top, so the bound
     is 90% of the memory, not all of it."""
-    from backends.host import machine_memory
+    from pycapsnet.backends.host import machine_memory
 
     sizes = [math.prod(s) for s in description.param_shapes(arch).values()] or [0]
     need, have = 6 * sum(sizes) * np.dtype(B.dtype).itemsize + 12 * max(sizes), machine_memory()
@@ -386,7 +386,7 @@ def _decoder(B, spec, n_in, input_shape, rng):
 
 def build(arch: dict, backend="numpy", seed: int = 0) -> Network:
     """The Network that ``arch`` describes, on ``backend`` (a Backend or a name)."""
-    import backends
+    from pycapsnet import backends
 
     B = backends.get(backend)
     try:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-import backends as _backends
+from pycapsnet import backends as _backends
 
 from . import architecture as arch
 from .capsules import PrimaryCaps

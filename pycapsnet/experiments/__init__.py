@@ -62,7 +62,7 @@ def add_parser(sub, backends_help: str):
 
 
 def main(args) -> int:
-    import backends
+    from pycapsnet import backends
 
     from . import affine, multimnist, table1
 
@@ -116,7 +116,7 @@ def _refuse_flags_of_others(args) -> None:
 def check_fits(what: str, images: int, side: int, fix: str) -> None:
     """Refuse, before it is made, a data set of ``images`` float32 images of side x side that would
     not fit in this machine's memory, naming the flags that set it."""
-    from backends.host import machine_memory
+    from pycapsnet.backends.host import machine_memory
 
     need, have = images * side * side * 4, machine_memory()
     if have and need > have // 2:

@@ -53,7 +53,7 @@ def format_table(rows, cols):
 
 
 def _backend(spec, dtype, device=None):
-    import backends
+    from pycapsnet import backends
 
     return backends.get(spec, device=device, dtype=dtype)
 
@@ -230,7 +230,7 @@ def cmd_data(args):
 
 def cmd_plan(args):
     from ..core.model import CapsNetConfig
-    from backends.host import machine_memory
+    from pycapsnet.backends.host import machine_memory
 
     from ..training.recipe import ARCHITECTURE, refuse_ignored_flags
     from .plan import SEARCH_CAP, format_bytes, measured_peak, parse_memory, plan
@@ -291,8 +291,8 @@ def _data_flags(p):
 def build_parser():
     """Every subcommand and its flags: a table of add_argument calls, long on purpose and read top
     to bottom."""
-    from backends import NAMES
-    from backends.base import FLOAT_DTYPES
+    from pycapsnet.backends import NAMES
+    from pycapsnet.backends.base import FLOAT_DTYPES
 
     from ..training.recipe import add_accept_changed_data, add_arguments, add_limit_test
 

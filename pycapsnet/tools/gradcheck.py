@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import backends as _backends
+from pycapsnet import backends as _backends
 
 from ..core import architecture as arch
 from ..core import shared_routing

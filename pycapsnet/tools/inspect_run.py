@@ -26,7 +26,7 @@ def inspect_run(args) -> int:
 
 
 def _inspect(args) -> int:
-    import backends
+    from pycapsnet import backends
 
     from ..training import checkpoint as ckpt_mod
     from ..training import data

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backends.host import cpu_threads
-from backends.numpy_backend import NumpyBackend
+from pycapsnet.backends.host import cpu_threads
+from pycapsnet.backends.numpy_backend import NumpyBackend
 
 from ..core.capsules import ClassCaps
 from ..core.fourier import FourierConv2d, phase_grid
@@ -230,7 +230,7 @@ def measured_peak(config: CapsNetConfig, batch_size: int, dtype: str = "float32"
     (the first makes the per-shape constants).  Random images and labels; NumPy backend only."""
     import tracemalloc
 
-    import backends
+    from pycapsnet import backends
 
     from ..training import optim
     from ..core.model import CapsNet

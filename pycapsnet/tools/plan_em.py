@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.host import cpu_threads, sample_parts
-from backends.numpy_backend import NumpyBackend
+from pycapsnet.backends.host import cpu_threads, sample_parts
+from pycapsnet.backends.numpy_backend import NumpyBackend
 
 from ..core.model import EM_KERNELS, em_grids, param_shapes
 from .ledger import OPTIMIZER_SLOTS, LayerMemory, Ledger, conv_shape, decoder, im2col_work

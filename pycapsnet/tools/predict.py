@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-import backends
+from pycapsnet import backends
 
 from ..errors import CapsNetError
 from ..training import checkpoint, data, folder

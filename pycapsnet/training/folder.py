@@ -17,7 +17,7 @@ import stat
 
 import numpy as np
 
-from backends.host import machine_memory
+from pycapsnet.backends.host import machine_memory
 
 from ..errors import CapsNetError
 from .log import say

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from backends.host import machine_memory
+from pycapsnet.backends.host import machine_memory
 
 from ..core.model import CapsNetConfig, param_shapes
 from ..errors import CapsNetError

@@ -10,8 +10,8 @@ import argparse
 import dataclasses
 import os
 
-import backends
-from backends.base import FLOAT_DTYPES
+from pycapsnet import backends
+from pycapsnet.backends.base import FLOAT_DTYPES
 
 from ..core.capsules import PrimaryCaps
 from ..core.model import ROUTING_DEFAULTS, ROUTINGS, CapsNetConfig

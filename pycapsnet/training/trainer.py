@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-import backends
+from pycapsnet import backends
 
 from ..core import architecture
 from ..core.model import CapsNet, CapsNetConfig
