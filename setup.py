@@ -17,6 +17,7 @@ setup(
                   "Source": "https://github.com/pycapsnet/pycapsnet"},
     python_requires=">=3.9",
     packages=find_packages(include=["pycapsnet", "pycapsnet.*"]),  # backends/ installs as pycapsnet.backends (a link)
+    package_data={"pycapsnet": ["networks/*.json"]},
     install_requires=[
         "numpy>=1.24",
         "scipy>=1.10",

@@ -153,8 +153,7 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
     import torch
 
     from pycapsnet.backends.host import process_memory, reset_process_peak
-    from pycapsnet import CapsNet
-    from pycapsnet.tools.reference import AutogradCapsNet
+    from pycapsnet.tools.reference import AutogradCapsNet, AutogradNetwork
 
     device = impl.split(":", 1)[1] if ":" in impl else "cpu"
     compiled = impl.startswith(COMPILED)
@@ -164,8 +163,11 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
     mem0 = process_memory()["current"]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    host = CapsNet("numpy", seed=0, **cfg)  # pycapsnet's initialisation, copied over
-    ref = AutogradCapsNet(host.config, host.state_dict(), device=device, dtype=getattr(torch, dtype))
+    host = _network("numpy", cfg)  # pycapsnet's initialisation, copied over
+    if "network" in cfg:
+        ref = AutogradNetwork.from_model(host, device=device, dtype=getattr(torch, dtype))
+    else:
+        ref = AutogradCapsNet(host.config, host.state_dict(), device=device, dtype=getattr(torch, dtype))
     del host
     opt = torch.optim.Adam(ref.parameters(), 1e-3)
     xt = torch.as_tensor(x, dtype=getattr(torch, dtype), device=device)
@@ -198,7 +200,7 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
         compile_s = time.perf_counter() - t
     label = f"autograd torch:{device}" + (", torch.compile" if compiled else "")
     return {"train": train, "evaluate": evaluate, "label": label, "mem0": mem0, "compile_s": compile_s,
-            "routing_iters": ref.cfg.routing_iters,
+            "routing_iters": ref.cfg.routing_iters if ref.cfg else None,
             "sync": (lambda: torch.cuda.synchronize()) if cuda else (lambda: None),
             "mem_fn": (lambda: torch.cuda.max_memory_allocated()) if cuda else None,
             "reset": (lambda: torch.cuda.reset_peak_memory_stats()) if cuda else reset_process_peak,
@@ -210,7 +212,6 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     ``_reference_step`` returns them."""
     from pycapsnet import backends
     from pycapsnet.backends.host import process_memory, reset_process_peak
-    from pycapsnet import CapsNet
     from pycapsnet.training import optim
     from pycapsnet.training.graph import CapturedEval, CapturedStep
 
@@ -223,7 +224,7 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
         return {"impl": impl, "error": str(e)}
     mem0 = process_memory()["current"]
     B.reset_peak_memory()
-    model = CapsNet(B, seed=0, **cfg)
+    model = _network(B, cfg)
     opt = optim.Adam(model, 1e-3)
     xb = B.asarray(x)
     graph = mode == "graph" or (B.can_capture and mode != "eager")
@@ -251,12 +252,24 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     # a CUDA graph allocates while it is recorded, not when replayed: its peak counts from the
     # model's creation (on the CPU a "recording" re-runs the step, which allocates as it goes)
     return {"train": train, "evaluate": evaluate, "mem0": mem0, "sync": B.synchronize,
-            "routing_iters": model.config.routing_iters,
+            "routing_iters": model.config.routing_iters if hasattr(model, "config") else None,
             "label": B.label.replace(f"/{dtype}", "") + (recorded if graph else ", op by op" if mode else ""),
             "backend": B,
             "mem_fn": (lambda: B.memory()["peak"]) if on_gpu else None,
             "reset": (lambda: None) if graph and on_gpu else B.reset_peak_memory if on_gpu else reset_process_peak,
             "n_params": model.n_params()}
+
+
+def _network(B, cfg):
+    """The measured network, seeded: a built-in CapsNet of ``cfg``'s fields, or the description
+    ``cfg["network"]`` (--network) for ``cfg``'s input shape and 10 classes."""
+    from pycapsnet import CapsNet
+    from pycapsnet.core import architecture
+
+    if "network" not in cfg:
+        return CapsNet(B, seed=0, **cfg)
+    arch = dict(cfg["network"], input_shape=list(cfg["input_shape"]), n_classes=cfg["network"].get("n_classes") or 10)
+    return architecture.build(arch, B, seed=0)
 
 
 def step_products(cfg, n, dtype):
@@ -549,11 +562,14 @@ def parser():
                         "ratios within a round, so that a machine's drift affects both sides alike (default 3)")
     p.add_argument("--scaling", action="store_true", help="also the scaling tables (several minutes)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 timed step: a smoke run")
-    p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS), default="fourier",
+    p.add_argument("--primary-conv", choices=PrimaryCaps.FULL_CONVS, default="fourier",
                    help="how the hand-written PrimaryCaps convolves (default fourier, as in training)")
     p.add_argument("--routing", choices=ROUTINGS, default="dynamic",
                    help="the network: dynamic (default), em or attention; each against an autograd "
                         "implementation of the same network (pycapsnet/tools/reference.py)")
+    p.add_argument("--network", default=None, metavar="FILE.json",
+                   help="a described network instead (a JSON file, or a built-in description: efficient), "
+                        "against pycapsnet/tools/reference.py's autograd network of the same description")
     p.add_argument("--routing-iters", type=positive_int, default=None,
                    help="routing iterations (default: the network's own; EM's is 2, the paper's 3)")
     p.add_argument("--threads", type=positive_int, default=None,
@@ -583,8 +599,13 @@ def main(argv=None):
                            ("conv_channels", "conv_kernel", "primary_types")}
     if args.routing_iters is not None:
         args.config["routing_iters"] = args.routing_iters
+    if args.network:
+        from pycapsnet.core import architecture
+
+        args.config = {"network": architecture.load(args.network)}  # the workers get the description itself
     if args.json is None:
-        name = "results.json" if args.routing == "dynamic" else f"results-{args.routing}.json"
+        name = "results.json" if args.routing == "dynamic" and not args.network else \
+            f"results-{os.path.splitext(os.path.basename(args.network))[0] if args.network else args.routing}.json"
         args.json = os.path.join(ROOT, "benchmarks", name)
     if args.quick:
         args.warmup, args.steps, args.batch_size, args.rounds = 1, 1, min(args.batch_size, 8), min(args.rounds, 2)
@@ -606,7 +627,7 @@ def main(argv=None):
         for impl in impls:
             print(f"measuring {impl} (round {k + 1} of {args.rounds}) ...", file=sys.stderr, flush=True)
             # the GEMM floor models dynamic routing's products (step_products); none for the other networks
-            runs[impl].append(_spawn("step", impl, args, floor=args.routing == "dynamic"))
+            runs[impl].append(_spawn("step", impl, args, floor=args.routing == "dynamic" and not args.network))
         # what is measured so far, in case the run is stopped (a time limit): "complete" says
         _save(args.json, dict(results, complete=False, rounds_so_far=runs))
     for impl in impls:
@@ -619,7 +640,8 @@ def main(argv=None):
     ref, compiled = (next((r for r in results["main"] if r["impl"].split(":")[0] == name and "error" not in r), None)
                      for name in ("autograd", COMPILED))
     rows = [table_row(r, ref, results["floor"].get(r["impl"], {}), args, compiled) for r in results["main"]]
-    cfg_txt = ("tiny model (--quick)" if args.quick else "paper MNIST CapsNet") + f", {args.routing} routing"
+    cfg_txt = f"the network {args.network} describes" if args.network else \
+        ("tiny model (--quick)" if args.quick else "paper MNIST CapsNet") + f", {args.routing} routing"
     machine = results["machine"]
     print(f"\n{machine['gpu'] + ', ' if machine['gpu'] else ''}{machine['cpu']} ({machine['cpus']} CPUs)")
     print(f"{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up,"

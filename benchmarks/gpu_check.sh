@@ -25,6 +25,7 @@
 #              ../shared/data/mnist), its recipe and a 5,001-digit validation split, $MNIST_EPOCHS
 #              (30) epochs, then its record for docs/results (benchmarks/record_run.py) and epoch 1
 #              again, to show that it reproduces
+#  efficient   the same for Efficient-CapsNet (--network efficient, its paper's recipe), $EFFICIENT_EPOCHS (30)
 #  table1, affine, multimnist   the paper's experiments from full MNIST ($EXP_EPOCHS epochs, 5;
 #              $EXP_SEEDS seeds, 3), results in OUTDIR/NAME
 #  The runs take $DEVICE (cuda) and extra flags in $RUN_FLAGS: DEVICE=cpu RUN_FLAGS="--limit 64
@@ -125,18 +126,22 @@ if want cpuprofile; then
             --backend torch --steps 6
     done
 fi
-if want mnist; then
-    flags="--dataset mnist --data-dir $data --val-fraction 0.08333 --no-progress --overwrite ${RUN_FLAGS:-}"
-    run mnist_capsnet 420 4 python train_torch.py --device "$device" $flags --epochs "${MNIST_EPOCHS:-30}" \
-        --out "$out/mnist-capsnet"
-    run mnist_record 30 4 python benchmarks/record_run.py "$out/mnist-capsnet" "$out/record-mnist-capsnet" \
-        --command "python train_torch.py --device $device $flags --epochs ${MNIST_EPOCHS:-30} --out OUT" \
-        --data-dir "$data" --commit "$commit" --log "$out/mnist_capsnet.log"
-    run mnist_epoch1_again 100 2 python train_torch.py --device "$device" $flags --epochs 1 --out "$out/mnist-capsnet-e1"
-    run mnist_epoch1_same 20 2 python -c "import json, sys; a, b = ([json.loads(open(f'$out/{d}/metrics.jsonl').readline())
-for d in ('mnist-capsnet', 'mnist-capsnet-e1')]); keys = ('train_loss', 'train_acc', 'val_acc', 'test_acc');
+full_mnist() {  # full_mnist NAME EPOCHS FLAGS: a full-MNIST run, its record, and its epoch 1 again, compared
+    local name=$1 epochs=$2
+    local flags="--dataset mnist --data-dir $data --val-fraction 0.08333 --no-progress --overwrite $3 ${RUN_FLAGS:-}"
+    run "mnist_$name" 420 4 python train_torch.py --device "$device" $flags --epochs "$epochs" --out "$out/mnist-$name"
+    run "mnist_${name}_record" 30 4 python benchmarks/record_run.py "$out/mnist-$name" "$out/record-mnist-$name" \
+        --command "python train_torch.py --device $device $flags --epochs $epochs --out OUT" \
+        --data-dir "$data" --commit "$commit" --log "$out/mnist_$name.log"
+    run "mnist_${name}_epoch1_again" 100 2 python train_torch.py --device "$device" $flags --epochs 1 \
+        --out "$out/mnist-$name-e1"
+    run "mnist_${name}_epoch1_same" 20 2 python -c "import json, sys; a, b = ([json.loads(open(f'$out/{d}/metrics.jsonl').readline())
+for d in ('mnist-$name', 'mnist-$name-e1')]); keys = ('train_loss', 'train_acc', 'val_acc', 'test_acc');
 print({k: (a[k], b[k]) for k in keys}); sys.exit(any(a[k] != b[k] for k in keys))"
-fi
+}
+want mnist && full_mnist capsnet "${MNIST_EPOCHS:-30}" ""
+# Efficient-CapsNet with its paper's recipe: Adam at 5e-4 decayed 0.97 an epoch, batch 16
+want efficient && full_mnist efficient "${EFFICIENT_EPOCHS:-30}" "--network efficient --lr 5e-4 --lr-decay 0.97 --batch-size 16"
 for name in table1 affine multimnist; do
     if want $name; then
         backend=$([ "$device" = cpu ] && echo numpy || echo "torch:$device")

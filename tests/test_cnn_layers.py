@@ -163,4 +163,4 @@ def test_the_baseline_cnn_trains_with_the_library_trainer(tmp_path):
     from pycapsnet.training.trainer import fit
     last = fit(baseline_cnn((1, 28, 28), channels=(8, 8, 8), hidden=(16, 12)), epochs=3, limit=400,
                batch_size=20, out=str(tmp_path / "run"))
-    assert last["test_acc"] > 0.15 and last["test_loss"] < 2.1  # chance: 10%, and a loss of log 10 = 2.30
+    assert last["test_acc"] > 0.15 and last["test_loss"] < 2.2  # chance: 10%, and a loss of log 10 = 2.30

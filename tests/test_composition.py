@@ -262,16 +262,20 @@ def _every_kind_of_layer():
     extra = A.network([A.conv2d(6, 3, padding=1), A.max_pool(2), A.relu(), A.primary_caps(3, 4, 3, 1),
                        A.attention_caps(5, 6, share_spatial=True), A.dynamic_caps(4, 8)],
                       decoder=A.decoder((16,)), input_shape=(2, 15, 15), n_classes=4)
-    return [*built_in, baseline_cnn((1, 28, 28)), capsnet((1, 28, 28)), extra,
+    normalised = A.network([A.conv2d(8, 3), A.relu(), A.batch_norm(), A.primary_caps(2, 4, 5, 1, conv="depthwise",
+                                                                                    squash="efficient"),
+                            A.flatten(), A.batch_norm(momentum=0.5), A.linear(3)],
+                           head="logits", decoder=None, input_shape=(1, 9, 9), n_classes=3)
+    return [*built_in, baseline_cnn((1, 28, 28)), capsnet((1, 28, 28)), extra, normalised,
             *gradcheck.composed_architectures().values()]
 
 
-@pytest.mark.parametrize("k", range(8))
+@pytest.mark.parametrize("k", range(9))
 def test_parameter_shapes_from_a_description_are_what_build_makes(k):
     """description.param_shapes works the shapes out without allocating (memory preflight, and the
     check of a checkpoint's arrays against its header): it must agree with the layers themselves."""
     from pycapsnet.core import description
 
     arch = _every_kind_of_layer()[k]
-    built = {name: tuple(p.shape) for name, p in A.build(arch, "numpy").params.items()}
+    built = {name: tuple(p.shape) for name, p in A.build(arch, "numpy").state_dict().items()}  # buffers too
     assert description.param_shapes(arch) == built

@@ -21,7 +21,8 @@ def test_every_layer():
     for expected in ["Conv2d 3x3/2 pad1", "ReLU", "Sigmoid", "Linear", "squash", "softmax",
                      "FourierConv2d 3x3/2 pad1", "FourierConv2d 5x5/3", "PrimaryCaps fourier", "PrimaryCaps im2col",
                      "ClassCaps routing=full", "ClassCaps routing=final", "ClassCaps routing=full shared",
-                     "CapsuleLength", "MarginLoss", "ReconstructionLoss"]:
+                     "CapsuleLength", "MarginLoss", "ReconstructionLoss", "BatchNorm training image",
+                     "BatchNorm evaluation features", "DepthwiseConv2d 3x3/2 pad1", "PrimaryCaps depthwise squash=efficient"]:
         assert expected in names
     _assert_all_pass(results)
 

@@ -35,7 +35,11 @@ def test_sdist_and_wheel_pass_twine_and_carry_the_licence(dist):
     wheel = next(dist.glob("*.whl"))
     with zipfile.ZipFile(wheel) as z:
         meta = z.read(next(n for n in z.namelist() if n.endswith("METADATA"))).decode()
-        assert any(n.endswith("LICENSE") for n in z.namelist())
+        names = z.namelist()
+        assert any(n.endswith("LICENSE") for n in names)
+    # one top-level name: backends/ goes in as pycapsnet.backends; the built-in descriptions come along
+    assert "pycapsnet/backends/__init__.py" in names and "pycapsnet/networks/efficient.json" in names
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))} == {"pycapsnet"}
     assert "License-Expression: MIT" in meta or "License: MIT" in meta
     assert "Author: the pycapsnet authors" in meta and "Project-URL" in meta and "Requires-Python: >=3.9" in meta
 
@@ -51,7 +55,10 @@ def test_the_wheel_installs_in_a_fresh_environment_and_runs(dist, tmp_path):
     done = subprocess.run([str(env / "bin" / "pycapsnet"), "--version"], capture_output=True, text=True,
                           cwd=str(tmp_path), timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == f"pycapsnet {pycapsnet.__version__}", done.stderr
-    where = subprocess.run([str(python), "-c", "import pycapsnet; print(pycapsnet.__file__)"], capture_output=True,
-                           text=True, cwd=str(tmp_path))
-    assert str(env) in where.stdout, where.stdout  # the wheel's copy, not this checkout's
+    code = ("import pycapsnet, pycapsnet.backends as b; print(pycapsnet.__file__, b.__file__); "
+            "print(pycapsnet.build('efficient').network.n_params())")
+    where = subprocess.run([str(python), "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
+    files, count = where.stdout.splitlines()
+    assert all(str(env) in f for f in files.split()), where.stdout + where.stderr  # the wheel's copy, not this checkout's
+    assert int(count) > 161_824  # the described network, read from the installed package's data
     shutil.rmtree(env)

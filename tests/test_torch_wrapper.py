@@ -12,13 +12,16 @@ import pytest
 
 from pycapsnet import backends
 from pycapsnet import CapsNet, CapsNetError
+from pycapsnet.core import architecture as A
+from pycapsnet.core.batch_norm import BatchNorm
 from pycapsnet.core.capsules import AttentionCaps, ClassCaps, PrimaryCaps
+from pycapsnet.core.depthwise import DepthwiseConv2d
 from pycapsnet.core.conv_caps import ConvCaps
 from pycapsnet.core.layers import Conv2d, ReLU
 from pycapsnet.core.losses import MarginLoss
 from pycapsnet.core.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 from pycapsnet.core.network import LengthHead, Network, Sequential
-from pycapsnet.tools.gradcheck import SMALL, SMALL_EM, _freeze_final_coupling, away_from_init
+from pycapsnet.tools.gradcheck import SMALL, SMALL_EM, _freeze_final_coupling, away_from_init, efficient_architecture
 from pycapsnet.training import optim
 
 torch = pytest.importorskip("torch", reason="pycapsnet.torch needs PyTorch: pip install torch")
@@ -65,6 +68,14 @@ def _layers():
         cases.append((f"AttentionCaps{' shared' if share else ''}", _away(att, rng, W=0.5, bias=0.3),
                       (_r(rng, 3, 4, 2, 4, scale=0.5),)))
     cases.append(("PrimaryMatrixCaps", PrimaryMatrixCaps(B, 5, 3, rng=rng), (_r(rng, 2, 3, 4, 5),)))
+    for mode in ("training", "evaluation"):  # Efficient-CapsNet's parts
+        bn = _away(BatchNorm(B, 3, momentum=0.2), rng, gamma=1.0, beta=0.5)
+        bn.buffers["running_var"][...] = B.asarray(0.5 + rng.random(3))
+        cases.append((f"BatchNorm {mode}", bn, (_r(rng, 3, 4, 5, 3),)))
+    cases.append(("DepthwiseConv2d 3x3/2", DepthwiseConv2d(B, 3, 3, 3, 2, 1, rng=rng), (_r(rng, 2, 6, 7, 3),)))
+    cases.append(("PrimaryCaps depthwise efficient", PrimaryCaps(B, 8, types=2, dim=4, kernel=3, stride=1, rng=rng,
+                                                                 conv="depthwise", squash="efficient"),
+                  (_r(rng, 2, 4, 4, 8),)))
     return cases
 
 
@@ -75,6 +86,7 @@ LAYERS = _layers()
 def test_gradcheck_on_every_wrapped_layer(label, layer, inputs):
     xs = tuple(torch.tensor(a, requires_grad=True) for a in inputs)
     module = pct.Layer(layer)
+    module.train("evaluation" not in label)  # batch norm: the batch's statistics, or the running ones
     if getattr(layer, "routing_grad", None) == "final":
         # "final" is the exact gradient of routing with the last coupling held: hold it (as pycapsnet's
         # own check does), from a forward on these inputs
@@ -89,12 +101,13 @@ def test_gradcheck_on_every_wrapped_layer(label, layer, inputs):
     assert torch.autograd.gradcheck(fn, (*xs, *params), eps=eps, atol=1e-6, rtol=1e-5)
 
 
-NETWORKS = [("dynamic", SMALL), ("attention", {**SMALL, "routing": "attention"}), ("em", SMALL_EM)]
+NETWORKS = [("dynamic", SMALL), ("attention", {**SMALL, "routing": "attention"}), ("em", SMALL_EM),
+            ("efficient", None)]
 
 
 @pytest.mark.parametrize("label,config", NETWORKS, ids=[n for n, _ in NETWORKS])
 def test_gradcheck_on_whole_networks_outputs_and_loss(label, config):
-    net = away_from_init(CapsNet(B, **config), 1)
+    net = away_from_init(CapsNet(B, **config) if config else A.build(efficient_architecture(), B, seed=1), 1)
     module = pct.Network(net)
     rng = np.random.default_rng(2)
     x = torch.tensor(rng.random((2, *net.input_shape)), requires_grad=True)
@@ -254,7 +267,7 @@ def _described_with_awkward_names(B):
     return A.build(desc, B, seed=0)
 
 
-@pytest.mark.parametrize("which", ["built-in", "described"])
+@pytest.mark.parametrize("which", ["built-in", "described", "efficient"])
 def test_dtype_copies_and_modes_on_any_network(which, tmp_path):
     """.double() on a network from a description (the built-in is one too), deepcopy, pickle and
     torch.save, .eval() reaching a Dropout inside, layer names torch's Module already uses."""
@@ -262,7 +275,9 @@ def test_dtype_copies_and_modes_on_any_network(which, tmp_path):
     import pickle
 
     B = backends.get("torch")
-    net = CapsNet(B, seed=0, conv_channels=16, primary_types=4) if which == "built-in" else _described_with_awkward_names(B)
+    net = CapsNet(B, seed=0, conv_channels=16, primary_types=4) if which == "built-in" else \
+        A.build(dict(A.load("efficient"), input_shape=[1, 28, 28], n_classes=10), B) if which == "efficient" else \
+        _described_with_awkward_names(B)
     m = pct.Network(net).eval()
     x = torch.rand(2, 1, 28, 28)
     scores = m(x)[1]
@@ -272,6 +287,11 @@ def test_dtype_copies_and_modes_on_any_network(which, tmp_path):
     d = copy.deepcopy(m).double()
     assert d(x.double())[1].dtype == torch.float64
     torch.testing.assert_close(d(x.double())[1].float(), scores, rtol=1e-4, atol=1e-6)
+    if which == "efficient":  # the running statistics moved with the parameters; training mode uses the batch's
+        assert net.buffers["bn1.running_var"].dtype == torch.float32
+        assert d.wrapped.buffers["bn1.running_var"].dtype == torch.float64
+        m.train()
+        assert not torch.equal(m(x)[1], scores)
     if which == "described":
         assert {"to_.W", "training_.W", "forward_.W"} <= {k for k, _ in m.named_parameters()}
         assert torch.equal(m(x)[1], m(x)[1])          # eval: the dropout drops nothing

@@ -511,7 +511,7 @@ def test_every_choice_the_trainer_offers_builds_and_nothing_else_does():
     recipe.add_arguments(parser, "numpy")
     offered = {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
     assert offered["routing_grad"] == routing.MODES
-    assert offered["primary_conv"] == tuple(PrimaryCaps.CONVS)
+    assert offered["primary_conv"] == PrimaryCaps.FULL_CONVS
     assert offered["optimizer"] == optim.NAMES
     B = backends.get("numpy", dtype="float64")
     for mode in offered["routing_grad"]:

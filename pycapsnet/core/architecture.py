@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import description
+from .batch_norm import BatchNorm
 from .capsules import AttentionCaps, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
 from ..errors import CapsNetError
@@ -88,8 +89,12 @@ def dropout(rate=0.5, name=None):
     return _part("dropout", name, rate=rate)
 
 
-def primary_caps(types, dim, kernel=9, stride=2, conv="fourier", name=None):
-    return _part("primary_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, conv=conv)
+def batch_norm(momentum=0.1, eps=1e-5, name=None):
+    return _part("batch_norm", name, momentum=momentum, eps=eps)
+
+
+def primary_caps(types, dim, kernel=9, stride=2, conv="fourier", squash="sabour", name=None):
+    return _part("primary_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, conv=conv, squash=squash)
 
 
 # Routing layers' transforms start at init_std, or, left None, at init.routed_std: capsules keep
@@ -181,8 +186,14 @@ def _dropout(B, flow, rng, rate=0.5):
     return Dropout(B, rate, seed=int(rng.integers(2**63))), flow
 
 
-def _primary_caps(B, flow, rng, types, dim, kernel=9, stride=2, conv="fourier"):
-    layer = PrimaryCaps(B, _need(flow, "image").types, types, dim, kernel, stride, rng=rng, conv=conv)
+def _batch_norm(B, flow, rng, momentum=0.1, eps=1e-5):
+    if flow.kind not in ("image", "flat"):
+        raise _Misfit("it takes an image or features")
+    return BatchNorm(B, flow.types, momentum, eps), flow
+
+
+def _primary_caps(B, flow, rng, types, dim, kernel=9, stride=2, conv="fourier", squash="sabour"):
+    layer = PrimaryCaps(B, _need(flow, "image").types, types, dim, kernel, stride, rng=rng, conv=conv, squash=squash)
     return layer, Flow("vector", _fits(layer.conv.output_hw(*flow.grid), kernel, stride), types, dim)
 
 
@@ -236,7 +247,7 @@ def _class_matrix_caps(B, flow, rng, capsules, iters=2, routing_grad="full", em_
 
 
 LAYERS = {"conv2d": _conv2d, "relu": _relu, "max_pool": _max_pool, "flatten": _flatten, "linear": _linear,
-          "dropout": _dropout, "primary_caps": _primary_caps, "dynamic_caps": _dynamic_caps,
+          "dropout": _dropout, "batch_norm": _batch_norm, "primary_caps": _primary_caps, "dynamic_caps": _dynamic_caps,
           "attention_caps": _attention_caps, "conv_caps": _conv_caps, "primary_matrix_caps": _primary_matrix_caps,
           "conv_matrix_caps": _conv_matrix_caps, "class_matrix_caps": _class_matrix_caps}
 HEADS = {"lengths": ("vector", LengthHead), "activations": ("matrix", ActivationHead), "logits": ("flat", LogitsHead)}
@@ -260,8 +271,19 @@ def _fits(grid, kernel, stride):
     return tuple(int(d) for d in grid)
 
 
+# Descriptions the package carries, by name (pycapsnet/networks/): ``--network efficient`` when no
+# file of that name is at hand.  Efficient-CapsNet (Mazzia et al. 2021), its MNIST form: batch norm
+# with Keras' momentum (0.99 kept, 0.01 taken) and ε (1e-3), as the paper's code.
+DESCRIBED = {"efficient": "efficient.json"}
+
+
 def load(path) -> dict:
-    """A description from a JSON file; CapsNetError naming the file if it is not one."""
+    """A description from a JSON file, or one of DESCRIBED by name; CapsNetError naming the file
+    if it is not one."""
+    import os
+
+    if isinstance(path, str) and path in DESCRIBED and not os.path.exists(path):
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "networks", DESCRIBED[path])
     try:
         with open(path) as f:
             arch = json.load(f)

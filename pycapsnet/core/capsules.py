@@ -5,12 +5,17 @@ from __future__ import annotations
 import numpy as np
 
 from . import init as initializers
+from .depthwise import DepthwiseConv2d
 from .fourier import FourierConv2d
 from .layers import Conv2d, Layer
 from . import shared_routing
 from .attention_routing import attention_backward_factors, attention_forward
 from .routing import MODES, routing_backward_factors, routing_forward
-from .squash import squash, squash_backward
+from .squash import squash, squash_backward, squash_exp, squash_exp_backward
+
+# The squash of a capsule layer's output: Sabour et al.'s |s|²/(1 + |s|²) s/|s|, or Efficient-CapsNet's
+# (1 - e^-|s|) s/|s| (squash.py derives both backward passes).
+SQUASHES = {"sabour": (squash, squash_backward), "efficient": (squash_exp, squash_exp_backward)}
 
 
 class PrimaryCaps(Layer):
@@ -22,16 +27,21 @@ class PrimaryCaps(Layer):
 
     ``conv``: "fourier" (default, ``FourierConv2d``: the same convolution with fewer multiply-adds
     at the paper's size) or "im2col" (``Conv2d``: the textbook form).  Both give the same
-    parameters from the same rng and the same results to rounding.
+    parameters from the same rng and the same results to rounding.  "depthwise"
+    (``DepthwiseConv2d``, Efficient-CapsNet's): one kernel per input channel, T*K = C_in.
+    ``squash``: "sabour" (default) or "efficient" (SQUASHES).
     """
 
-    CONVS = {"fourier": FourierConv2d, "im2col": Conv2d}
+    CONVS = {"fourier": FourierConv2d, "im2col": Conv2d, "depthwise": DepthwiseConv2d}
+    FULL_CONVS = ("fourier", "im2col")  # those that mix channels: the built-in networks' choices (--primary-conv)
 
-    def __init__(self, backend, c_in, types=32, dim=8, kernel=9, stride=2, rng=None, conv="fourier"):
+    def __init__(self, backend, c_in, types=32, dim=8, kernel=9, stride=2, rng=None, conv="fourier", squash="sabour"):
         super().__init__(backend)
         if conv not in self.CONVS:
             raise ValueError(f"unknown convolution {conv!r}: use one of {tuple(self.CONVS)}")
-        self.types, self.dim = types, dim
+        if squash not in SQUASHES:
+            raise ValueError(f"unknown squash {squash!r}: use one of {tuple(SQUASHES)}")
+        self.types, self.dim, self.squash = types, dim, squash
         self.conv = self.CONVS[conv](backend, c_in, types * dim, kernel, stride, rng=rng)
         self.params, self.grads = self.conv.params, self.conv.grads  # one set of parameters
 
@@ -39,14 +49,14 @@ class PrimaryCaps(Layer):
         y = self.conv.forward(x)                   # (N, OH, OW, T*K)
         n, oh, ow, _ = y.shape
         s = self.B.xp.reshape(y, (n, oh * ow, self.types, self.dim))
-        u, s_norm = squash(self.B.xp, s)
+        u, s_norm = SQUASHES[self.squash][0](self.B.xp, s)
         self.cache = (s, s_norm, tuple(y.shape))
         return u
 
     def backward(self, du, input_grad=True):
         s, s_norm, y_shape = self.cache
         self.cache = None
-        ds = squash_backward(self.B.xp, s, s_norm, du)
+        ds = SQUASHES[self.squash][1](self.B.xp, s, s_norm, du)
         return self.conv.backward(self.B.xp.reshape(ds, y_shape), input_grad)
 
 

@@ -51,8 +51,10 @@ SIZE, ITERS = _int(1), _int(1, MAX_ROUTING_ITERS)
 OPTIONS = {
     "channels": SIZE, "kernel": SIZE, "stride": SIZE, "padding": _int(0), "features": SIZE, "types": SIZE,
     "dim": SIZE, "capsules": SIZE, "iters": ITERS, "routing_grad": _choice("full", "final"),
-    "share_spatial": _boolean, "init_std": _number(0, 100, open_lo=True, none=True), "conv": _choice("fourier", "im2col"),
+    "share_spatial": _boolean, "init_std": _number(0, 100, open_lo=True, none=True),
+    "conv": _choice("fourier", "im2col", "depthwise"), "squash": _choice("sabour", "efficient"),
     "em_lambda": _number(0, open_lo=True), "rate": _number(0, 1, open_hi=True),
+    "momentum": _number(0, 1), "eps": _number(0, 1, open_lo=True),
 }
 STRIDE_OF = {"max_pool": _size_or_null}  # max_pool's stride may be null: its kernel
 TOP = {"input_shape", "n_classes", "body", "head", "loss", "decoder"}
@@ -152,7 +154,7 @@ def _short(value) -> str:
 
 
 def param_shapes(arch) -> dict:
-    """Name -> shape of every parameter that ``arch`` (a checked, complete description) builds,
+    """Name -> shape of every parameter and buffer that ``arch`` (a checked, complete description) builds,
     from its sizes alone: nothing is allocated, so that a description or a checkpoint's header can
     be weighed against memory, or against the arrays a file holds, before anything is built.  The
     walk stops where a layer does not fit its input (building says why); tests hold it to what
@@ -211,10 +213,18 @@ def _linear(o, kind, grid, t, d):
     return ({"W": (t, f), "b": (f,)}, ("flat", None, f, 1)) if kind == "flat" else None
 
 
+def _batch_norm(o, kind, grid, t, d):
+    # gamma and beta are parameters; the running statistics are buffers, saved beside them
+    return ({k: (t,) for k in ("gamma", "beta", "running_mean", "running_var")}, (kind, grid, t, d)) \
+        if kind in ("image", "flat") else None
+
+
 def _primary_caps(o, kind, grid, t, d):
     k, n = o["kernel"], o["types"] * o["dim"]
-    return ({"W": (k, k, t, n), "b": (n,)}, ("vector", _out(grid, k, o["stride"]), o["types"], o["dim"])) \
-        if kind == "image" else None
+    if kind != "image" or (o["conv"] == "depthwise" and n != t):
+        return None
+    return ({"W": (k, k, t) if o["conv"] == "depthwise" else (k, k, t, n), "b": (n,)},
+            ("vector", _out(grid, k, o["stride"]), o["types"], o["dim"]))
 
 
 def _routed(o, kind, grid, t, d, bias=False):
@@ -250,7 +260,7 @@ def _class_matrix_caps(o, kind, grid, t, d):
     return (_em(t, o["capsules"]), ("matrix", None, o["capsules"], 16)) if kind == "matrix" and grid is not None else None
 
 
-_STEPS = {"conv2d": _conv2d, "max_pool": _max_pool, "flatten": _flatten, "linear": _linear,
+_STEPS = {"conv2d": _conv2d, "max_pool": _max_pool, "batch_norm": _batch_norm, "flatten": _flatten, "linear": _linear,
           "primary_caps": _primary_caps, "dynamic_caps": _routed,
           "attention_caps": lambda o, *flow: _routed(o, *flow, bias=True), "conv_caps": _conv_caps,
           "primary_matrix_caps": _primary_matrix_caps, "conv_matrix_caps": _conv_matrix_caps,

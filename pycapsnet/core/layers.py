@@ -28,6 +28,7 @@ class Layer:
         self.training = True
         self.params: dict = {}
         self.grads: dict = {}
+        self.buffers: dict = {}  # state that is not learned by gradients (batch norm's running statistics)
         self.cache = None
 
     def _add_param(self, name: str, host_value: np.ndarray):
@@ -60,7 +61,7 @@ class Layer:
 
     def train(self, mode: bool = True):
         """Training (True) or evaluation (False) mode, here and in the layers this one is made of:
-        only Dropout behaves differently."""
+        Dropout and BatchNorm behave differently."""
         for layer in self.walk():
             layer.training = mode
 

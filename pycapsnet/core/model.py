@@ -108,7 +108,7 @@ class CapsNetConfig:
         for name, hi in (("em_lambda", float("inf")), ("recon_weight", float("inf")), ("m_plus", 1), ("m_minus", 1),
                          ("lam", float("inf"))):
             check_setting(f"CapsNetConfig.{name}", getattr(self, name), 0, hi)
-        for name, allowed in (("routing_grad", ROUTING_MODES), ("primary_conv", tuple(PrimaryCaps.CONVS))):
+        for name, allowed in (("routing_grad", ROUTING_MODES), ("primary_conv", PrimaryCaps.FULL_CONVS)):
             if getattr(self, name) not in allowed:
                 raise CapsNetError(f"CapsNetConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

@@ -11,6 +11,8 @@ capsules' poses and activations); a Sequential passes either along without looki
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .checks import check_capsules, check_images, check_labels, require_batch_size
@@ -231,6 +233,11 @@ class Network:
     def grads(self) -> dict:
         return {f"{n}.{k}": g for n, l in self.layers() for k, g in l.grads.items()}
 
+    @property
+    def buffers(self) -> dict:
+        """State that gradients do not learn (batch norm's running statistics), named as parameters are."""
+        return {f"{n}.{k}": b for n, l in self.layers() for k, b in l.buffers.items()}
+
     def parts(self):
         """Every layer of the network, parameters or not (the body's, the head, the decoder's)."""
         for part in (self.body, self.head, self.decoder):
@@ -238,10 +245,22 @@ class Network:
                 yield from part.walk()
 
     def train(self, mode: bool = True):
-        """Training (True, the default) or evaluation mode: Dropout drops only in training."""
+        """Training (True, the default) or evaluation mode: Dropout drops only in training, and
+        BatchNorm normalises by the batch's statistics in training, by its running ones in evaluation."""
         self.training = mode
         for layer in self.parts():
             layer.training = mode
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        """Evaluation mode for a block (Dropout drops nothing, batch norm reads its running
+        statistics and leaves them be), the mode before it restored after."""
+        mode = self.training
+        self.train(False)
+        try:
+            yield self
+        finally:
+            self.train(mode)
 
     @property
     def capturable(self) -> bool:
@@ -255,12 +274,12 @@ class Network:
         self.flat_grads[...] = 0
 
     def state_dict(self) -> dict:
-        """Parameters as host NumPy arrays (backend-neutral)."""
-        return {k: self.B.to_numpy(v) for k, v in self.params.items()}
+        """Parameters and buffers as host NumPy arrays (backend-neutral)."""
+        return {k: self.B.to_numpy(v) for k, v in {**self.params, **self.buffers}.items()}
 
     def load_state_dict(self, state: dict):
-        """Copy host arrays into the parameters; raises CapsNetError listing every mismatch."""
-        own = self.params
+        """Copy host arrays into the parameters and buffers; raises CapsNetError listing every mismatch."""
+        own = {**self.params, **self.buffers}
         problems = [f"missing {k} (model has {tuple(p.shape)})" for k, p in own.items() if k not in state]
         problems += [f"unexpected {k} {tuple(np.shape(v))}" for k, v in state.items() if k not in own]
         problems += [f"{k}: checkpoint {tuple(np.shape(state[k]))} vs model {tuple(p.shape)}"
@@ -355,14 +374,11 @@ class Network:
         28x28 image (û alone is I x J x D floats), so a whole test set at once would hold gigabytes."""
         require_batch_size(batch_size)
         x = check_images(self.B, self.input_shape, x)
-        scores, mode = [], self.training
-        self.train(False)
-        try:
+        scores = []
+        with self.evaluating():
             for a in range(0, x.shape[0], batch_size):
                 scores.append(self.B.to_numpy(self._forward(x[a:a + batch_size], None, reconstruct=False).lengths))
                 self.release()
-        finally:
-            self.train(mode)
         return np.concatenate(scores)
 
     def predict(self, x, batch_size: int = 256):

@@ -119,8 +119,9 @@ def segmentation_figure(model, test, predicted, right, path, k=8):
 
     x, a, b = test[0], test[1], test[2]
     shown = [*np.flatnonzero(right)[:k], *np.flatnonzero(~right)[:k]]
-    v = model.forward(x[shown], reconstruct=False).v
-    recon = [model.B.to_numpy(model.decode(v, predicted[shown, j]))[:, 0] for j in (0, 1)]
+    with model.evaluating():
+        v = model.forward(x[shown], reconstruct=False).v
+        recon = [model.B.to_numpy(model.decode(v, predicted[shown, j]))[:, 0] for j in (0, 1)]
     model.release()
     fig, axes = plt.subplots(2, len(shown), figsize=(1.2 * len(shown), 2.9), squeeze=False)
     for col, i in enumerate(shown):

@@ -314,8 +314,9 @@ def build_parser():
     g.add_argument("--routing", choices=ROUTINGS, default=None,
                    help="only this routing's layers and networks (default: every layer, every network)")
     g.add_argument("--network", default=None, metavar="FILE.json",
-                   help="check the network this description gives (its input_shape and n_classes set): "
-                        "each of its layers, then its whole loss")
+                   help="check the network this description gives, or a built-in description (efficient): "
+                        "each of its layers, then its whole loss (input_shape and n_classes left null: "
+                        "1x28x28 and 10)")
     g.set_defaults(fn=cmd_gradcheck)
 
     c = sub.add_parser("crosscheck", help="same weights and batch on two backends or devices")
@@ -387,7 +388,7 @@ def build_parser():
                     help="the built-in network to plan (default: dynamic)")
     pl.add_argument("--share-spatial", action="store_true", default=None,
                     help="one ClassCaps transform per capsule type (dynamic and attention routing)")
-    pl.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS), default=None, help="default: fourier")
+    pl.add_argument("--primary-conv", choices=PrimaryCaps.FULL_CONVS, default=None, help="default: fourier")
     routing_default = "(default: the routing's, as train's)"
     pl.add_argument("--routing-iters", type=positive_int, default=None, help=routing_default)
     pl.add_argument("--conv-channels", type=positive_int, default=None, help=routing_default)

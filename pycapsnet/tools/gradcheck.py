@@ -36,7 +36,9 @@ from pycapsnet import backends as _backends
 
 from ..core import architecture as arch
 from ..core import shared_routing
+from ..core.batch_norm import BatchNorm
 from ..core.capsules import AttentionCaps, CapsuleLength, ClassCaps, PrimaryCaps
+from ..core.depthwise import DepthwiseConv2d
 from ..core.conv_caps import ConvCaps
 from ..core.em_routing import em_forward
 from ..core.fourier import FourierConv2d
@@ -279,7 +281,46 @@ def attention_layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
         layer.params["bias"][...] = B.asarray(0.3 * r(*layer.params["bias"].shape))
         results += check_layer(B, f"AttentionCaps{' shared' if share else ''}", layer, 0.5 * r(3, 4, 2, 4),
                                samples, eps, tol, seed)
+    return results + efficient_layer_checks(B, samples, eps, tol, seed)
+
+
+def efficient_layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
+    """Efficient-CapsNet's parts: batch norm in training and evaluation mode (on images and on
+    features), depthwise convolutions, and primary capsules that convolve depthwise and squash as
+    Efficient-CapsNet does."""
+    rng = np.random.default_rng(seed + 3)
+    r = lambda *shape: rng.standard_normal(shape)
+    results = []
+    for training in (True, False):
+        for shape in ((2, 5, 4, 3), (6, 3)):
+            bn = BatchNorm(B, shape[-1], momentum=0.3)
+            bn.params["gamma"][...] = B.asarray(1 + 0.5 * r(shape[-1]))
+            bn.params["beta"][...] = B.asarray(0.5 * r(shape[-1]))
+            bn.buffers["running_mean"][...] = B.asarray(0.3 * r(shape[-1]))
+            bn.buffers["running_var"][...] = B.asarray(0.5 + rng.random(shape[-1]))
+            bn.train(training)
+            what = f"BatchNorm {'training' if training else 'evaluation'} {'image' if len(shape) == 4 else 'features'}"
+            results += check_layer(B, what, bn, 1 + 2 * r(*shape), samples, eps, tol, seed)
+    results += check_layer(B, "DepthwiseConv2d 3x3/1", DepthwiseConv2d(B, 3, 3, 3, 1, 0, rng=rng), r(2, 6, 5, 3),
+                           samples, eps, tol, seed)
+    results += check_layer(B, "DepthwiseConv2d 3x3/2 pad1", DepthwiseConv2d(B, 2, 2, 3, 2, 1, rng=rng), r(2, 7, 6, 2),
+                           samples, eps, tol, seed)
+    for conv, squash_name in (("depthwise", "efficient"), ("depthwise", "sabour"), ("im2col", "efficient")):
+        c_in = 8 if conv == "depthwise" else 3
+        layer = PrimaryCaps(B, c_in, types=2, dim=4, kernel=3, stride=1, rng=rng, conv=conv, squash=squash_name)
+        results += check_layer(B, f"PrimaryCaps {conv} squash={squash_name}", layer, r(2, 5, 5, c_in),
+                               samples, eps, tol, seed)
     return results
+
+
+def efficient_architecture():
+    """Efficient-CapsNet's structure at a size for float64 checks: convolutions with batch norm,
+    depthwise primary capsules squashed as Efficient-CapsNet does, self-attention routing."""
+    body = [arch.conv2d(4, 3, name="conv1"), arch.relu(), arch.batch_norm(name="bn1"),
+            arch.conv2d(8, 3, 2, name="conv2"), arch.relu(), arch.batch_norm(momentum=0.01, eps=1e-3, name="bn2"),
+            arch.primary_caps(2, 4, 3, 1, conv="depthwise", squash="efficient", name="primary"),
+            arch.attention_caps(3, 4, name="classcaps")]
+    return arch.network(body, decoder=arch.decoder((8, 12)), input_shape=(1, 9, 9), n_classes=3)
 
 
 def em_layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
@@ -402,7 +443,9 @@ def layer_checks_of(B, model, samples=20, eps=1e-5, tol=1e-6, seed=0, batch=2):
 def run_network(B, description, samples=20, tol=1e-6, seed=0, report=None):
     """Every layer of the described network, then its whole loss (``pycapsnet gradcheck --network``)."""
     require_float64(B)
-    description = arch.load(description) if isinstance(description, str) else description
+    description = dict(arch.load(description) if isinstance(description, str) else description)
+    description["input_shape"] = description.get("input_shape") or [1, 28, 28]  # null: the data's, here MNIST's
+    description["n_classes"] = description.get("n_classes") or 10
     results = _Reported(report)
     results += layer_checks_of(B, arch.build(description, B, seed=seed), samples, 1e-5, tol, seed)
     # a fresh build for the whole loss: the layer checks left "final" layers holding their coupling
@@ -451,6 +494,9 @@ def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6,
             results += model_checks(B, samples, eps, tol, seed=seed, **config)
     if routing in (None, "dynamic"):
         results += composed_checks(B, samples, eps, tol, seed=seed)
+    if routing in (None, "attention"):
+        model = away_from_init(arch.build(efficient_architecture(), B, seed=seed), seed)
+        results += network_checks(B, model, "Efficient-CapsNet's structure", samples, eps, tol, seed=seed)
     return list(results)
 
 

@@ -53,6 +53,7 @@ def _inspect(args) -> int:
     if capsule is not None and capsule >= model.n_classes:
         raise CapsNetError(f"--capsule must be a class index 0..{model.n_classes - 1}, got {capsule}")
     x, y = test.images(slice(args.index, args.index + 1)), int(test.y[args.index])
+    model.train(False)  # a picture of the network as it evaluates: no dropout, batch norm's running statistics
     with B.quiet_float_errors():
         out = model.forward(x)
     v = B.to_numpy(out.v)                                   # (1, J, D)

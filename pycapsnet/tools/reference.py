@@ -24,6 +24,12 @@ def squash(s, dim=-1):
     return s * (n2.sqrt() / (1 + n2))
 
 
+def exp_squash(s, dim=-1):
+    """Efficient-CapsNet's squash (1 - e^-|s|) s / |s|, as its paper writes it (s != 0)."""
+    norm = s.norm(dim=dim, keepdim=True)
+    return s * (1 - torch.exp(-norm)) / norm
+
+
 class AutogradCapsNet:
     """Functional CapsNet over a dict of leaf tensors ``params`` (requires_grad=True)."""
 
@@ -55,8 +61,11 @@ class AutogradCapsNet:
             z = F.relu(z) if k < n_dec else torch.sigmoid(z)
         return v, lengths, z.reshape(n, *cfg.input_shape)
 
-    def conv(self, t, name, stride):
+    def conv(self, t, name, stride, depthwise=False):
         p = self.params
+        if depthwise:  # W (k, k, C): one kernel per channel, a grouped convolution of C groups
+            W = p[name + ".W"]
+            return F.conv2d(t, W.permute(2, 0, 1).unsqueeze(1), p[name + ".b"], stride=stride, groups=W.shape[2])
         return F.conv2d(t, p[name + ".W"].permute(3, 2, 0, 1), p[name + ".b"], stride=stride)
 
     def vector_capsules(self, h):
@@ -82,9 +91,7 @@ class AutogradCapsNet:
                                                     cfg.primary_types, j).reshape(i, j)
         scores = torch.einsum("nijd,njd->nij", u_hat, u_hat.sum(1)) / d ** 0.5
         c = torch.softmax(scores, dim=2) + bias
-        s = torch.einsum("nij,nijd->njd", c, u_hat)
-        norm = s.norm(dim=-1, keepdim=True)
-        return s * (1 - torch.exp(-norm)) / norm
+        return exp_squash(torch.einsum("nij,nijd->njd", c, u_hat))
 
     # ---- matrix capsules with EM routing --------------------------------------------------------------
     def matrix_capsules(self, h):
@@ -202,21 +209,28 @@ def dynamic_route(u_hat, iters, final=False):
 
 class AutogradNetwork(AutogradCapsNet):
     """A network from a description (architecture.py) -- conv2d, relu, max_pool, flatten, linear,
-    dropout, primary_caps, dynamic_caps, conv_caps; the lengths or logits head, margin or
+    dropout, batch_norm, primary_caps (depthwise, either squash), dynamic_caps, attention_caps,
+    conv_caps; the lengths or logits head, margin or
     cross-entropy loss, decoder -- under autograd, written from the description alone: the oracle
     for compositions (stacked routing, ConvCaps, the baseline CNN).  ``masks``: each Dropout's mask
     by layer name (channels-last, as the layer drew it), or the model's last ones (``from_model``)."""
 
-    def __init__(self, description, params, device="cpu", dtype=torch.float32, masks=None):
+    def __init__(self, description, params, device="cpu", dtype=torch.float32, masks=None, buffers=None,
+                 training=True):
         super().__init__(None, params, device, dtype)
         self.arch = description
         self.masks = {k: torch.as_tensor(np.asarray(m), dtype=dtype, device=device) for k, m in (masks or {}).items()}
+        # batch norm's running statistics (not learned); training: normalise by the batch's statistics
+        self.buffers = {k: torch.as_tensor(np.asarray(b), dtype=dtype, device=device) for k, b in (buffers or {}).items()}
+        self.training = training
 
     @classmethod
     def from_model(cls, model, device="cpu", dtype=torch.float32):
         masks = {name: model.B.to_numpy(layer.mask) for name, layer in model.body
                  if getattr(layer, "mask", None) is not None and layer.training}
-        return cls(model.architecture, model.state_dict(), device, dtype, masks)
+        state = model.state_dict()
+        buffers = {k: state.pop(k) for k in model.buffers}
+        return cls(model.architecture, state, device, dtype, masks, buffers, model.training)
 
     def forward(self, x, y=None):
         p, names, h, grid, image = self.params, {}, x, None, True  # image: h is (N, C, H, W)
@@ -238,10 +252,17 @@ class AutogradNetwork(AutogradCapsNet):
             elif kind == "dropout":
                 m = self.masks[name]
                 h = h * (m.permute(0, 3, 1, 2) if image else m.reshape(h.shape))
+            elif kind == "batch_norm":  # F.batch_norm on copies: the reference leaves the running statistics be
+                h = F.batch_norm(h, self.buffers[name + ".running_mean"].clone(), self.buffers[name + ".running_var"].clone(),
+                                 p[name + ".gamma"], p[name + ".beta"], self.training, spec.get("momentum", 0.1),
+                                 spec.get("eps", 1e-5))
             elif kind == "primary_caps":
-                s = self.conv(h, name, spec.get("stride", 2))                       # (N, T*K, H2, W2)
+                s = self.conv(h, name, spec.get("stride", 2), spec.get("conv") == "depthwise")  # (N, T*K, H2, W2)
                 grid, image = s.shape[2:], False
-                h = squash(s.permute(0, 2, 3, 1).reshape(s.shape[0], -1, spec["types"], spec["dim"]))
+                s = s.permute(0, 2, 3, 1).reshape(s.shape[0], -1, spec["types"], spec["dim"])
+                h = exp_squash(s) if spec.get("squash") == "efficient" else squash(s)
+            elif kind == "attention_caps":
+                h, grid = self.attention_capsules(h, name), None
             elif kind == "dynamic_caps":
                 W = p[name + ".W"]                                                   # (P|1, T, J, D, K)
                 u = h.reshape(h.shape[0], -1, W.shape[1], W.shape[4])                # (N, P, T, K)
@@ -266,6 +287,16 @@ class AutogradNetwork(AutogradCapsNet):
             z = z @ p[f"decoder{k}.W"] + p[f"decoder{k}.b"]
             z = F.relu(z) if k < n_dec else torch.sigmoid(z)
         return v, lengths, z.reshape(n, *x.shape[1:])
+
+    def attention_capsules(self, h, name):
+        """Self-attention routing from the description's sizes: W (P|1, T, J, D, K), bias (P|1, T, J)."""
+        W, bias = self.params[name + ".W"], self.params[name + ".bias"]
+        u = h.reshape(h.shape[0], -1, W.shape[1], W.shape[4])                           # (N, P, T, K)
+        W, bias = W.expand(u.shape[1], -1, -1, -1, -1), bias.expand(u.shape[1], -1, -1)
+        u_hat = torch.einsum("ptjdk,nptk->nptjd", W, u).reshape(u.shape[0], -1, W.shape[2], W.shape[3])
+        scores = torch.einsum("nijd,njd->nij", u_hat, u_hat.sum(1)) / u_hat.shape[-1] ** 0.5
+        c = torch.softmax(scores, dim=2) + bias.reshape(-1, W.shape[2])
+        return exp_squash(torch.einsum("nij,nijd->njd", c, u_hat))
 
     def conv_capsules(self, u, grid, name, spec):
         """Windows by Tensor.unfold, each window of each sample routed on its own."""

@@ -182,12 +182,13 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                         f"{' '.join(map(str, CapsNetConfig.decoder_hidden))})")
     p.add_argument("--share-spatial", action="store_true", default=None,
                    help="one routing transform per primary capsule type, shared over positions")
-    p.add_argument("--primary-conv", choices=tuple(PrimaryCaps.CONVS),
+    p.add_argument("--primary-conv", choices=PrimaryCaps.FULL_CONVS,
                    help="how PrimaryCaps convolves: fourier (fewer multiply-adds) or im2col (the textbook "
                         f"form); same weights, same results to rounding (default: {d['primary_conv']})")
     p.add_argument("--network", default=None, metavar="FILE.json",
                    help="train the network this JSON file describes (architecture.py; docs/architecture.md) "
-                        "instead of a built-in one; its input_shape and n_classes may be null: the data's")
+                        "instead of a built-in one; its input_shape and n_classes may be null: the data's. "
+                        "'efficient': Efficient-CapsNet (Mazzia et al. 2021), a description the package carries")
     p.add_argument("--out", default=None, help="output directory (default: runs/<backend>)")
     p.add_argument("--resume", default=None, metavar="CKPT",
                    help="continue from a checkpoint file or run directory: the run's architecture, and its "

@@ -277,7 +277,8 @@ def _write(path, write, history):
 
 def save_reconstructions(model, split, path, n=16, title=""):
     x, y = split.images(slice(0, n)), split.y[:n]
-    out = model.forward(x)  # masked by the longest capsule, as at test time
+    with model.evaluating():  # as at test time: masked by the longest capsule, no dropout, running statistics
+        out = model.forward(x)
     model.release()
     recons = None if out.reconstruction is None else model.B.to_numpy(out.reconstruction)
     return plots.reconstruction_grid(x, recons, y, out.predictions, path, title, classes=split.classes)

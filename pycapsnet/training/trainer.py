@@ -250,6 +250,8 @@ class Training:
             opt.lr = optim.exponential_lr(run.lr, run.lr_decay, epoch)
             model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
             seen, correct, loss_sum, train_time = self._train_epoch(opt, captured, epoch)
+            if group is not None:
+                _average_buffers(group, model)
             self._check_finite(opt, epoch)  # the epoch's last update has not been checked yet
             last = {"epoch": epoch + 1, "lr": opt.lr, "train_loss": loss_sum / seen, "train_acc": correct / seen,
                     **self._scored(epoch, captured_eval), "train_seconds": round(train_time, 2),
@@ -348,6 +350,7 @@ class Training:
         """After an epoch's last update: every parameter and optimizer state finite, or stop (exit 3)."""
         model = self.model
         arrays = {**{f"parameter {k}": p for k, p in model.params.items()},
+                  **{f"running statistic {k}": b for k, b in model.buffers.items()},
                   **{f"optimizer state {slot}/{k}": a for slot, state in opt.state.items() for k, a in state.items()}}
         for name, a in arrays.items():
             if not model.B.all_finite(a):
@@ -375,8 +378,18 @@ def _data_parallel_grads(model, group, x, y, n):
 def _share_rank0_state(group, model, opt):
     """Rank 0's weights and optimizer state on every process.  They are equal already (the same
     seed, or the same checkpoint); this makes it so whatever each process read."""
-    for a in [*model.params.values(), *(a for state in opt.state.values() for a in state.values())]:
+    for a in [*model.params.values(), *model.buffers.values(),
+              *(a for state in opt.state.values() for a in state.values())]:
         group.broadcast_(a)
+
+
+def _average_buffers(group, model):
+    """At an epoch's end: each process's running statistics (batch norm's, gathered from its own
+    shards) replaced by their mean over the processes, so that every process evaluates, and the
+    checkpoint keeps, the same."""
+    for b in model.buffers.values():
+        group.sum_(b)
+        b /= group.world
 
 
 def _largest_weight(model) -> float:
