@@ -152,3 +152,48 @@ def test_without_torch_the_message_says_what_to_install(monkeypatch, capsys, tmp
     assert trainer.main("numpy", [*TINY, "--out", str(tmp_path / "o")]) == 2
     assert "training on several processes runs on torch.distributed, and PyTorch is not installed: pip install " \
            "torch (a single process needs no torch)" in capsys.readouterr().err
+
+
+def test_batch_norm_trains_data_parallel_and_its_running_statistics_are_averaged(tmp_path):
+    """Each process normalises its shard by its own statistics; after each epoch the processes'
+    running statistics are replaced by their mean, so rank 0's checkpoint holds the shared ones."""
+    import json
+
+    from pycapsnet.core import architecture as A
+
+    desc = A.network([A.conv2d(4, 5, 2, name="conv1"), A.relu(), A.batch_norm(momentum=0.5, name="bn"),
+                      A.primary_caps(2, 4, 5, 2, name="primary"), A.attention_caps(10, 4, name="classcaps")],
+                     decoder=None)
+    path = tmp_path / "bn.json"
+    path.write_text(json.dumps(desc))
+    flags = ["--network", str(path), "--limit", "40", "--limit-test", "16", "--no-progress", "--epochs", "1",
+             "--batch-size", "8", "--dtype", "float64"]
+    two = _torchrun(2, [*flags, "--out", str(tmp_path / "two")])
+    assert two.returncode == 0, two.stderr[-3000:]
+    params = checkpoint.load(str(tmp_path / "two"))["params"]
+    mean, var = params["bn.running_mean"], params["bn.running_var"]
+    assert np.all(np.isfinite(mean)) and np.all(mean != 0) and np.all(var > 0) and np.all(var != 1)
+
+
+def test_the_running_statistics_are_replaced_by_their_mean_over_the_processes():
+    """trainer._average_buffers with a stand-in for the process group: this process holds a, the
+    other b; all_reduce sums them in place, and the mean is what every process keeps."""
+    from pycapsnet import backends
+    from pycapsnet.core import architecture as A
+    from pycapsnet.training.trainer import _average_buffers
+
+    model = A.build(A.network([A.conv2d(3, 3), A.batch_norm(name="bn"), A.primary_caps(1, 3, 3, 1),
+                               A.dynamic_caps(2, 4)], input_shape=(1, 7, 7), n_classes=2), backends.get("numpy"))
+    a, b = np.array([1.0, 2.0, 3.0]), np.array([3.0, 6.0, -1.0])
+    model.buffers["bn.running_mean"][...] = a
+
+    class OtherRank:
+        world = 2
+
+        def sum_(self, x):
+            x += b if x is model.buffers["bn.running_mean"] else x  # the other holds b, and the same variance
+            return x
+
+    _average_buffers(OtherRank(), model)
+    np.testing.assert_allclose(model.buffers["bn.running_mean"], (a + b) / 2)
+    np.testing.assert_allclose(model.buffers["bn.running_var"], 1)
