@@ -645,7 +645,8 @@ def main(argv=None):
     machine = results["machine"]
     print(f"\n{machine['gpu'] + ', ' if machine['gpu'] else ''}{machine['cpu']} ({machine['cpus']} CPUs)")
     print(f"{cfg_txt}, {args.dtype}, batch {args.batch_size}, median of {args.steps} steps after {args.warmup} warm-up,"
-          f" median of {args.rounds} rounds (ratio range in brackets); hand-written PrimaryCaps: {args.primary_conv}")
+          f" median of {args.rounds} rounds (ratio range in brackets)"
+          + ("" if args.network else f"; hand-written PrimaryCaps: {args.primary_conv}"))
     threads = {r["impl"]: r["threads"] for r in results["main"] if r.get("threads")}
     if threads:
         print("threads: " + "; ".join(f"{impl}: {threads_text(t)}" for impl, t in threads.items()))

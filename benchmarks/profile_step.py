@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py                  # numpy, paper CapsNet, float32, batch 64
     python benchmarks/profile_step.py --backend torch --batch-size 32
+    python benchmarks/profile_step.py --network efficient   # a described network: each of its layers
 
 Times are per step, averaged over --steps steps after 2 warm-up steps.  "rest" is the step minus the
 timed parts: the decoder, the losses, masking and the glue between layers.  "products" is the part
@@ -27,7 +28,7 @@ import numpy as np
 from pycapsnet.training.argtypes import positive_int
 
 
-def profile(backend="numpy", batch=64, steps=4, warmup=2):
+def profile(backend="numpy", batch=64, steps=4, warmup=2, network=None):
     from pycapsnet.training import data
     from pycapsnet.core.model import CapsNet
     from pycapsnet.training.optim import Adam
@@ -36,7 +37,12 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2):
     train, _ = data.load_embedded()
     idx = np.random.default_rng(0).integers(0, len(train), batch)
     x, y = train.x[idx], train.y[idx]
-    model = CapsNet(B)
+    if network is None:
+        model = CapsNet(B)
+    else:
+        from pycapsnet.core import architecture
+
+        model = architecture.build(dict(architecture.load(network), input_shape=[1, 28, 28], n_classes=10), B)
     opt = Adam(model)
     spent, in_products = {}, {}
     main_thread, products = threading.main_thread(), [0.0]  # seconds in B.matmul, on the step's thread
@@ -73,7 +79,8 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2):
     B.matmul, B.predictions = timed_product(B.matmul), timed_product(B.predictions)
 
     parts = [(model.conv1, "conv1"), (model.primary, "PrimaryCaps (convolution + squash)"),
-             (model.classcaps, "ClassCaps (u_hat = W u, routing)")]
+             (model.classcaps, "ClassCaps (u_hat = W u, routing)")] if network is None else \
+        [(layer, f"{name} ({type(layer).__name__})") for name, layer in model.body]
     for layer, label in parts:
         timed(layer, "forward", f"{label} forward")
         timed(layer, "backward", f"{label} backward")
@@ -100,12 +107,13 @@ def main(argv=None):
     p.add_argument("--backend", default="numpy", help="numpy, torch, torch:cuda or cupy")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--steps", type=positive_int, default=4)
+    p.add_argument("--network", default=None, help="a described network (a JSON file, or efficient) for 28x28 digits")
     args = p.parse_args(argv)
     from benchmarks.bench import thread_counts, threads_text
 
     try:
         B = backends.get(args.backend, dtype="float32")
-        step, rows = profile(B, args.batch_size, args.steps)
+        step, rows = profile(B, args.batch_size, args.steps, network=args.network)
     except backends.BackendError as e:  # unknown name, missing library or GPU
         p.exit(2, f"{p.prog}: error: {e}\n")
     print(f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step "
