@@ -109,10 +109,13 @@ def coupling_pictures(routed, out, about, names, pred, em=False) -> list:
     from ..training import files
     from . import plots
 
+    from ..core.capsules import AttentionCaps
+
     written = []
-    symbol = "R_ij" if em else "c_ij"
     for k, (name, layer, couplings) in enumerate(routed):
         last = k == len(routed) - 1
+        attention = isinstance(layer, AttentionCaps)  # its coupling coefficients carry the learned bias
+        symbol = "R_ij" if em else "c_ij + β_ij" if attention else "c_ij"
         stem = "coupling" if last else f"coupling_{name}"
         children = layer.in_flow
         if couplings[0].ndim == 3:  # a convolutional layer's (P, I, C): averaged over the window positions
@@ -121,7 +124,7 @@ def coupling_pictures(routed, out, about, names, pred, em=False) -> list:
             rows, grid, types = f"window slot i ({kk}x{kk} offsets x {children.types} types)", (1, 1), children.types
         else:
             rows, grid, types = None, children.grid or (1, 1), children.types
-        kind = "EM assignments R_ij" if em else "coupling coefficients c_ij"
+        kind = "EM assignments R_ij" if em else f"coupling coefficients {symbol}"
         what = (f"{kind} of the class layer" if em else kind) if last else \
             f"{kind} of layer '{name}'" + (" (mean over its positions)" if rows else "")
         written.append(plots.coupling_heatmaps(
