@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layers import Layer
+from .layers import Conv2d, Layer, window_offsets
 
 
 class DepthwiseConv2d(Layer):
@@ -36,15 +36,7 @@ class DepthwiseConv2d(Layer):
         self._add_param("W", W)
         self._add_param("b", b)
 
-    def output_hw(self, h, w):
-        k, s, p = self.k, self.stride, self.padding
-        return (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
-
-    def _offsets(self, oh, ow):
-        """(i, j, the rows and columns of the padded input that offset (i, j) of every window reads)."""
-        s = self.stride
-        return [(i, j, slice(i, i + s * (oh - 1) + 1, s), slice(j, j + s * (ow - 1) + 1, s))
-                for i in range(self.k) for j in range(self.k)]
+    output_hw = Conv2d.output_hw
 
     def forward(self, x):
         # x: (N, H, W, C) -> y: (N, OH, OW, C)
@@ -52,7 +44,7 @@ class DepthwiseConv2d(Layer):
         oh, ow = self.output_hw(*x.shape[1:3])
         W = self.params["W"]
         y = None
-        for i, j, rows, cols in self._offsets(oh, ow):
+        for i, j, rows, cols in window_offsets(self.k, self.stride, oh, ow):
             term = x_pad[:, rows, cols, :] * W[i, j]
             y = term if y is None else y + term
         self.cache = x
@@ -67,7 +59,7 @@ class DepthwiseConv2d(Layer):
         W, dW = self.params["W"], self.grads["W"]
         self.grads["b"] += xp.sum(dy, axis=(0, 1, 2))
         dx = self.B.zeros(tuple(x_pad.shape), dtype=self.B.dtype_name(x)) if input_grad else None
-        for i, j, rows, cols in self._offsets(*dy.shape[1:3]):
+        for i, j, rows, cols in window_offsets(self.k, self.stride, *dy.shape[1:3]):
             dW[i, j] += xp.sum(x_pad[:, rows, cols, :] * dy, axis=(0, 1, 2))
             if dx is not None:
                 dx[:, rows, cols, :] += dy * W[i, j]

@@ -246,6 +246,13 @@ class Linear(Layer):
         return self.B.matmul(dy, xp.matrix_transpose(self.params["W"])) if input_grad else None
 
 
+def window_offsets(k, stride, oh, ow):
+    """(i, j, rows, cols) for each offset (i, j) of a k x k window: the strided slices of the input
+    that offset reads across all OH x OW windows."""
+    return [(i, j, slice(i, i + stride * (oh - 1) + 1, stride), slice(j, j + stride * (ow - 1) + 1, stride))
+            for i in range(k) for j in range(k)]
+
+
 class MaxPool2d(Layer):
     """Max-pooling of channels-last images over k x k windows, stride s (default k):
 
@@ -264,10 +271,7 @@ class MaxPool2d(Layer):
 
     def _offsets(self, x):
         """(rows, cols) slices of x that offset (i, j) of every window reads, one per offset."""
-        oh, ow = self.output_hw(*x.shape[1:3])
-        s = self.stride
-        return [(slice(i, i + s * (oh - 1) + 1, s), slice(j, j + s * (ow - 1) + 1, s))
-                for i in range(self.k) for j in range(self.k)]
+        return [(rows, cols) for _, _, rows, cols in window_offsets(self.k, self.stride, *self.output_hw(*x.shape[1:3]))]
 
     def forward(self, x):
         # x: (N, H, W, C) -> y: (N, OH, OW, C)

@@ -30,6 +30,13 @@ def exp_squash(s, dim=-1):
     return s * (1 - torch.exp(-norm)) / norm
 
 
+def attention_route(u_hat, bias):
+    """Self-attention routing on û (N, I, J, D) with the bias (I, J), Efficient-CapsNet's squash on the output."""
+    scores = torch.einsum("nijd,njd->nij", u_hat, u_hat.sum(1)) / u_hat.shape[-1] ** 0.5
+    c = torch.softmax(scores, dim=2) + bias
+    return exp_squash(torch.einsum("nij,nijd->njd", c, u_hat))
+
+
 class AutogradCapsNet:
     """Functional CapsNet over a dict of leaf tensors ``params`` (requires_grad=True)."""
 
@@ -86,12 +93,10 @@ class AutogradCapsNet:
     def attention_route(self, u_hat):
         """Self-attention routing on û (N, I, J, D), Efficient-CapsNet's squash on the output."""
         cfg = self.cfg
-        n, i, j, d = u_hat.shape
+        i, j = u_hat.shape[1:3]
         bias = self.params["classcaps.bias"].expand(-1 if not cfg.share_spatial else i // cfg.primary_types,
                                                     cfg.primary_types, j).reshape(i, j)
-        scores = torch.einsum("nijd,njd->nij", u_hat, u_hat.sum(1)) / d ** 0.5
-        c = torch.softmax(scores, dim=2) + bias
-        return exp_squash(torch.einsum("nij,nijd->njd", c, u_hat))
+        return attention_route(u_hat, bias)
 
     # ---- matrix capsules with EM routing --------------------------------------------------------------
     def matrix_capsules(self, h):
@@ -294,9 +299,7 @@ class AutogradNetwork(AutogradCapsNet):
         u = h.reshape(h.shape[0], -1, W.shape[1], W.shape[4])                           # (N, P, T, K)
         W, bias = W.expand(u.shape[1], -1, -1, -1, -1), bias.expand(u.shape[1], -1, -1)
         u_hat = torch.einsum("ptjdk,nptk->nptjd", W, u).reshape(u.shape[0], -1, W.shape[2], W.shape[3])
-        scores = torch.einsum("nijd,njd->nij", u_hat, u_hat.sum(1)) / u_hat.shape[-1] ** 0.5
-        c = torch.softmax(scores, dim=2) + bias.reshape(-1, W.shape[2])
-        return exp_squash(torch.einsum("nij,nijd->njd", c, u_hat))
+        return attention_route(u_hat, bias.reshape(-1, W.shape[2]))
 
     def conv_capsules(self, u, grid, name, spec):
         """Windows by Tensor.unfold, each window of each sample routed on its own."""
