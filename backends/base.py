@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -50,6 +51,10 @@ def library_of(a) -> str | None:
     imported), else None."""
     top = type(a).__module__.partition(".")[0]
     return top if top in ("numpy", "cupy", "torch") else None
+
+
+class CompileWarning(UserWarning):
+    """A step asked to be compiled runs uncompiled (the backend has no compiler, or it failed)."""
 
 
 class BackendError(RuntimeError):
@@ -378,6 +383,16 @@ class Backend(abc.ABC):
 
         run()
         return run
+
+    compiles = False  # whether compile() fuses (a backend with a compiler)
+
+    def compile(self, fn):
+        """``fn`` (no arguments) as a callable that runs it compiled into fused kernels where this
+        backend has a compiler (the torch backend: ``torch.compile``).  Here there is none: ``fn``
+        itself, after a CompileWarning saying so."""
+        warnings.warn(f"the {self.name} backend has no compiler: the step runs uncompiled (the torch "
+                      "backend compiles it)", CompileWarning, stacklevel=2)
+        return fn
 
     _host_transfers_refused = False
 

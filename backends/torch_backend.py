@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numpy as np
 
-from .base import Backend, BackendError
+from .base import Backend, BackendError, CompileWarning
 from .host import cpu_threads, cpu_vendor, keep_freed_memory
 
 
@@ -40,6 +41,8 @@ class TorchBackend(Backend):
         import array_api_compat.torch as xp
 
         self.torch = torch
+        self._is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+        self.compiles = hasattr(torch, "compile") and self._is_compiling is not None
         self.xp = xp
         self._window_indices = {}
         self._device = torch.device(dev)
@@ -58,7 +61,7 @@ class TorchBackend(Backend):
             if _numpy_blas_is_faster():
                 from .numpy_backend import NumpyBackend
 
-                self._numpy = NumpyBackend(self.dtype)
+                self._host_blas = NumpyBackend(self.dtype)
                 # routing's products are then NumPy's too, which run outside the GIL: its blocks go as
                 # NumPy's do, in NumPy's size, spread over the threads (split_batch)
                 self.sample_block = NumpyBackend.sample_block
@@ -73,7 +76,16 @@ class TorchBackend(Backend):
     # OpenBLAS's speed or less (docs/performance.md).  There the CPU backend hands them, and the
     # three routing products, to NumPy: NumPy views the tensors' memory as it is (Tensor.numpy()
     # copies nothing) and writes into a new tensor (or the one given).
-    _numpy = None  # a NumpyBackend whose products run this backend's (None: PyTorch's own)
+    _host_blas = None  # a NumpyBackend whose products run this backend's (None: PyTorch's own)
+
+    @property
+    def _numpy(self):
+        """``_host_blas``, except while torch.compile traces a step (``compile``): a traced step is
+        PyTorch's ops only, which the compiler can see and fuse."""
+        return None if self._tracing() else self._host_blas
+
+    def _tracing(self) -> bool:
+        return self._is_compiling is not None and self._is_compiling()
 
     @property
     def tracks_writes(self) -> bool:
@@ -155,6 +167,35 @@ class TorchBackend(Backend):
             fn()
         return graph.replay
 
+    def compile(self, fn):
+        """``fn`` (no arguments) compiled by ``torch.compile`` as one graph (Inductor: C++ on the CPU,
+        Triton on CUDA), which fuses the step's elementwise passes.  While it traces, this backend
+        runs PyTorch's ops only (``_tracing``): no NumPy products, no host threads, no blocks, and
+        Backend's Adam in place of the fused kernel, whose step count is a host number.  Compiling
+        happens on the first call; where it fails (no C++ compiler, a PyTorch without
+        ``torch.compile``), that call and every later one run ``fn`` itself, after one warning."""
+        compiled = getattr(self.torch, "compile", None)
+        if compiled is None:
+            return super().compile(fn)
+        compiled = compiled(fn, fullgraph=True, dynamic=False)
+        chosen = []  # after the first call: what every call runs
+
+        def call():
+            if chosen:
+                return chosen[0]()
+            try:
+                out = compiled()  # fullgraph: compiles the whole of fn before running any of it
+            except Exception as e:  # noqa: BLE001  a compiler's failure, reported once, then done without
+                first = str(e).splitlines()[0][:200] if str(e) else ""
+                warnings.warn(f"torch.compile could not compile the step ({type(e).__name__}: {first}); "
+                              "it runs uncompiled", CompileWarning, stacklevel=2)
+                chosen.append(fn)
+                return fn()
+            chosen.append(compiled)
+            return out
+
+        return call
+
     # weighted_sum and agreement.  On the CPU, batched products on views of û, one per (n, j):
     # (1, I) @ (I, D) and (1, D) @ (D, I); Backend's forms write the broadcast product, then sum it
     # (over a short last axis for the agreement, slow in PyTorch).  GPUs keep Backend's forms, which
@@ -189,7 +230,10 @@ class TorchBackend(Backend):
 
         n, j, i = coeffs[0].shape
         du = coeffs[0].new_empty((i, n, j, vecs[0].shape[-1])) if out is None else out
-        self.torch.mul(*term(coeffs[0], vecs[0]), out=du)
+        if self._tracing():  # Inductor writes no out= into a strided view: the product, then a copy
+            du.copy_(self.torch.mul(*term(coeffs[0], vecs[0])))
+        else:
+            self.torch.mul(*term(coeffs[0], vecs[0]), out=du)
         for c, v in zip(coeffs[1:], vecs[1:]):
             du.addcmul_(*term(c, v))
         return du
@@ -259,6 +303,19 @@ class TorchBackend(Backend):
     def _matmul_into(self, a, b, out):
         self.torch.matmul(a, b, out=out)
 
+    def _run_parts(self, fn, slices):
+        if self._tracing():  # a traced step runs its parts one after another, as one graph
+            for sl in slices:
+                fn(sl)
+            return
+        super()._run_parts(fn, slices)
+
+    def _sample_blocks(self, n, sample_size):
+        return [slice(None)] if self._tracing() else super()._sample_blocks(n, sample_size)
+
+    def _element_blocks(self, sizes):
+        return [(key, slice(None)) for key in sizes] if self._tracing() else super()._element_blocks(sizes)
+
     def split_batch(self, fn, n, sample_size=1):
         """Backend.split_batch's blocks one after another: PyTorch threads inside each op, and its
         ops called from several threads at once would compete for the same cores.  Where routing's
@@ -276,10 +333,11 @@ class TorchBackend(Backend):
         """On the CPU, PyTorch's fused Adam: one kernel per parameter for the whole update, where
         optim.Adam's form takes a dozen passes (the same update to rounding: tests compare both, and
         torch.optim.Adam).  A CUDA device keeps Backend's form, which a recorded step replays with each
-        step's scalars; so does step 0 (an apply() before any prepare(), which moves no weight) and a
-        PyTorch without the CPU kernel (before 2.4)."""
+        step's scalars; so does step 0 (an apply() before any prepare(), which moves no weight), a
+        compiled step (whose scalars are read from the device too) and a PyTorch without the CPU
+        kernel (before 2.4)."""
         fused = getattr(self.torch, "_fused_adam_", None) if self._fused_adam else None
-        if self._device.type != "cpu" or fused is None or step < 1:
+        if self._tracing() or self._device.type != "cpu" or fused is None or step < 1:
             return super().adam(update, sizes, arrays, lr, betas, eps, step)
         w, g, m, v = ([a[k] for k in sizes] for a in arrays)
         steps = [self.torch.tensor(float(step))] * len(w)  # read only: the bias corrections 1 - beta^step

@@ -40,10 +40,10 @@ class _Recording:
     """``work()`` recorded once on fixed input arrays ``x`` (N, C, H, W) and ``y`` (N,); each call
     copies a batch of that size into them and replays the recording."""
 
-    def __init__(self, model, batch_size: int):
+    def __init__(self, model, batch_size: int, compile: bool = False):
         require_batch_size(batch_size)
         B = model.B
-        self.model, self.batch_size = model, batch_size
+        self.model, self.batch_size, self.compile = model, batch_size, compile
         # the recording reads its batch from these arrays, at these addresses, on every replay
         self.x = B.zeros((batch_size, *model.input_shape))          # (N, C, H, W)
         self.y = B.asarray(np.zeros(batch_size, np.int64))                  # (N,) labels
@@ -52,6 +52,10 @@ class _Recording:
         self.needs_labels = True
 
     def _record(self, work):
+        if self.compile:  # fused kernels of the same work, then recorded like it (backend.compile)
+            work()  # once as is first: constants a layer builds on its first call come from the host
+            work = self.model.B.compile(work)
+
         def run():
             self._out = work()
 
@@ -78,8 +82,8 @@ class _Recording:
 class CapturedStep(_Recording):
     what, otherwise = "step", "with model.train_step_grads + optimizer.step"
 
-    def __init__(self, model, optimizer, batch_size: int):
-        super().__init__(model, batch_size)
+    def __init__(self, model, optimizer, batch_size: int, compile: bool = False):
+        super().__init__(model, batch_size, compile)
         B = model.B
         self.optimizer = optimizer
 
@@ -89,9 +93,10 @@ class CapturedStep(_Recording):
             return out
 
         # Capturing runs the step (warm-up runs, or the step itself without graphs), which changes
-        # the weights and the optimizer's moments: keep them on the host, put them back after.
-        arrays = list(model.params.values()) + [a for slot in optimizer._slots()
-                                                for a in optimizer.state[slot].values()]
+        # the weights, the running statistics and the optimizer's moments: keep them on the host, put
+        # them back after.
+        arrays = [*model.params.values(), *model.buffers.values(),  # batch norm's running statistics too
+                  *(a for slot in optimizer._slots() for a in optimizer.state[slot].values())]
         saved = [np.array(B.to_numpy(a)) for a in arrays]  # copies (NumPy's to_numpy returns the array)
         self._record(step)
         for a, host in zip(arrays, saved):
@@ -110,8 +115,8 @@ class CapturedEval(_Recording):
     as long as it does)."""
     what, otherwise = "evaluation", "with model.loss or model.predict"
 
-    def __init__(self, model, batch_size: int, labels: bool = True):
-        super().__init__(model, batch_size)
+    def __init__(self, model, batch_size: int, labels: bool = True, compile: bool = False):
+        super().__init__(model, batch_size, compile)
         self.needs_labels = labels
         if labels:
             self._record(lambda: model._loss(self.x, self.y))

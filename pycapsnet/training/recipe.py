@@ -91,6 +91,7 @@ class Run:
     log_csv: str | None = None  # --log-csv FILE: scalars per group of steps and per epoch (scalars.py)
     tensorboard: str | None = None  # --tensorboard DIR: the same, as TensorBoard events
     graph: bool = True  # record the step where the backend can (a CUDA graph)
+    compile: bool = False  # the train step compiled into fused kernels (torch backend: torch.compile)
 
     @property
     def recipe(self) -> dict:
@@ -207,6 +208,10 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--no-graph", action="store_true",
                    help="launch the step's and the evaluation's operations one by one even where the backend "
                         "can record them once and replay them (a CUDA graph on torch:cuda and CuPy, which is faster)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch backend: compile the train step (the same hand-written forward, backward and Adam) "
+                        "with torch.compile, which fuses its elementwise passes; the first step compiles (a minute "
+                        "or more); where it cannot compile, the step runs as usual after one warning")
 
 
 def add_accept_changed_data(p) -> None:
@@ -283,6 +288,7 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
                eval_only=evaluating, accept_changed_data=bool(getattr(args, "accept_changed_data", False)),
                overwrite=bool(getattr(args, "overwrite", False)),
                progress=not getattr(args, "no_progress", False), graph=not getattr(args, "no_graph", False),
+               compile=bool(getattr(args, "compile", False)),
                log_csv=getattr(args, "log_csv", None), tensorboard=getattr(args, "tensorboard", None))
 
 

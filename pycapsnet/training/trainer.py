@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from pycapsnet import backends
 
 from ..core import architecture
 from ..core.model import CapsNet, CapsNetConfig
+from pycapsnet.backends.base import CompileWarning
 from ..errors import BackendError, CapsNetError
 from . import checkpoint, data, distributed, optim, report
 from .graph import CapturedEval, CapturedStep
@@ -235,9 +237,20 @@ class Training:
         # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
         # Evaluation likewise, in batches of EVAL_BATCH.  (Not in a data-parallel run: the gradients'
         # sum across processes sits inside the step; nor through a Dropout, whose mask is new each step.)
+        # --compile: the step's kernels fused by the backend's compiler (torch.compile), then recorded
+        # the same way where the backend records (on the CPU, called directly).
         captured = captured_eval = None
-        if B.can_capture and run.graph and not group and model.capturable:
-            if len(self.train_set) >= run.batch_size:
+        records = B.can_capture and run.graph and not group and model.capturable
+        if run.compile and (group or not model.capturable):
+            why = ("its gradients are summed across processes mid-step" if group
+                   else "a layer of this network (Dropout) draws anew on every step")
+            say(f"--compile: the step runs uncompiled ({why})")
+        elif run.compile and not B.compiles:
+            say(f"--compile: the {B.name} backend has no compiler (the torch backend has); the step runs as usual")
+        elif run.compile and len(self.train_set) >= run.batch_size:
+            captured = _compiled_step(model, opt, run.batch_size)
+        if records:
+            if captured is None and len(self.train_set) >= run.batch_size:
                 captured = CapturedStep(model, opt, run.batch_size)
             if len(self.test_set or ()) >= EVAL_BATCH:
                 captured_eval = CapturedEval(model, EVAL_BATCH)
@@ -356,6 +369,24 @@ class Training:
             if not model.B.all_finite(a):
                 raise TrainingDiverged(self.directory.stopped(
                     f"{name} holds NaN or inf after epoch {epoch + 1}'s last update"))
+
+
+def _compiled_step(model, opt, batch_size):
+    """The train step compiled (CapturedStep with compile=True), its compile timed and any
+    CompileWarning said as a line of the run's output."""
+    say(f"--compile: compiling the train step on {model.B.label} (a minute or more, once)")
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompileWarning)
+        step = CapturedStep(model, opt, batch_size, compile=True)
+    for w in caught:
+        if issubclass(w.category, CompileWarning):
+            say(f"--compile: {w.message}")
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if not any(issubclass(w.category, CompileWarning) for w in caught):
+        say(f"--compile: compiled in {time.perf_counter() - t0:.0f} s")
+    return step
 
 
 def _data_parallel_grads(model, group, x, y, n):
@@ -479,7 +510,8 @@ def main(backend: str | None = None, argv=None) -> int:
 
 # fit's keywords beyond the recipe's and the architecture's: where the run goes and how it shows
 FIT_OPTIONS = {"epochs": None, "out": None, "resume": None, "overwrite": False, "no_progress": False,
-               "log_csv": None, "tensorboard": None, "no_graph": False, "device": None, "accept_changed_data": False}
+               "log_csv": None, "tensorboard": None, "no_graph": False, "compile": False, "device": None,
+               "accept_changed_data": False}
 
 
 def fit(network, backend: str = "numpy", **flags) -> dict:
