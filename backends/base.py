@@ -473,11 +473,13 @@ class Backend(abc.ABC):
         launches).  fn must not care in which order the parts run."""
         self._run_parts(fn, self._sample_blocks(n, sample_size))
 
-    def adam(self, update, sizes: dict, arrays: tuple, lr: float, betas: tuple, eps: float, step: int) -> None:
+    def adam(self, update, sizes: dict, arrays: tuple, lr: float, betas: tuple, eps: float, step: int,
+             scalars: tuple = None) -> None:
         """One Adam step over every parameter: here optim.Adam's own ``update(key, block)`` over
         ``over_blocks``, which reads the step's scalars from the device (so a recorded step replays
         it with each step's).  A backend may instead run a fused kernel on ``arrays`` (the dicts w,
-        g, m, v), from the host's lr, betas, eps and step count."""
+        g, m, v), from the host's lr, betas, eps and step count, or from ``scalars``: the device
+        arrays (1,) holding lr / (1 - b1^t) and 1 - b2^t."""
         self.over_blocks(update, sizes)
 
     def over_blocks(self, fn, sizes: dict) -> None:

@@ -7,13 +7,15 @@ import contextlib
 import numpy as np
 
 from .base import Backend, BackendError
+from .cupy_kernels import CupyKernels
 from .numpy_backend import NumpyBackend
 
 
 class _CupyNamespace:
     """array_api_compat.cupy, with ``clip`` sent to ``cupy.clip``.  The compat ``clip`` of a float
     array with a scalar bound copies through boolean masks, whose sizes CuPy reads on the host: a
-    device-to-host wait in every ReLU and margin loss, which a recorded step cannot hold."""
+    device-to-host wait in every ReLU and margin loss, which a recorded step cannot hold.
+    ``kernels``: the fused kernels that replace pycapsnet.core's ``@fusable`` functions."""
 
     def __init__(self, compat, cupy):
         self._compat, self._cupy = compat, cupy
@@ -59,6 +61,7 @@ class CupyBackend(NumpyBackend):
         self._cuda_device = cupy.cuda.Device(index)
         self._cuda_device.use()
         self.xp = _CupyNamespace(compat, cupy)
+        self.xp.kernels = CupyKernels(cupy)  # squash and routing's softmax fused (pycapsnet.core.fusable)
         self.lib = cupy
         self.threads = 1  # the GPU parallelises; host threads would only add launch overhead
         self.elementwise_block = None  # whole arrays: blocks would only add launches
@@ -103,6 +106,15 @@ class CupyBackend(NumpyBackend):
         if self._direct_cublas is not None:
             return outer_sum_by_matmul(self, C, V, out)
         return self._into(self.lib.einsum("qnji,qnjd->injd", C, V, optimize=False), out)
+
+    def adam(self, update, sizes, arrays, lr, betas, eps, step, scalars=None):
+        """One fused kernel per parameter (cupy_kernels.ADAM) where Backend's form takes eight passes.
+        It reads the step's scalars from the device, so a recorded step replays it with each step's."""
+        if scalars is None:
+            return super().adam(update, sizes, arrays, lr, betas, eps, step)
+        w, g, m, v = arrays
+        for k in sizes:
+            self.xp.kernels.adam(w[k], g[k], m[k], v[k], *scalars, betas, eps)
 
     def _einsum(self, subscripts, a, b):
         # (its result follows the operands' memory order; the layers expect C order)

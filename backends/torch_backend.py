@@ -329,7 +329,7 @@ class TorchBackend(Backend):
     def contiguous(self, x):
         return x.contiguous()
 
-    def adam(self, update, sizes, arrays, lr, betas, eps, step):
+    def adam(self, update, sizes, arrays, lr, betas, eps, step, scalars=None):
         """On the CPU, PyTorch's fused Adam: one kernel per parameter for the whole update, where
         optim.Adam's form takes a dozen passes (the same update to rounding: tests compare both, and
         torch.optim.Adam).  A CUDA device keeps Backend's form, which a recorded step replays with each

@@ -216,7 +216,8 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     from pycapsnet.training.graph import CapturedEval, CapturedStep
 
     # "+eager": op by op where the trainer records the step (torch:cuda, cupy); "+graph": recorded
-    # where it does not (on the CPU the recording is a re-run)
+    # where it does not (on the CPU the recording is a re-run); "+compile": the train step compiled
+    # (train --compile), then recorded where the trainer records; the evaluation as without it
     name, _, mode = impl.partition("+")
     try:
         B = backends.get(name, dtype=dtype)
@@ -228,12 +229,17 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     opt = optim.Adam(model, 1e-3)
     xb = B.asarray(x)
     graph = mode == "graph" or (B.can_capture and mode != "eager")
-    if graph:
-        captured = CapturedStep(model, opt, batch)
+    compiled = mode == "compile"
+    if graph or compiled:
+        t0 = time.perf_counter()
+        captured = CapturedStep(model, opt, batch, compile=compiled)
+        compile_s = time.perf_counter() - t0 if compiled else None
 
         def train():
             captured(xb, y)
     else:
+        compile_s = None
+
         def train():
             model.train_step_grads(xb, y)
             opt.step()
@@ -253,7 +259,9 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     # model's creation (on the CPU a "recording" re-runs the step, which allocates as it goes)
     return {"train": train, "evaluate": evaluate, "mem0": mem0, "sync": B.synchronize,
             "routing_iters": model.config.routing_iters if hasattr(model, "config") else None,
-            "label": B.label.replace(f"/{dtype}", "") + (recorded if graph else ", op by op" if mode else ""),
+            "label": B.label.replace(f"/{dtype}", "") + (", compiled" if compiled else "")
+            + (recorded if graph else ", op by op" if mode == "eager" else ""),
+            "compile_s": compile_s,
             "backend": B,
             "mem_fn": (lambda: B.memory()["peak"]) if on_gpu else None,
             "reset": (lambda: None) if graph and on_gpu else B.reset_peak_memory if on_gpu else reset_process_peak,
@@ -455,9 +463,9 @@ def backend_spec(text: str) -> str:
     """An implementation to measure: NAME[:DEVICE][+eager|+graph], NAME a backend.  A misspelt name is refused
     here; a known one whose library or GPU is missing runs as a 'skipped' row with the reason."""
     name_device, _, mode = text.partition("+")
-    if name_device.split(":")[0] not in NAMES or mode not in ("", "eager", "graph"):
+    if name_device.split(":")[0] not in NAMES or mode not in ("", "eager", "graph", "compile"):
         raise argparse.ArgumentTypeError(f"unknown backend {text!r}: choose from {', '.join(NAMES)}, each with "
-                                         "an optional :DEVICE and +eager or +graph (e.g. torch:cuda+eager)")
+                                         "an optional :DEVICE and +eager, +graph or +compile (e.g. torch:cuda+eager)")
     return text
 
 
@@ -546,7 +554,8 @@ def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="+", type=backend_spec, default=["numpy", "torch"],
                    help="numpy, torch, torch:cuda, cupy (default: numpy torch); torch:cuda and cupy run their step "
-                        "as a CUDA graph, with +eager op by op; +graph records the step on any backend")
+                        "as a CUDA graph, with +eager op by op; +graph records the step on any backend; "
+                        "torch+compile compiles it (train --compile)")
     p.add_argument("--ref-device", type=torch_device, default="cpu", help="device of the autograd reference (cpu or cuda)")
     p.add_argument("--no-reference", action="store_true", help="skip the autograd reference")
     p.add_argument("--reference", choices=("eager", "compiled", "both"), default="eager",

@@ -14,6 +14,8 @@
 #              autograd on the same GPU, eager and under torch.compile, batch 64 and 256, each also
 #              as a picture (the JSON is written after every phase: a stopped run keeps its rounds);
 #              bench64 and bench256 run one batch size each (about 6 minutes each)
+#  compiled    torch:cuda's step compiled (train --compile: torch.compile, then a CUDA graph) against
+#              the plain one and autograd, eager and compiled, batch 64 and 256 (compiles first)
 #  profile     where a step's time goes, op by op (benchmarks/profile_step.py)
 #  train       two epochs per GPU backend on the embedded digits
 #  cpu         the machine's host CPU: numpy and torch against autograd at batch 64, with
@@ -92,6 +94,13 @@ fi
 if want bench || want bench256; then
     run bench_b256 420 16 python benchmarks/bench.py --backends cupy cupy+eager torch:cuda torch:cuda+eager --ref-device cuda \
         --reference both --batch-size 256 --warmup 5 --steps 20 --rounds 2 --json "$out/bench_b256.json"
+fi
+if want compiled; then
+    for b in 64 256; do
+        run "bench_compiled_b$b" 480 16 python benchmarks/bench.py --backends torch:cuda torch:cuda+compile cupy \
+            --ref-device cuda --reference both --batch-size "$b" --warmup 5 --steps 20 --rounds 2 \
+            --json "$out/bench_compiled_b$b.json"
+    done
 fi
 if want bench || want bench64 || want bench256; then
     for b in b64 b256; do

@@ -14,16 +14,17 @@ from pycapsnet import CapsNet, backends
 from pycapsnet.backends.base import CompileWarning
 from pycapsnet.training import optim
 from pycapsnet.training.graph import CapturedStep
-from tests.conftest import SMALL
+from tests.conftest import GPU_BACKENDS, SMALL
 from tests.test_graph import _batches
 
 torch = pytest.importorskip("torch")
 
 
-def test_compiled_step_is_the_plain_step_within_float32_rounding():
+@pytest.mark.parametrize("spec", ["torch", GPU_BACKENDS[1]])  # on CUDA: Triton, then a CUDA graph of it
+def test_compiled_step_is_the_plain_step_within_float32_rounding(spec):
     from torch._dynamo.utils import counters
 
-    B = backends.get("torch", dtype="float32")
+    B = backends.get(spec, dtype="float32")
     plain, comp = CapsNet(B, seed=5, **SMALL), CapsNet(B, seed=5, **SMALL)
     opt_p, opt_c = optim.Adam(plain, 1e-2), optim.Adam(comp, 1e-2)
     counters.clear()

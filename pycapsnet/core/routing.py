@@ -38,17 +38,20 @@ in backends/base.py, and faster ones where a backend has them.
 """
 from __future__ import annotations
 
+from .fusable import fusable
 from .squash import squash, squash_backward
 
 MODES = ("full", "final")
 
 
+@fusable
 def softmax(xp, b, axis=1):
     """Softmax stabilised by subtracting the max (softmax(b) = softmax(b - max b))."""
     e = xp.exp(b - xp.max(b, axis=axis, keepdims=True))
     return e / xp.sum(e, axis=axis, keepdims=True)
 
 
+@fusable
 def softmax_backward(xp, c, dc, axis=1):
     """db = c * (dc - sum_j c dc), from dc_k/db_j = c_k (delta_kj - c_j)."""
     return c * (dc - xp.sum(c * dc, axis=axis, keepdims=True))

@@ -13,13 +13,17 @@ v = O(|s|^2) near the origin).
 """
 from __future__ import annotations
 
+from .fusable import fusable
 
+
+@fusable
 def squash(xp, s, axis=-1):
     """v = squash(s) over ``axis``.  Returns (v, n) with n = |s| (kept dims) for the backward."""
     n = xp.sqrt(xp.sum(s * s, axis=axis, keepdims=True))
     return s * (n / (1 + n * n)), n
 
 
+@fusable
 def squash_backward(xp, s, n, dv, axis=-1):
     """dL/ds from dL/dv, given s and n = |s| from the forward."""
     n2 = n * n

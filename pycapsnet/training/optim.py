@@ -132,7 +132,7 @@ class Adam(Optimizer):
 
         # update() over blocks, or a backend's fused kernel for the same step (B.adam)
         B.adam(update, _sizes(params), (params, grads, self.state["m"], self.state["v"]), self.lr,
-               (self.b1, self.b2), self.eps, self.step_count)
+               (self.b1, self.b2), self.eps, self.step_count, scalars=(self._step_size, self._c2))
 
 
 class SGD(Optimizer):
