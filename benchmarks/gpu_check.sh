@@ -27,6 +27,9 @@
 #              ../shared/data/mnist), its recipe and a 5,001-digit validation split, $MNIST_EPOCHS
 #              (30) epochs, then its record for docs/results (benchmarks/record_run.py) and epoch 1
 #              again, to show that it reproduces
+#  mnist_sweep the paper network's --lr and --lr-decay chosen on validation: $SWEEP_LRS (1e-3 2e-3 4e-3)
+#              x $SWEEP_DECAYS (0.9 0.96), $SWEEP_EPOCHS (6) epochs each, then each one's best
+#              validation accuracy (no test accuracy); pass the winner to mnist as $MNIST_LR, $MNIST_DECAY
 #  efficient   the same for Efficient-CapsNet (--network efficient, its paper's recipe), $EFFICIENT_EPOCHS (30)
 #  table1, affine, multimnist   the paper's experiments from full MNIST ($EXP_EPOCHS epochs, 5;
 #              $EXP_SEEDS seeds, 3), results in OUTDIR/NAME
@@ -148,7 +151,22 @@ full_mnist() {  # full_mnist NAME EPOCHS FLAGS: a full-MNIST run, its record, an
 for d in ('mnist-$name', 'mnist-$name-e1')]); keys = ('train_loss', 'train_acc', 'val_acc', 'test_acc');
 print({k: (a[k], b[k]) for k in keys}); sys.exit(any(a[k] != b[k] for k in keys))"
 }
-want mnist && full_mnist capsnet "${MNIST_EPOCHS:-30}" ""
+mnist_sweep() {  # the paper network's learning rate and decay, chosen on the validation split only
+    local flags="--dataset mnist --data-dir $data --val-fraction 0.08333 --no-progress --overwrite ${RUN_FLAGS:-}"
+    for lr in ${SWEEP_LRS:-1e-3 2e-3 4e-3}; do
+        for decay in ${SWEEP_DECAYS:-0.9 0.96}; do
+            run "sweep_lr${lr}_decay$decay" 150 2 python train_torch.py --device "$device" $flags --lr "$lr" \
+                --lr-decay "$decay" --epochs "${SWEEP_EPOCHS:-6}" --out "$out/sweep/lr$lr-decay$decay"
+        done
+    done
+    # validation accuracy only: the test digits choose nothing
+    run sweep_table 20 20 python -c "import json, pathlib
+rows = [(max(json.loads(l)['val_acc'] for l in open(d / 'metrics.jsonl')), d.name)
+        for d in sorted(pathlib.Path('$out/sweep').iterdir()) if (d / 'metrics.jsonl').exists()]
+for acc, name in sorted(rows, reverse=True): print(f'{name}: best validation {100 * acc:.2f}%')"
+}
+want mnist_sweep && mnist_sweep
+want mnist && full_mnist capsnet "${MNIST_EPOCHS:-30}" "${MNIST_LR:+--lr $MNIST_LR} ${MNIST_DECAY:+--lr-decay $MNIST_DECAY}"
 # Efficient-CapsNet with its paper's recipe: Adam at 5e-4 decayed 0.97 an epoch, batch 16
 want efficient && full_mnist efficient "${EFFICIENT_EPOCHS:-30}" "--network efficient --lr 5e-4 --lr-decay 0.97 --batch-size 16"
 for name in table1 affine multimnist; do
