@@ -3,6 +3,7 @@ forward, backward and Adam, traced by torch.compile into fused kernels.  On the 
 bit-for-bit the plain step -- Inductor's fused kernels and PyTorch's own products (where the plain
 step uses NumPy's on AMD CPUs) round differently -- but within float32 rounding of it; and where
 compilation is unavailable or fails, the step runs uncompiled after one warning."""
+import shutil
 import subprocess
 import sys
 import warnings
@@ -20,7 +21,12 @@ from tests.test_graph import _batches
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("spec", ["torch", GPU_BACKENDS[1]])  # on CUDA: Triton, then a CUDA graph of it
+CXX = pytest.param("torch", marks=pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+    reason="torch.compile's CPU code is C++, and no C++ compiler is installed"), id="torch")
+
+
+@pytest.mark.parametrize("spec", [CXX, GPU_BACKENDS[1]])  # on CUDA: Triton, then a CUDA graph of it
 def test_compiled_step_is_the_plain_step_within_float32_rounding(spec):
     from torch._dynamo.utils import counters
 
