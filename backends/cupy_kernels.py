@@ -111,21 +111,17 @@ class CupyKernels:
         return ds
 
     def softmax(self, b):
-        cp = self._cupy
-        b = cp.ascontiguousarray(b)
-        c = cp.empty_like(b)
-        n, j = b.shape[:2]
-        i = b.size // (n * j) if n * j else 0  # (N, J, ...): the softmax over axis 1, for every n and trailing index
-        self._kernel(SOFTMAX)(b, j, i, c, size=n * i)
+        b = self._cupy.ascontiguousarray(b)
+        c = self._cupy.empty_like(b)
+        columns, j, i = _columns(b)
+        self._kernel(SOFTMAX)(b, j, i, c, size=columns)
         return c
 
     def softmax_backward(self, c, dc):
-        cp = self._cupy
-        c, dc = cp.ascontiguousarray(c), cp.ascontiguousarray(dc)
-        db = cp.empty_like(c)
-        n, j = c.shape[:2]
-        i = c.size // (n * j) if n * j else 0
-        self._kernel(SOFTMAX_BACKWARD)(c, dc, j, i, db, size=n * i)
+        c, dc = self._cupy.ascontiguousarray(c), self._cupy.ascontiguousarray(dc)
+        db = self._cupy.empty_like(c)
+        columns, j, i = _columns(c)
+        self._kernel(SOFTMAX_BACKWARD)(c, dc, j, i, db, size=columns)
         return db
 
     def adam(self, w, g, m, v, step_size, c2, betas, eps):
@@ -133,3 +129,11 @@ class CupyKernels:
         dt = w.dtype.type
         b1, b2 = betas
         self._kernel(ADAM)(g, step_size, c2, dt(b1), dt(1 - b1), dt(b2), dt(1 - b2), dt(eps), w, m, v)
+
+
+def _columns(b):
+    """(N, J, ...) seen as the softmax over axis 1 of N x I columns, I the trailing size:
+    (number of columns, J, I)."""
+    n, j = b.shape[:2]
+    i = b.size // (n * j) if n * j else 0
+    return n * i, j, i

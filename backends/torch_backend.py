@@ -174,10 +174,9 @@ class TorchBackend(Backend):
         Backend's Adam in place of the fused kernel, whose step count is a host number.  Compiling
         happens on the first call; where it fails (no C++ compiler, a PyTorch without
         ``torch.compile``), that call and every later one run ``fn`` itself, after one warning."""
-        compiled = getattr(self.torch, "compile", None)
-        if compiled is None:
+        if not self.compiles:
             return super().compile(fn)
-        compiled = compiled(fn, fullgraph=True, dynamic=False)
+        compiled = self.torch.compile(fn, fullgraph=True, dynamic=False)
         chosen = []  # after the first call: what every call runs
 
         def call():

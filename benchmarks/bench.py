@@ -229,17 +229,16 @@ def _pycapsnet_step(impl, batch, dtype, cfg, x, y):
     opt = optim.Adam(model, 1e-3)
     xb = B.asarray(x)
     graph = mode == "graph" or (B.can_capture and mode != "eager")
-    compiled = mode == "compile"
+    compiled, compile_s = mode == "compile", None
     if graph or compiled:
         t0 = time.perf_counter()
         captured = CapturedStep(model, opt, batch, compile=compiled)
-        compile_s = time.perf_counter() - t0 if compiled else None
+        if compiled:
+            compile_s = time.perf_counter() - t0
 
         def train():
             captured(xb, y)
     else:
-        compile_s = None
-
         def train():
             model.train_step_grads(xb, y)
             opt.step()

@@ -271,7 +271,8 @@ class MaxPool2d(Layer):
 
     def _offsets(self, x):
         """(rows, cols) slices of x that offset (i, j) of every window reads, one per offset."""
-        return [(rows, cols) for _, _, rows, cols in window_offsets(self.k, self.stride, *self.output_hw(*x.shape[1:3]))]
+        oh, ow = self.output_hw(*x.shape[1:3])
+        return [(rows, cols) for _, _, rows, cols in window_offsets(self.k, self.stride, oh, ow)]
 
     def forward(self, x):
         # x: (N, H, W, C) -> y: (N, OH, OW, C)

@@ -22,10 +22,10 @@ import warnings
 import numpy as np
 
 from pycapsnet import backends
+from pycapsnet.backends.base import CompileWarning
 
 from ..core import architecture
 from ..core.model import CapsNet, CapsNetConfig
-from pycapsnet.backends.base import CompileWarning
 from ..errors import BackendError, CapsNetError
 from . import checkpoint, data, distributed, optim, report
 from .graph import CapturedEval, CapturedStep
@@ -380,12 +380,13 @@ def _compiled_step(model, opt, batch_size):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CompileWarning)
         step = CapturedStep(model, opt, batch_size, compile=True)
+    uncompiled = [w for w in caught if issubclass(w.category, CompileWarning)]
     for w in caught:
-        if issubclass(w.category, CompileWarning):
-            say(f"--compile: {w.message}")
-        else:
+        if w not in uncompiled:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if not any(issubclass(w.category, CompileWarning) for w in caught):
+    for w in uncompiled:
+        say(f"--compile: {w.message}")
+    if not uncompiled:
         say(f"--compile: compiled in {time.perf_counter() - t0:.0f} s")
     return step
 
