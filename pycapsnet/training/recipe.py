@@ -28,7 +28,8 @@ from .log import say
 #           to None, "not used", so on --resume they too mean "as the run had it".)
 #   ARCHITECTURE: the model's shape, fixed by the checkpoint's weights.  Given on --resume with a
 #           value other than the checkpoint's: refused.
-RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "seed": 0, "shift": 2, "batch_size": 32,
+RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "seed": 0, "shift": 2, "augment": "shift",
+          "batch_size": 32,
           "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None,
           "image_size": None, "channels": None, "test_fraction": 0.2, "val_fraction": None, "early_stop": None}
 EPOCHS = 12  # where --epochs is left out (not part of RECIPE: a resumed run is not held to its total)
@@ -48,7 +49,7 @@ ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
 # What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": (*data.DATASETS, "arrays"), "data_dir": str,
                  "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
-                 "shift": nonnegative_int, "batch_size": positive_int, "limit": positive_int,
+                 "shift": nonnegative_int, "augment": data.AUGMENTS, "batch_size": positive_int, "limit": positive_int,
                  "limit_test": positive_int, "channels": (1, 3), "image_size": list, "test_fraction": fraction,
                  "val_fraction": fraction, "early_stop": positive_int}
 
@@ -64,6 +65,7 @@ class Run:
     lr_decay: float
     seed: int
     shift: int
+    augment: str  # "shift" (by up to ``shift`` pixels) or "efficient" (Efficient-CapsNet's transforms)
     batch_size: int
     dtype: str
     dataset: str
@@ -155,7 +157,11 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help="with --val-fraction: stop after N epochs without a better validation accuracy")
     p.add_argument("--shift", type=nonnegative_int,
                    help=f"random shift augmentation in pixels, 0 = off (default: {d['shift']}; --routing em: "
-                        f"{em['shift']})")
+                        f"{em['shift']}); with --augment efficient each image moves within its own margins instead")
+    p.add_argument("--augment", choices=data.AUGMENTS,
+                   help="training augmentation: shift (by up to --shift pixels, the CapsNet paper's; the default) "
+                        "or efficient (the Efficient-CapsNet paper's: rotated, shifted within its margins, "
+                        "squeezed, a 4x4 patch erased; pycapsnet/training/augment.py)")
     p.add_argument("--limit", type=positive_int, default=None,
                    help="use only N training images, for quick runs (the first N; of a folder, a seeded subset "
                         "with each class in proportion)")
@@ -277,6 +283,9 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
             values[k] = v
     if values["dataset"] in download.DATASETS and not values["data_dir"]:
         values["data_dir"] = fetched(values["dataset"])
+    if values["augment"] == "efficient" and "shift" in given:
+        raise CapsNetError("--shift with --augment efficient: Efficient-CapsNet's augmentation moves each image "
+                           "within its own blank margins, not by --shift pixels; drop --shift, or use --augment shift")
     if values["early_stop"] is not None and values["val_fraction"] is None:
         raise CapsNetError("--early-stop needs --val-fraction F: it stops on the validation accuracy (never on the "
                            "test split, which would then no longer be a test)")

@@ -27,7 +27,7 @@ from pycapsnet.backends.base import CompileWarning
 from ..core import architecture
 from ..core.model import CapsNet, CapsNetConfig
 from ..errors import BackendError, CapsNetError
-from . import checkpoint, data, distributed, optim, report
+from . import augment, checkpoint, data, distributed, optim, report
 from .graph import CapturedEval, CapturedStep
 from .log import progress, say, speaking
 from .preflight import check_parameters_fit, checked_data
@@ -192,8 +192,12 @@ class Training:
         the optimizer's state restored and the directory's records made to agree with the
         checkpoint; first epoch None when there is nothing to train."""
         run, ckpt, group = self.run, self.run.checkpoint, self.group
-        side = min(self.train_set.x.shape[2:])  # the shift augments training only: evaluation never reads it
-        if run.shift >= side:
+        side = min(self.train_set.x.shape[2:])  # augmentation is training's only: evaluation never reads it
+        if run.augment == "efficient" and side < augment.MIN_SIDE:
+            raise CapsNetError(f"--augment efficient erases a 4x4 patch at least 4 pixels from the edges, which "
+                               f"needs images of {augment.MIN_SIDE} pixels a side or more, not {side}: use "
+                               "--augment shift")
+        if run.augment == "shift" and run.shift >= side:
             raise CapsNetError(f"--shift {run.shift} is not less than the {side}-pixel image side: shifted "
                                f"images could be blank; use a smaller --shift (the paper's is 2)")
         path = run.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", self.model.B.name))
@@ -320,7 +324,7 @@ class Training:
         return True
 
     def _train_epoch(self, opt, captured, epoch):
-        """One pass over the shuffled, shifted training split, a progress bar showing the running loss
+        """One pass over the shuffled, augmented training split, a progress bar showing the running loss
         and accuracy; every step's loss is checked.  Returns (samples, correct, loss sum, seconds)."""
         run, model, group, train_set = self.run, self.model, self.group, self.train_set
         B = model.B
@@ -328,7 +332,7 @@ class Training:
         # In a data-parallel run each batch is a global one, of which this process takes its shard.
         size = run.batch_size * (group.world if group else 1)
         n_batches = (len(train_set) + size - 1) // size
-        bar = progress(data.batches(train_set, size, rng, run.shift, group.part if group else None), n_batches,
+        bar = progress(data.batches(train_set, size, rng, run.shift, group.part if group else None, run.augment), n_batches,
                        f"epoch {epoch + 1}/{run.epochs}", not run.progress or not speaking(), batch=size)
         seen = correct = 0
         loss_sum = 0.0
