@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from pycapsnet import backends
-from pycapsnet.training import checkpoint, data, optim, trainer
+from pycapsnet import CapsNetError
+from pycapsnet.training import checkpoint, data, optim, recipe, trainer
 from pycapsnet.tools import cli
 from pycapsnet.core.model import CapsNet
 from tests.conftest import SMALL
@@ -117,6 +118,25 @@ def test_a_stop_anywhere_in_the_commit_resumes_to_the_uninterrupted_run(runs, tm
     if (point, sig) == ("checkpoint", "SIGKILL"):
         assert "did not agree with the checkpoint, which has finished epoch 2: restored epoch 2" in resumed.stdout
     _assert_same_as_uninterrupted(run, runs["two"])
+
+
+def test_resume_alone_finishes_the_run_it_was_started_as(runs, tmp_path):
+    """A run started for 2 epochs, killed in its second: --resume alone goes on to the run's own
+    total (it used to take the default 12), then has nothing left to train."""
+    run = tmp_path / "run"
+    killed = _train(*TINY, "--epochs", "2", "--out", str(run), inject=("training", "3", "SIGKILL"))  # 2 steps an epoch
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert checkpoint.load(str(run))["header"]["epochs"] == 2
+    resumed = _train("--resume", str(run), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming after epoch 1 from {run / 'checkpoint.npz'}, to epoch 2" in resumed.stdout
+    _assert_same_as_uninterrupted(run, runs["two"])
+    again = _train("--resume", str(run), "--no-progress")
+    assert again.returncode == 0 and "nothing to train" in again.stdout
+    # a checkpoint from before the total was recorded: the default; a damaged total: one line
+    assert recipe._planned_epochs({"header": {}, "path": "c.npz"}) is None
+    with pytest.raises(CapsNetError, match="c.npz is damaged: its header has epochs = 'two'"):
+        recipe._planned_epochs({"header": {"epochs": "two"}, "path": "c.npz"})
 
 
 def test_metrics_lines_beyond_the_checkpoint_are_dropped_on_resume(runs, tmp_path, capsys):

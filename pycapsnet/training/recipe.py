@@ -32,7 +32,9 @@ RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "seed": 0, "shift":
           "batch_size": 32,
           "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None,
           "image_size": None, "channels": None, "test_fraction": 0.2, "val_fraction": None, "early_stop": None}
-EPOCHS = 12  # where --epochs is left out (not part of RECIPE: a resumed run is not held to its total)
+# Where --epochs is left out.  Not part of RECIPE: --resume goes on to the run's own total (the
+# checkpoint's "epochs") unless --epochs gives another.
+EPOCHS = 12
 # A routing's own recipe where the common one does not suit it: EM routing does not leave chance level
 # at lr 2e-3 and batch 32 (public EM code also trains at 1e-2), it is still rising after 12 epochs, and
 # the small EM network fits its training digits better when they move by at most one pixel
@@ -110,7 +112,8 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     if backend in (None, "torch"):
         p.add_argument("--device", default=None, help="torch device: cpu (default), cuda, cuda:N")
     em = ROUTING_RECIPE["em"]
-    p.add_argument("--epochs", type=positive_int, help=f"total epochs (default: {EPOCHS}; --routing em: {em['epochs']})")
+    p.add_argument("--epochs", type=positive_int, help=f"total epochs (default: {EPOCHS}; --routing em: {em['epochs']}; "
+                   "--resume: the run's own total)")
     p.add_argument("--batch-size", type=positive_int,
                    help=f"training batch size (default: {d['batch_size']}; --routing em: {em['batch_size']})")
     p.add_argument("--lr", type=positive_float,
@@ -273,6 +276,8 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     _refuse_architecture_flags(given, ckpt, cfg, network, described, values, evaluating)
     if ckpt:
         _take_from_checkpoint(values, given, ckpt, cfg, evaluating)
+        if values["epochs"] is None and not evaluating:
+            values["epochs"] = _planned_epochs(ckpt)
     for k, v in ARCHITECTURE.items():
         if values[k] is None:
             values[k] = v
@@ -371,6 +376,16 @@ def _take_from_checkpoint(values, given, ckpt, cfg, evaluating):
             say(f"resuming with {flag(k)} {values[k]} (the run so far used {_shown(saved[k])}){fresh}")
     if cfg is not None:
         values.update({k: v for k, v in cfg.to_dict().items() if k in ARCHITECTURE})
+
+
+def _planned_epochs(ckpt) -> int | None:
+    """The total a resumed run was started for (--epochs), which it goes on to when --epochs is left
+    out; None for a checkpoint that does not record it (the default total then applies)."""
+    planned = ckpt["header"].get("epochs")
+    if planned is not None and (isinstance(planned, bool) or not isinstance(planned, int) or planned < 1):
+        raise CapsNetError(f"{ckpt['path']} is damaged: its header has epochs = {planned!r}; use another "
+                           "checkpoint, or give --epochs N")
+    return planned
 
 
 def _recipe_problem(saved: dict) -> str | None:

@@ -75,16 +75,18 @@ class RunDir:
             say(f"--overwrite: the earlier run's checkpoint, metrics and pictures in {path} stay until this "
                 "run's first epoch is saved")
 
-    def commit(self, model, opt, test_set, history, recipe: dict, classes, best: bool = False, **read) -> None:
+    def commit(self, model, opt, test_set, history, recipe: dict, classes, best: bool = False, epochs=None,
+               **read) -> None:
         """The epoch, committed: first the checkpoint, which holds the records too; from then on the
         epoch is done, and a run stopped before the rest is written resumes after it (``reconcile``
         rewrites what lags).  Then metrics.jsonl, then the pictures.  ``best``: the epoch has the best
-        validation accuracy so far, and best.npz gets it too.  ``read``: what the run read (the
-        header's ``data`` and ``data_changes``)."""
+        validation accuracy so far, and best.npz gets it too.  ``epochs``: the run's total (--epochs),
+        which a resumed run goes on to unless told.  ``read``: what the run read (the header's
+        ``data`` and ``data_changes``)."""
         record = history[-1]
         epoch = record["epoch"]
         with _ctrl_c_held():
-            meta = dict(epoch=epoch, test_acc=record.get("test_acc"), recipe=recipe, history=history,
+            meta = dict(epoch=epoch, epochs=epochs, test_acc=record.get("test_acc"), recipe=recipe, history=history,
                         classes=list(classes), **read)
             checkpoint.save(os.path.join(self.path, CHECKPOINT), model, opt, **meta)
             if best:  # the best validation accuracy so far: its weights, a checkpoint of their own

@@ -220,7 +220,7 @@ class Training:
             say(f"nothing to train: {ckpt['path']} has finished epoch {start} and --epochs is {run.epochs} "
                 f"(the total, not the number of more epochs); pass --epochs {start + 1} or more to continue")
             return opt, None, history
-        say(f"resuming after epoch {start} from {ckpt['path']}")
+        say(f"resuming after epoch {start} from {ckpt['path']}, to epoch {run.epochs}")
         return opt, start, history
 
     def train(self) -> dict:
@@ -288,7 +288,7 @@ class Training:
                 self.directory.commit(model, opt, self.test_set or self.val_set or self.train_set, history, run.recipe,
                                       self.train_set.classes,
                                       best=self.val_set is not None and best_epoch(history) == epoch + 1,
-                                      **self.read)
+                                      epochs=run.epochs, **self.read)
             if self._stops_early(history):
                 break
         if not run.scratch:  # fit() without out= keeps nothing: no directory to name
