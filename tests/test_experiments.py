@@ -167,3 +167,68 @@ def test_experiments_take_mnist_idx_files(tmp_path):
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
     done, _ = _experiment(tmp_path, *flags, "--quick")
     assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def _untimed(results):
+    """results.json without what differs between two runs of one command: times, and the command line."""
+    if isinstance(results, dict):
+        return {k: _untimed(v) for k, v in results.items() if k not in ("ms_per_step", "minutes", "command")}
+    return results
+
+
+@pytest.mark.parametrize("name", ["table1", "affine", "multimnist"])
+def test_a_stopped_experiment_goes_on_from_its_finished_units(tmp_path, monkeypatch, capsys, name):
+    """Stopped in its second unit (a network from one seed), the same command run again trains only
+    the units not finished, and its results are the uninterrupted run's; other flags reuse nothing."""
+    from types import SimpleNamespace
+
+    from pycapsnet import experiments
+    from pycapsnet.experiments import loop
+
+    def args(out, **changed):
+        flags = dict(name=name, quick=True, out=str(out), epochs=None, seeds=None, data_dir=None, limit=None,
+                     batch_size=32, lr=None, backend="numpy", dtype="float32", canvas=None, max_rotation=None,
+                     max_shear=None, scale=None, shift=None, pairs=None)
+        return SimpleNamespace(**{**flags, **changed})
+
+    train, calls = loop.train, []
+
+    def counted(*a, **k):
+        calls.append(k.get("desc"))
+        if stop_at and len(calls) == stop_at:
+            raise KeyboardInterrupt
+        return train(*a, **k)
+
+    monkeypatch.setattr(loop, "train", counted)
+    stop_at = 0
+    assert experiments.main(args(tmp_path / "straight")) == 0
+    units = len(calls)
+    assert units >= 2
+    calls.clear()
+    stop_at = 2
+    with pytest.raises(KeyboardInterrupt):
+        experiments.main(args(tmp_path / "stopped"))
+    assert not (tmp_path / "stopped" / "results.json").exists()
+    assert "interrupted: 1 finished unit(s) kept in" in capsys.readouterr().out
+    calls.clear()
+    stop_at = 0
+    capsys.readouterr()
+    assert experiments.main(args(tmp_path / "stopped")) == 0
+    assert len(calls) == units - 1  # the first unit was reused
+    assert "1 finished unit(s) in" in capsys.readouterr().out
+    straight, resumed = (_untimed(json.loads((tmp_path / d / "results.json").read_text()))
+                         for d in ("straight", "stopped"))
+    assert resumed == straight
+    # other flags: nothing is reused
+    calls.clear()
+    assert experiments.main(args(tmp_path / "stopped", epochs=2)) == 0
+    assert len(calls) == units and "holds units of other flags" in capsys.readouterr().out
+
+
+def test_a_damaged_units_file_is_one_line(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "units.json").write_text("{not json")
+    done, _ = _experiment(tmp_path, "table1", "--quick")
+    assert done.returncode == 2 and "units.json" in done.stderr and "delete it" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -8,8 +8,10 @@
                 tested on translated and on affinely transformed test digits (§5.2, affNIST)
     multimnist  two overlapping digits per image: both recognised, each reconstructed (§6, Figure 5)
 
-Each writes results.json, results.md and its figures into --out; ``--quick`` runs it at a toy size
-in seconds (what the test suite runs).  docs/experiments.md holds the measured tables."""
+Each writes results.json, results.md and its figures into --out, and units.json as each network
+finishes training from a seed: the same command run again after a stop reuses those (units.py).
+``--quick`` runs it at a toy size in seconds (what the test suite runs).  docs/experiments.md holds
+the measured tables."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,7 @@ from ..errors import CapsNetError
 from ..training.argtypes import nonnegative_int, positive_float, positive_int
 from ..training.files import atomic_write
 from ..training.log import say
+from .units import Units
 
 NAMES = ("table1", "affine", "multimnist")
 QUICK = dict(epochs=1, seeds=2, limit=120)  # --quick: flags left out take these
@@ -84,7 +87,13 @@ def main(args) -> int:
     say(f"experiment {args.name}{' (quick)' if args.quick else ''} on {B.label}: {args.epochs} epoch(s), "
         f"{args.seeds} seed(s), results in {out}")
     t0 = time.perf_counter()
-    results = module.run(args, B, out)
+    units = Units(out, args)
+    try:
+        results = module.run(args, B, out, units)
+    except KeyboardInterrupt:
+        say(f"interrupted: {len(units.done)} finished unit(s) kept in {units.path}; the same command goes on "
+            "from there")
+        raise
     results.update(command=_command(args), data="MNIST IDX files (--data-dir)" if args.data_dir else "embedded",
                    backend=B.label, lr=args.lr, epochs=args.epochs, seeds=args.seeds,
                    minutes=round((time.perf_counter() - t0) / 60, 1))

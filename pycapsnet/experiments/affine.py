@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from ..core import architecture as A
+from ..tools import plots
 from ..training import data
 from ..training.log import say
 from . import check_fits, digits, loop
@@ -20,13 +21,14 @@ PAPER = {"capsnet": (99.23, 79.0), "baseline": (99.22, 66.0)}  # % accuracy: tra
 
 LR = 1e-3  # Adam's rate: the paper's; 2e-3 makes every class capsule long in the first steps on 40x40
 VAL_FRACTION = 0.1  # of each class of the training digits, held out (translated) to choose the stopping epochs
+SHOWN = 16  # affine test digits in the figure
 
 def networks(shape, quick):
     small, cnn = (QUICK_CAPSNET, QUICK_CNN) if quick else ({}, {})
     return {"capsnet": capsnet(shape, **small), "baseline": baseline_cnn(shape, **cnn)}
 
 
-def run(args, B, out) -> dict:
+def run(args, B, out, units) -> dict:
     """Per seed, both networks train for --epochs; after each epoch both are scored on a held-out
     translated validation set (VAL_FRACTION of each class of the training digits) and on the two
     test sets.  The paper's protocol picks the epochs: the target is the lower of the two networks'
@@ -42,25 +44,11 @@ def run(args, B, out) -> dict:
               "translated": (digits.place(x_te, canvas, np.random.default_rng(777)), test_set.y),
               "affine": (digits.affine(x_te, canvas, np.random.default_rng(778), args.max_rotation, args.max_shear,
                                        tuple(args.scale)), test_set.y)}
-    curves, shown, steps, params = {}, {}, {}, {}
-    for name, description in networks((1, canvas, canvas), args.quick).items():
-        curves[name], steps[name] = [], []
-        for seed in range(args.seeds):
-            model = A.build(description, B, seed=seed)
-            rng = np.random.default_rng(seed)
-            batches = lambda epoch: loop.shuffled(train_set.x, train_set.y, args.batch_size, rng,
-                                                  lambda x, r: digits.place(data.as_float(x), canvas, r))
-            curve = []
-
-            def score(epoch):
-                curve.append({k: 100 * float(np.mean(model.predict(x, 100) == y)) for k, (x, y) in scored.items()})
-                say(f"{name} seed {seed} epoch {epoch + 1}: validation {curve[-1]['val']:.2f}%")
-
-            _, t = loop.train(model, args.epochs, batches, loop.n_batches(len(train_set), args.batch_size),
-                              lr=args.lr, desc=f"{name} seed {seed}", after_epoch=score)
-            curves[name].append(curve)
-            steps[name].append(t)
-            shown[name], params[name] = model.predict(scored["affine"][0], 100), model.n_params()
+    done = {name: [units.get(f"{name} seed {seed}") or units.put(f"{name} seed {seed}", train_one(
+                       args, B, description, seed, train_set, scored, canvas, f"{name} seed {seed}"))
+                   for seed in range(args.seeds)]
+            for name, description in networks((1, canvas, canvas), args.quick).items()}
+    curves = {name: [u["curve"] for u in d] for name, d in done.items()}
     rows, stops = {n: {"translated": [], "affine": [], "stop_epoch": [], "val": []} for n in curves}, []
     for seed in range(args.seeds):
         target = min(max(e["val"] for e in c[seed]) for c in curves.values())
@@ -72,23 +60,41 @@ def run(args, B, out) -> dict:
                 rows[name][k].append(v)
             say(f"{name} seed {seed}: stopped at epoch {epoch + 1} (validation {c[seed][epoch]['val']:.2f}%, "
                 f"target {target:.2f}%): translated {rows[name]['translated'][-1]:.2f}%, affine {rows[name]['affine'][-1]:.2f}%")
-    examples_figure(scored["affine"][0], test_set.y, shown, os.path.join(out, "affine_examples.png"))
+    examples_figure(scored["affine"][0], test_set.y, {n: np.array(d[-1]["shown"]) for n, d in done.items()},
+                    os.path.join(out, "affine_examples.png"))
     return {"canvas": canvas, "max_rotation": args.max_rotation, "max_shear": args.max_shear,
             "scale": list(args.scale), "train_digits": len(train_set), "val_digits": len(val_set),
             "test_digits": len(test_set), "target_val": stops, "curves": curves,
-            "rows": {n: {"params": params[n], "ms_per_step": 1e3 * float(np.median(steps[n])), "paper": PAPER[n],
-                         "stop_epoch": r["stop_epoch"], "val": r["val"],
+            "rows": {n: {"params": done[n][0]["params"], "paper": PAPER[n], "stop_epoch": r["stop_epoch"],
+                         "ms_per_step": 1e3 * float(np.median([u["step"] for u in done[n]])), "val": r["val"],
                          **{k: {"accs": r[k], "mean": float(np.mean(r[k]))} for k in ("translated", "affine")}}
                      for n, r in rows.items()}}
 
 
-def examples_figure(x, y, predicted, path, k=16):
+def train_one(args, B, description, seed, train_set, scored, canvas, desc) -> dict:
+    """One unit: the network trained from ``seed``, scored after every epoch on each set of
+    ``scored`` (its ``curve``); seconds a step, parameters, and its last epoch's predictions of
+    the affine test digits (``shown``, for the figure)."""
+    model = A.build(description, B, seed=seed)
+    rng = np.random.default_rng(seed)
+    batches = lambda epoch: loop.shuffled(train_set.x, train_set.y, args.batch_size, rng,  # noqa: E731
+                                          lambda x, r: digits.place(data.as_float(x), canvas, r))
+    curve = []
+
+    def score(epoch):
+        curve.append({k: 100 * float(np.mean(model.predict(x, 100) == y)) for k, (x, y) in scored.items()})
+        say(f"{desc} epoch {epoch + 1}: validation {curve[-1]['val']:.2f}%")
+
+    _, step = loop.train(model, args.epochs, batches, loop.n_batches(len(train_set), args.batch_size),
+                         lr=args.lr, desc=desc, after_epoch=score)
+    return {"curve": curve, "step": step, "params": model.n_params(),
+            "shown": model.predict(scored["affine"][0], 100)[:SHOWN].tolist()}
+
+
+def examples_figure(x, y, predicted, path, k=SHOWN):
     """The first k affine test digits, each titled with its label and what each network predicts
     (of the last seed, at its last epoch), a wrong prediction in red."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     k = min(k, len(y))
     fig, axes = plt.subplots(2, (k + 1) // 2, figsize=(0.95 * ((k + 1) // 2), 2.6), squeeze=False)
     for i, ax in enumerate(axes.ravel()):
@@ -99,8 +105,7 @@ def examples_figure(x, y, predicted, path, k=16):
         caps, cnn = predicted["capsnet"][i], predicted["baseline"][i]
         ax.set_title(f"{y[i]}: {caps}/{cnn}", fontsize=7, color="black" if caps == cnn == y[i] else "red")
     fig.suptitle("affine test digits, label: CapsNet / CNN prediction", fontsize=8)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    plots.save(fig, path, bbox_inches="tight")
 
 
 def table(results) -> str:

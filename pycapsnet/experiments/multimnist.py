@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from ..core import architecture as A
+from ..tools import plots
 from ..training import data
 from ..training.log import say
 from . import check_fits, digits, loop
@@ -66,7 +67,7 @@ def top_two(model, x, batch_size=100):
     return np.argsort(-model.scores(x, batch_size), axis=1)[:, :2]
 
 
-def run(args, B, out) -> dict:
+def run(args, B, out, units) -> dict:
     canvas = args.canvas
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 2)
     digits.check_multimnist(args.shift, canvas, pairs)
@@ -76,32 +77,42 @@ def run(args, B, out) -> dict:
                "give fewer --pairs, a smaller --canvas or --limit")
     x_tr, x_te = data.as_float(train_set.x), data.as_float(test_set.x)
     test = digits.multimnist(x_te, test_set.y, 1, np.random.default_rng(12345), args.shift, canvas)
-    size = QUICK_CAPSNET if args.quick else {}
-    errors, steps, model = [], [], None
-    for seed in range(args.seeds):
-        model = A.build(capsnet((1, canvas, canvas), **size), B, seed=seed)
-        rng = np.random.default_rng(seed)
-
-        def batches(epoch):  # fresh pairs and shifts every epoch, from the seed
-            made = digits.multimnist(x_tr, train_set.y, pairs, rng, args.shift, canvas)
-            order = rng.permutation(len(made[1]))
-            for s in range(0, len(order), args.batch_size):
-                idx = order[s:s + args.batch_size]
-                yield tuple(part[idx] for part in made)
-
-        n = loop.n_batches(len(train_set) * pairs, args.batch_size)
-        _, t = loop.train(model, args.epochs, batches, n, step, lr=args.lr, desc=f"multimnist seed {seed}")
-        predicted = top_two(model, test[0])
-        right = recognised(predicted, test[1], test[2])
-        errors.append(100 * float(1 - right.mean()))
-        steps.append(t)
-        say(f"multimnist seed {seed}: test error {errors[-1]:.2f}% ({int((~right).sum())} of {len(right)} pairs)")
-    segmentation_figure(model, test, predicted, right, os.path.join(out, "segmentation.png"))
+    figure = os.path.join(out, "segmentation.png")
+    done = [units.get(f"seed {seed}") or units.put(f"seed {seed}", train_one(args, B, seed, x_tr, train_set.y, test,
+                                                                           pairs, figure))
+            for seed in range(args.seeds)]
+    errors = [u["error"] for u in done]
     return {"canvas": canvas, "shift": args.shift, "pairs_per_train_digit_per_epoch": pairs,
             "train_digits": len(train_set), "test_pairs": len(test[1]),
             "mean_box_overlap": digits.box_overlap(test[3], test[4]), "errors": errors,
             "mean": float(np.mean(errors)), "std": float(np.std(errors, ddof=1)) if len(errors) > 1 else None,
-            "ms_per_step": 1e3 * float(np.median(steps)), "params": model.n_params(), "paper": PAPER_ERROR}
+            "ms_per_step": 1e3 * float(np.median([u["step"] for u in done])), "params": done[0]["params"],
+            "paper": PAPER_ERROR}
+
+
+def train_one(args, B, seed, x_tr, y_tr, test, pairs, figure) -> dict:
+    """One unit: CapsNet trained from ``seed`` on fresh pairs each epoch; its test error (%),
+    seconds a step and parameters.  Its segmentation figure replaces the one before (the last
+    seed's stays)."""
+    canvas = args.canvas
+    model = A.build(capsnet((1, canvas, canvas), **(QUICK_CAPSNET if args.quick else {})), B, seed=seed)
+    rng = np.random.default_rng(seed)
+
+    def batches(epoch):  # fresh pairs and shifts every epoch, from the seed
+        made = digits.multimnist(x_tr, y_tr, pairs, rng, args.shift, canvas)
+        order = rng.permutation(len(made[1]))
+        for s in range(0, len(order), args.batch_size):
+            idx = order[s:s + args.batch_size]
+            yield tuple(part[idx] for part in made)
+
+    n = loop.n_batches(len(y_tr) * pairs, args.batch_size)
+    _, t = loop.train(model, args.epochs, batches, n, step, lr=args.lr, desc=f"multimnist seed {seed}")
+    predicted = top_two(model, test[0])
+    right = recognised(predicted, test[1], test[2])
+    error = 100 * float(1 - right.mean())
+    say(f"multimnist seed {seed}: test error {error:.2f}% ({int((~right).sum())} of {len(right)} pairs)")
+    segmentation_figure(model, test, predicted, right, figure)
+    return {"error": error, "step": t, "params": model.n_params()}
 
 
 def recognised(predicted, a, b):
@@ -113,10 +124,7 @@ def segmentation_figure(model, test, predicted, right, path, k=8):
     """Figure 5: each test pair (top) and the reconstructions from its two longest capsules
     (``predicted``), one red and one green, over it (bottom); k pairs recognised (``right``), then
     up to k not."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     x, a, b = test[0], test[1], test[2]
     shown = [*np.flatnonzero(right)[:k], *np.flatnonzero(~right)[:k]]
     with model.evaluating():
@@ -135,8 +143,7 @@ def segmentation_figure(model, test, predicted, right, path, k=8):
             ax.axis("off")
     fig.suptitle("MultiMNIST: pairs (top, L: labels) and the reconstructions from the two longest capsules "
                  "(bottom, R: red, green; the input in blue); wrong in red", fontsize=8)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    plots.save(fig, path, bbox_inches="tight")
 
 
 def table(results) -> str:

@@ -10,6 +10,7 @@ import os
 import numpy as np
 
 from ..core import architecture as A
+from ..tools import plots
 from ..training import data
 from ..training.log import say
 from . import digits, loop
@@ -27,36 +28,39 @@ def variants(shape, quick):
                for r in (1, 3) for rec in (False, True)}}
 
 
-def run(args, B, out) -> dict:
+def run(args, B, out, units) -> dict:
     train_set, test_set = digits.source(args.limit, args.data_dir)
     x_test = data.as_float(test_set.x)
     rows = {}
     for name, description in variants((1, 28, 28), args.quick).items():
-        errors, steps = [], []
-        for seed in range(args.seeds):
-            model = A.build(description, B, seed=seed)
-            rng = np.random.default_rng(seed)
-            batches = lambda epoch: loop.shuffled(train_set.x, train_set.y, args.batch_size, rng,
-                                                  lambda x, r: data.random_shift(data.as_float(x), 2, r))
-            _, step = loop.train(model, args.epochs, batches, loop.n_batches(len(train_set), args.batch_size),
-                                 lr=args.lr, desc=f"{name} seed {seed}")
-            errors.append(100 * float(np.mean(model.predict(x_test, 100) != test_set.y)))
-            steps.append(step)
-            say(f"{name} seed {seed}: test error {errors[-1]:.2f}%")
+        done = [units.get(f"{name} seed {seed}") or units.put(f"{name} seed {seed}", train_one(
+                    args, B, description, seed, train_set, x_test, test_set.y, f"{name} seed {seed}"))
+                for seed in range(args.seeds)]
+        errors = [u["error"] for u in done]
         rows[name] = {"errors": errors, "mean": float(np.mean(errors)), "std": float(np.std(errors, ddof=1))
-                      if len(errors) > 1 else None, "ms_per_step": 1e3 * float(np.median(steps)),
-                      "params": model.n_params(), "paper": PAPER[name], "paper_std": PAPER_SPREAD.get(name)}
+                      if len(errors) > 1 else None, "ms_per_step": 1e3 * float(np.median([u["step"] for u in done])),
+                      "params": done[0]["params"], "paper": PAPER[name], "paper_std": PAPER_SPREAD.get(name)}
     results = {"train": len(train_set), "test": len(test_set), "rows": rows}
     figure(results, os.path.join(out, "table1.png"))
     return results
 
 
+def train_one(args, B, description, seed, train_set, x_test, y_test, desc) -> dict:
+    """One unit: the network trained from ``seed``; its test error (%), seconds a step, parameters."""
+    model = A.build(description, B, seed=seed)
+    rng = np.random.default_rng(seed)
+    batches = lambda epoch: loop.shuffled(train_set.x, train_set.y, args.batch_size, rng,  # noqa: E731
+                                          lambda x, r: data.random_shift(data.as_float(x), 2, r))
+    _, step = loop.train(model, args.epochs, batches, loop.n_batches(len(train_set), args.batch_size),
+                         lr=args.lr, desc=desc)
+    error = 100 * float(np.mean(model.predict(x_test, 100) != y_test))
+    say(f"{desc}: test error {error:.2f}%")
+    return {"error": error, "step": step, "params": model.n_params()}
+
+
 def figure(results, path):
     """Each network's test error: its seeds as dots, their mean as a bar, the paper's as a mark."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     rows = results["rows"]
     fig, ax = plt.subplots(figsize=(5.5, 3))
     for k, (name, r) in enumerate(rows.items()):
@@ -68,8 +72,7 @@ def figure(results, path):
     ax.set_title(f"Table 1 on {results['train']:,} training digits: seeds (dots), mean (bar), paper (red)", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, path)
 
 
 def table(results) -> str:

@@ -19,11 +19,12 @@ def pyplot():
     return plt
 
 
-def save(fig, path: str, dpi: int = 110) -> str:
-    """Write ``fig`` to ``path`` atomically (never a half-drawn file) and close it."""
+def save(fig, path: str, dpi: int = 110, **options) -> str:
+    """Write ``fig`` to ``path`` atomically (never a half-drawn file) and close it; ``options`` go
+    to savefig (bbox_inches="tight")."""
     try:
         fmt = os.path.splitext(path)[1][1:] or "png"
-        files.atomic_write(path, lambda f: fig.savefig(f, format=fmt, dpi=dpi))
+        files.atomic_write(path, lambda f: fig.savefig(f, format=fmt, dpi=dpi, **options))
     finally:
         pyplot().close(fig)
     return path

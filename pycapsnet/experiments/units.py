@@ -1,0 +1,59 @@
+"""An experiment's finished units -- one network trained from one seed, and what was measured of it
+-- kept in OUT/units.json as each one ends.  The same command run again after a stop (a kill, a
+Ctrl-C, a GPU call's time limit) goes on from the first unit not yet finished: a unit depends only
+on its seed and the flags, never on the units before it, so the results are the uninterrupted
+run's.  Units recorded under other flags are not reused (the file says which flags it holds)."""
+from __future__ import annotations
+
+import json
+import os
+
+from ..errors import CapsNetError
+from ..training.files import atomic_write
+from ..training.log import say
+
+FILE = "units.json"
+NOT_FLAGS = ("seeds", "out", "fn", "command")  # what a unit does not depend on (more seeds are more units)
+
+
+class Units:
+    def __init__(self, out: str, args):
+        self.path = os.path.join(out, FILE)
+        self.flags = {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(vars(args).items())
+                      if k not in NOT_FLAGS and not callable(v)}
+        self.done = {}
+        saved = self._read()
+        if saved is None:
+            return
+        if saved.get("flags") == self.flags:
+            self.done = saved.get("units", {})
+            say(f"{len(self.done)} finished unit(s) in {self.path} reused: {', '.join(self.done)} (delete the file "
+                "to train them again)")
+        else:
+            say(f"{self.path} holds units of other flags: they are not reused, and the file is replaced")
+
+    def _read(self):
+        if not os.path.exists(self.path):
+            return None
+        try:
+            with open(self.path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CapsNetError(f"cannot read {self.path} ({e}): delete it to train every unit again") from None
+        if not isinstance(saved, dict) or not isinstance(saved.get("units", {}), dict):
+            raise CapsNetError(f"{self.path} is not an experiment's units file: delete it to train every unit again")
+        return saved
+
+    def get(self, key: str):
+        """What the unit ``key`` measured, if it finished; else None."""
+        return self.done.get(key)
+
+    def put(self, key: str, measured: dict) -> dict:
+        """Record the finished unit, the file written whole; returns ``measured``."""
+        self.done[key] = measured
+        record = {"flags": self.flags, "units": self.done}
+        try:
+            atomic_write(self.path, lambda f: json.dump(record, f, indent=1), text=True)
+        except OSError as e:
+            raise CapsNetError(f"cannot write {self.path}: {e.strerror or e}") from None
+        return measured
