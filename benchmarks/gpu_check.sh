@@ -33,7 +33,8 @@
 #  efficient   the same for Efficient-CapsNet (--network efficient, its paper's recipe), $EFFICIENT_EPOCHS (30);
 #              EFFICIENT_AUGMENT=efficient trains on its paper's augmentation (default: shift)
 #  table1, affine, multimnist   the paper's experiments from full MNIST ($EXP_EPOCHS epochs, 5;
-#              $EXP_SEEDS seeds, 3), results in OUTDIR/NAME
+#              $EXP_SEEDS seeds, 3), results in OUTDIR/NAME; one cut by its time limit goes on from
+#              its finished units (OUTDIR/NAME/units.json) when run again into the same OUTDIR
 #  The runs take $DEVICE (cuda) and extra flags in $RUN_FLAGS: DEVICE=cpu RUN_FLAGS="--limit 64
 #  --limit-test 32" runs them at toy size on a CPU, to catch a typo before the GPU's minutes.
 #
