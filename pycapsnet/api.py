@@ -254,7 +254,7 @@ def _positive(v, name):
 
 def _recipe_values(**values) -> dict:
     """fit's recipe keywords checked as the command line's flags check them."""
-    from .training import optim
+    from .training import data, optim
 
     for name in ("epochs", "batch_size"):
         _positive(values[name], name)
@@ -266,8 +266,8 @@ def _recipe_values(**values) -> dict:
             raise CapsNetError(f"{name} must be a positive number, got {v!r}")
     if isinstance(values["shift"], bool) or not isinstance(values["shift"], (int, np.integer)) or values["shift"] < 0:
         raise CapsNetError(f"shift must be a whole number of pixels, 0 or more, got {values['shift']!r}")
-    if values["augment"] not in ("shift", "efficient"):
-        raise CapsNetError(f"augment must be 'shift' or 'efficient', got {values['augment']!r}")
+    if values["augment"] not in data.AUGMENTS:
+        raise CapsNetError(f"augment must be {' or '.join(map(repr, data.AUGMENTS))}, got {values['augment']!r}")
     if isinstance(values["seed"], bool) or not isinstance(values["seed"], (int, np.integer)) or values["seed"] < 0:
         raise CapsNetError(f"seed must be a whole number of at least 0, got {values['seed']!r}")
     if values["optimizer"] not in optim.NAMES:

@@ -44,7 +44,7 @@ def run(args, B, out, units) -> dict:
               "translated": (digits.place(x_te, canvas, np.random.default_rng(777)), test_set.y),
               "affine": (digits.affine(x_te, canvas, np.random.default_rng(778), args.max_rotation, args.max_shear,
                                        tuple(args.scale)), test_set.y)}
-    done = {name: [units.get(f"{name} seed {seed}") or units.put(f"{name} seed {seed}", train_one(
+    done = {name: [units.measure(f"{name} seed {seed}", lambda seed=seed: train_one(
                        args, B, description, seed, train_set, scored, canvas, f"{name} seed {seed}"))
                    for seed in range(args.seeds)]
             for name, description in networks((1, canvas, canvas), args.quick).items()}

@@ -78,8 +78,8 @@ def run(args, B, out, units) -> dict:
     x_tr, x_te = data.as_float(train_set.x), data.as_float(test_set.x)
     test = digits.multimnist(x_te, test_set.y, 1, np.random.default_rng(12345), args.shift, canvas)
     figure = os.path.join(out, "segmentation.png")
-    done = [units.get(f"seed {seed}") or units.put(f"seed {seed}", train_one(args, B, seed, x_tr, train_set.y, test,
-                                                                           pairs, figure))
+    done = [units.measure(f"seed {seed}", lambda seed=seed: train_one(args, B, seed, x_tr, train_set.y, test, pairs,
+                                                                      figure))
             for seed in range(args.seeds)]
     errors = [u["error"] for u in done]
     return {"canvas": canvas, "shift": args.shift, "pairs_per_train_digit_per_epoch": pairs,

@@ -33,7 +33,7 @@ def run(args, B, out, units) -> dict:
     x_test = data.as_float(test_set.x)
     rows = {}
     for name, description in variants((1, 28, 28), args.quick).items():
-        done = [units.get(f"{name} seed {seed}") or units.put(f"{name} seed {seed}", train_one(
+        done = [units.measure(f"{name} seed {seed}", lambda seed=seed: train_one(
                     args, B, description, seed, train_set, x_test, test_set.y, f"{name} seed {seed}"))
                 for seed in range(args.seeds)]
         errors = [u["error"] for u in done]

@@ -44,13 +44,12 @@ class Units:
             raise CapsNetError(f"{self.path} is not an experiment's units file: delete it to train every unit again")
         return saved
 
-    def get(self, key: str):
-        """What the unit ``key`` measured, if it finished; else None."""
-        return self.done.get(key)
-
-    def put(self, key: str, measured: dict) -> dict:
-        """Record the finished unit, the file written whole; returns ``measured``."""
-        self.done[key] = measured
+    def measure(self, key: str, train) -> dict:
+        """What the unit ``key`` measured: recorded, if it finished; else ``train()``'s, recorded
+        now, the file written whole."""
+        if key in self.done:
+            return self.done[key]
+        measured = self.done[key] = train()
         record = {"flags": self.flags, "units": self.done}
         try:
             atomic_write(self.path, lambda f: json.dump(record, f, indent=1), text=True)
