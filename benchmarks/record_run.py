@@ -31,6 +31,18 @@ def cpu() -> str:
             if get("Model name") else platform.processor())
 
 
+def machine(command: str) -> str:
+    """The CPU, and the GPU first where the command trains on one (nvidia-smi names it)."""
+    if "cuda" not in command:
+        return cpu()
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        gpu = "a CUDA GPU"
+    return f"{gpu}, host {cpu()}"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run")
@@ -55,7 +67,7 @@ def main(argv=None):
     best = best_epoch(history)
     chosen = history[best - 1] if best else history[-1]
     record = {
-        "command": command, "commit": args.commit, "machine": cpu(), "epochs_done": len(history),
+        "command": command, "commit": args.commit, "machine": machine(command), "epochs_done": len(history),
         "wall_seconds": round(sum(r["train_seconds"] for r in history)),
         "chosen_epoch": chosen["epoch"], "chosen_by": "validation accuracy" if best else "the last epoch",
         "val_acc": chosen.get("val_acc"), "test_acc": chosen.get("test_acc"),

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU work, run side by side rather than in turn (gpu_check.sh runs its
+# parts one after another, and a session is lent 15 minutes of device time in all):
+#
+#     bash benchmarks/gpu_session.sh OUTDIR          # about 9 minutes on an H100 or H200
+#
+#  while the full-MNIST runs train  the GPU tests (pytest -k "cupy or cuda"), float64 gradcheck of every
+#                 layer and network on cupy and torch:cuda (and the efficient description), the four
+#                 crosschecks of gpu_check.sh
+#  sweep          the paper's network on full MNIST, one run per $SWEEP entry (LR:DECAY, default
+#                 "1e-3:0.9 2e-3:0.9 1e-3:0.95 2e-3:0.95") at batch $BATCH (128), $EPOCHS (30) epochs
+#                 or until $TRAIN_S (360) seconds after the start, whichever comes first; a run cut by
+#                 the limit keeps its finished epochs (metrics.jsonl, best.npz). The learning rate,
+#                 its decay and the epoch are chosen afterwards on the 5,001 validation digits only.
+#  epoch 1 again  each run's first epoch from the same command, to say whether it reproduces on the GPU
+#  bench          the step at batch 64 and 256, torch:cuda and cupy against eager autograd, on a
+#                 GPU nothing else uses by then
+#  records        benchmarks/record_run.py for each run, then OUTDIR.tar.gz without checkpoints
+#
+# $MNIST_DIR holds the four IDX files (default ../shared/data/mnist); $COMMIT names the code when
+# the tree came without .git.  Every command has its own time limit; the exit code counts failures.
+set -u
+cd "$(dirname "$0")/.."
+out=${1:?usage: gpu_session.sh OUTDIR}
+data=${MNIST_DIR:-../shared/data/mnist}
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+batch=${BATCH:-128}
+epochs=${EPOCHS:-30}
+train_s=${TRAIN_S:-360}
+device=${DEVICE:-cuda}    # DEVICE=cpu RUN_FLAGS="--limit 256 --limit-test 128": a toy run, to catch a typo
+sweep=${SWEEP:-1e-3:0.9 2e-3:0.9 1e-3:0.95 2e-3:0.95}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+start=$SECONDS
+failed=0
+
+job() {  # job NAME SECONDS COMMAND...: in the background, logged to $out/NAME.log, its exit in NAME.rc
+    local name=$1 limit=$2
+    shift 2
+    echo "[$((SECONDS - start)) s] start $name: $*"
+    ( timeout "$limit" "$@" >"$out/$name.log" 2>&1; echo $? >"$out/$name.rc" ) &
+}
+report() {  # report NAME TAIL: its exit and the last lines of its log
+    local rc
+    rc=$(cat "$out/$1.rc" 2>/dev/null || echo none)
+    echo "=== $1: exit $rc"
+    tail -n "$2" "$out/$1.log"
+    [ "$rc" = 0 ] || failed=$((failed + 1))
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python -c "import sys, numpy, cupy, torch; print('python', sys.version.split()[0], '| numpy', numpy.__version__,
+'| cupy', cupy.__version__, '| torch', torch.__version__, '| CUDA', torch.version.cuda)" | tee -a "$out/gpu.txt"
+lscpu | grep -m1 'Model name' | tee -a "$out/gpu.txt"
+echo "code $commit" | tee -a "$out/gpu.txt"
+
+flags="--dataset mnist --data-dir $data --val-fraction 0.08333 --batch-size $batch --no-progress --overwrite ${RUN_FLAGS:-}"
+for cfg in $sweep; do
+    lr=${cfg%:*} decay=${cfg#*:}
+    job "mnist_lr${lr}_d$decay" $((train_s - (SECONDS - start))) python train_torch.py --device $device $flags \
+        --lr "$lr" --lr-decay "$decay" --epochs "$epochs" --out "$out/mnist-lr$lr-d$decay"
+done
+job tests_gpu 330 python -m pytest -q -rs -k "cupy or cuda" tests
+job gradcheck_cupy 330 python -m pycapsnet gradcheck --backend cupy --dtype float64
+job gradcheck_torch_cuda 330 python -m pycapsnet gradcheck --backend torch:cuda --dtype float64
+job gradcheck_efficient 330 bash -c "python -m pycapsnet gradcheck --backend cupy --dtype float64 --network efficient &&
+    python -m pycapsnet gradcheck --backend torch:cuda --dtype float64 --network efficient"
+job crosscheck 330 bash -c "set -e
+    python -m pycapsnet crosscheck --a numpy --b cupy --dtype float32
+    python -m pycapsnet crosscheck --a torch:cpu --b torch:cuda --dtype float32
+    python -m pycapsnet crosscheck --a numpy --b cupy --dtype-b float32
+    python -m pycapsnet crosscheck --a torch:cpu --b torch:cuda --dtype-b float32"
+wait
+for name in tests_gpu gradcheck_cupy gradcheck_torch_cuda gradcheck_efficient crosscheck; do report $name 6; done
+for cfg in $sweep; do report "mnist_lr${cfg%:*}_d${cfg#*:}" 2; done
+
+echo "[$((SECONDS - start)) s] epoch 1 again"
+for cfg in $sweep; do
+    lr=${cfg%:*} decay=${cfg#*:}
+    job "again_lr${lr}_d$decay" 60 python train_torch.py --device $device $flags --lr "$lr" --lr-decay "$decay" \
+        --epochs 1 --out "$out/again-lr$lr-d$decay"
+done
+wait
+python - "$out" $sweep <<'EOF'
+import json, pathlib, sys
+out, keys = pathlib.Path(sys.argv[1]), ("train_loss", "train_acc", "val_acc", "test_acc")
+for cfg in sys.argv[2:]:
+    lr, decay = cfg.split(":")
+    runs = [out / f"{kind}-lr{lr}-d{decay}" / "metrics.jsonl" for kind in ("mnist", "again")]
+    if not all(r.exists() for r in runs):
+        print(f"lr {lr} decay {decay}: epoch 1 again: missing run"); continue
+    a, b = (json.loads(r.read_text().splitlines()[0]) for r in runs)
+    same = all(a[k] == b[k] for k in keys)
+    print(f"lr {lr} decay {decay}: epoch 1 again {'identical' if same else 'DIFFERS'}:",
+          {k: (a[k], b[k]) for k in keys})
+    rows = [json.loads(l) for l in runs[0].read_text().splitlines()]
+    best = max(rows, key=lambda r: r["val_acc"])    # chosen on validation; test read, not used
+    print(f"    {len(rows)} epochs; best validation {100 * best['val_acc']:.2f}% at epoch {best['epoch']}")
+EOF
+
+echo "[$((SECONDS - start)) s] bench"
+for b in 64 256; do
+    (( SECONDS - start < 480 )) || { echo "bench_b$b: skipped, no time left"; continue; }
+    job "bench_b$b" 70 python benchmarks/bench.py --backends torch:cuda cupy --ref-device cuda --reference eager \
+        --batch-size "$b" --warmup 5 --steps 20 --rounds 2 --json "$out/bench_b$b.json"
+    wait
+    report "bench_b$b" 12
+done
+
+for cfg in $sweep; do
+    lr=${cfg%:*} decay=${cfg#*:}
+    python benchmarks/record_run.py "$out/mnist-lr$lr-d$decay" "$out/record-lr$lr-d$decay" \
+        --command "python train_torch.py --device $device $flags --lr $lr --lr-decay $decay --epochs $epochs --out OUT" \
+        --data-dir "$data" --commit "$commit" --log "$out/mnist_lr${lr}_d$decay.log" >/dev/null || failed=$((failed + 1))
+done
+tar czf "$out.tar.gz" --exclude='*.npz' -C "$(dirname "$out")" "$(basename "$out")"
+echo "[$((SECONDS - start)) s] commands failed: $failed"
+exit "$failed"
