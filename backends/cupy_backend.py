@@ -74,6 +74,7 @@ class CupyBackend(NumpyBackend):
     # may call cuBLAS, which a recorded graph refuses)
     sample_block = None
     sum_children = Backend.sum_children
+    sum_children_pair = Backend.sum_children_pair
     sum_entries = Backend.sum_entries
     votes = Backend.votes  # products written through strided views: not tried on a GPU yet
     votes_backward = Backend.votes_backward

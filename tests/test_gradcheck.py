@@ -79,3 +79,24 @@ def test_model_check_catches_a_routing_backward_bug(monkeypatch):
     broken = gradcheck.model_checks(B64, samples=8, routing_grad="full")
     assert any(not r.passed for r in broken if r.tensor == "classcaps.W")
     _assert_all_pass(gradcheck.model_checks(B64, samples=8, routing_grad="final"))
+
+
+def test_rounding_of_a_large_loss_is_not_a_failure_and_an_error_still_is():
+    """A loss of 3000 rounds to about 5e-13, so the quotient at h = 1e-5 to about 3e-8: beyond 1e-6 of
+    a gradient of 0.001.  The check counts errors beyond what its two step sizes disagree by, so the
+    exact gradient passes with every entry checked (none taken for a kink), and one off by 1e-4 of
+    its size still fails."""
+    import numpy as np
+
+    x = B64.asarray(np.linspace(-1.0, 1.0, 12))
+    g = np.linspace(0.001, 0.05, 12)
+
+    def loss():  # exact gradient g; the constant is what rounds
+        return 3000.0 + float(np.sum(g * B64.to_numpy(x)))
+
+    exact = gradcheck.check_tensors(B64, "big loss", loss, {"x": x}, {"x": B64.asarray(g)}, samples=12)
+    off = gradcheck.check_tensors(B64, "big loss", loss, {"x": x}, {"x": B64.asarray(g * (1 + 1e-4))}, samples=12)
+    assert exact[0].max_abs > 1e-6 * g.min(), "the rounding this test is about did not occur"
+    _assert_all_pass(exact)
+    assert exact[0].n_checked == 12 and exact[0].kinks == 0
+    assert not off[0].passed

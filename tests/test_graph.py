@@ -268,3 +268,23 @@ def test_cupy_ends_a_failed_recording_and_reports_the_step_error():
     assert cuda.log[-1] == "cuBLAS handle on side closed"  # a failed recording keeps no handle
     assert not cuda.capturing and cuda.current is cuda.null and cuda.allocator is None
     assert not B._host_transfers_refused and B._direct_cublas is None
+
+
+def test_cupy_takes_no_products_a_recording_refuses():
+    """A CUDA graph refuses CuPy's own matmul (it calls cuBLAS during the capture): every NumPy-backend
+    method that calls the library's matmul itself is replaced on the CuPy backend, by Backend's form
+    or its own, unless it never runs there.  (The EM sums once slipped through: sum_children_pair.)"""
+    import inspect
+    import re
+
+    from pycapsnet.backends.cupy_backend import CupyBackend
+    from pycapsnet.backends.numpy_backend import NumpyBackend
+
+    never_on_cupy = {"predictions": "falls back to Backend's where the library is not NumPy",
+                     "_matmul_into": "only slotwise_votes calls it, and CuPy's votes are Backend's"}
+    inherited = [name for name, fn in vars(NumpyBackend).items()
+                 if callable(fn) and re.search(r"matmul\(|\s@\s", inspect.getsource(fn))
+                 and getattr(CupyBackend, name) is fn and name not in never_on_cupy]
+    assert inherited == []
+    assert "lib is not np" in inspect.getsource(NumpyBackend.predictions)
+    assert CupyBackend.votes is not NumpyBackend.votes or "_matmul_into" not in inspect.getsource(NumpyBackend.votes)
