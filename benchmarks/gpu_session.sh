@@ -17,7 +17,8 @@
 #                 GPU nothing else uses by then
 #  records        benchmarks/record_run.py for each run, then OUTDIR.tar.gz without checkpoints
 #
-# $MNIST_DIR holds the four IDX files (default ../shared/data/mnist); $COMMIT names the code when
+# `python` on PATH must have NumPy, CuPy, torch, array_api_compat and mlxtend (gpu_check.sh says how
+# without internet).  $MNIST_DIR holds the four IDX files (default ../shared/data/mnist); $COMMIT names the code when
 # the tree came without .git.  Every command has its own time limit; the exit code counts failures.
 set -u
 cd "$(dirname "$0")/.."
