@@ -220,3 +220,15 @@ def test_inspect_draws_every_routing_layer_of_a_composition(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["inspect", str(run), "--out", str(out), "--capsule", "10"]) == 2
     assert "--capsule must be a class index 0..9" in capsys.readouterr().err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``pycapsnet gradcheck | head -3``: once the reader has gone, the command stops with 141 (as a
+    program killed by SIGPIPE) and says nothing on stderr, rather than a BrokenPipeError traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "pycapsnet", "gradcheck", "--routing", "attention"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().startswith("finite-difference checks")
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and err == ""

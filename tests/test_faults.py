@@ -361,3 +361,17 @@ def test_a_learning_rate_beyond_the_dtype_is_one_line_and_no_warning(tmp_path, c
     assert code == 2
     assert capsys.readouterr().err == ("error: the learning rate 1e+300 makes a step size beyond the range of "
                                        "float32 (largest 3.4e+38); use a lower lr\n")
+
+
+def test_a_run_outlives_the_reader_of_its_output(tmp_path):
+    """``train_numpy.py ... | head -1``: the reader goes after the first line; the run does not die
+    of a BrokenPipeError but trains to its end, says once on stderr that it goes on, and exits 0."""
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, str(ROOT / "train_numpy.py"), *TINY, "--epochs", "2", "--out", str(run)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert p.stdout.readline().startswith("pycapsnet on numpy")
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "the run goes on" in err
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2

@@ -439,6 +439,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader stopped (``| head``): stop as a program killed by SIGPIPE would,
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and let exit's flush go nowhere
+        return 141
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ run only the process that writes the run's files (rank 0) speaks: ``speaking(Fal
 others."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -19,15 +20,29 @@ def speaking(on: bool | None = None) -> bool:
 
 
 def say(msg: str) -> None:
-    """One line, printed above a progress bar if one is showing."""
+    """One line, printed above a progress bar if one is showing.  If the reader of stdout has gone
+    (``train ... | head``), the run goes on without it: losing a run to a closed pager would be
+    worse than losing its lines, which the run directory's metrics.jsonl keeps."""
     if not _SPEAKS[0]:
         return
     try:
-        from tqdm import tqdm
+        try:
+            from tqdm import tqdm
 
-        tqdm.write(msg)
-    except ImportError:
-        print(msg, flush=True)
+            tqdm.write(msg)
+        except ImportError:
+            print(msg, flush=True)
+    except BrokenPipeError:
+        _reader_gone()
+
+
+def _reader_gone() -> None:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # later lines, and exit's flush, go nowhere
+    try:
+        print("stdout was closed by its reader: the run goes on; its results are in its run directory",
+              file=sys.stderr, flush=True)
+    except OSError:  # stderr went down the same pipe
+        pass
 
 
 def progress(iterable, total, desc, disable, batch: int | None = None):
