@@ -287,4 +287,4 @@ def test_cupy_takes_no_products_a_recording_refuses():
                  and getattr(CupyBackend, name) is fn and name not in never_on_cupy]
     assert inherited == []
     assert "lib is not np" in inspect.getsource(NumpyBackend.predictions)
-    assert CupyBackend.votes is not NumpyBackend.votes or "_matmul_into" not in inspect.getsource(NumpyBackend.votes)
+    assert "_matmul_into" not in inspect.getsource(CupyBackend.votes)

@@ -439,8 +439,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader stopped (``| head``): stop as a program killed by SIGPIPE would,
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and let exit's flush go nowhere
+    except BrokenPipeError:  # the reader stopped (``| head``): stop as a program killed by SIGPIPE would
+        from ..training.log import drop_stdout
+
+        drop_stdout()
         return 141
 
 

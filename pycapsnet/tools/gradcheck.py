@@ -21,7 +21,8 @@ input gradients.  The quotient at h/4 carries four times the quotient at h's rou
 its truncation, so |n(h) - n(h/4)| measures the rounding there is, about four times the quotient's
 own.  Its median over the tensor's entries (off the kinks below), m, is the tensor's: an entry's
 error is counted beyond 2 m (about five times the quotient's rounding), and the two quotients may
-disagree by 5 m more before an entry is taken for a kink.  A wrong backward, off by more than the differences can resolve, still fails.
+disagree by 5 m more before an entry is taken for a kink.  A wrong backward, off by more than the
+differences can resolve, still fails.
 
 Kinks.  ReLU and the margin loss are not differentiable everywhere; when a perturbation of +-2h
 crosses a kink the difference quotient is wrong, not the backward.  Every entry is therefore
@@ -68,14 +69,13 @@ class Check:
     max_rel: float
     n_checked: int
     tol: float
-    kinks: int = 0  # sampled entries left out because the loss has a kink within +-2h
-    rounding: float = 0.0  # the quotients' own rounding: errors below it are not counted (docstring)
-    beyond: float | None = None  # max relative error beyond ``rounding``; what must stay below tol
+    kinks: int  # sampled entries left out because the loss has a kink within +-2h
+    rounding: float  # the quotients' own rounding: errors below it are not counted (docstring)
+    beyond: float  # max relative error beyond ``rounding``: what must stay below tol
 
     @property
     def passed(self) -> bool:
-        rel = self.max_rel if self.beyond is None else self.beyond
-        return bool(self.n_checked > 0 and rel < self.tol)
+        return bool(self.n_checked > 0 and self.beyond < self.tol)
 
 
 def _entries(size: int, k: int, rng) -> np.ndarray:

@@ -36,8 +36,16 @@ def say(msg: str) -> None:
         _reader_gone()
 
 
+def drop_stdout() -> None:
+    """Point stdout at the null device, once its reader has gone: later lines, and the interpreter's
+    flush at exit, then go nowhere instead of raising BrokenPipeError again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+
+
 def _reader_gone() -> None:
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # later lines, and exit's flush, go nowhere
+    drop_stdout()
     try:
         print("stdout was closed by its reader: the run goes on; its results are in its run directory",
               file=sys.stderr, flush=True)
