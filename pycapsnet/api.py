@@ -295,6 +295,10 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
         if options:
             raise CapsNetError(f"options {', '.join(options)} configure a built-in network; a description sets "
                                "its layers' own")
+        if isinstance(network, str) and network not in architecture.DESCRIBED and not os.path.exists(network):
+            names = ", ".join([*BUILT_IN, *architecture.DESCRIBED])
+            raise CapsNetError(f"unknown network {network!r}: give one of {names}, or a description "
+                               "(architecture.network(...) or its JSON file)")
         arch = architecture.load(network) if isinstance(network, (str, os.PathLike)) else dict(network)
         arch["input_shape"] = list(input_shape) if arch.get("input_shape") is None else arch["input_shape"]
         arch["n_classes"] = n_classes if arch.get("n_classes") is None else arch["n_classes"]

@@ -116,6 +116,12 @@ def test_bad_input_is_one_clear_error(digits, case):
     assert "\n" not in str(e.value)
 
 
+def test_a_misspelt_network_names_the_choices():
+    with pytest.raises(CapsNetError, match="unknown network 'capsnett': give one of capsnet, em, attention, "
+                                           "efficient, or a description"):
+        pycapsnet.build("capsnett")
+
+
 def test_load_refuses_what_is_not_a_model(tmp_path):
     (tmp_path / "notes.npz").write_bytes(b"hello")
     with pytest.raises(CapsNetError, match="is not a readable pycapsnet checkpoint"):

@@ -164,7 +164,8 @@ def test_errors_exit_2_without_traceback(tmp_path):
     for argv, msg in [(["inspect", str(bad)], "checkpoint not found"),
                       (["evaluate", str(bad)], "checkpoint not found"),
                       (["crosscheck", "--a", "jax"], "unknown backend 'jax'"),
-                      (["crosscheck", "--perturb-grad", "nope=2"], "no parameter 'nope'")]:
+                      (["crosscheck", "--perturb-grad", "nope=2"], "no parameter 'nope'"),
+                      (["train", "--network", "efficeint"], "the name of one the package carries: efficient")]:
         r = subprocess.run([sys.executable, "-m", "pycapsnet", *argv], capture_output=True, text=True)
         assert r.returncode == 2, (argv, r.stderr)
         assert msg in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)

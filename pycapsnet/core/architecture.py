@@ -289,6 +289,9 @@ def load(path) -> dict:
     try:
         with open(path) as f:
             arch = json.load(f)
+    except FileNotFoundError as e:
+        raise CapsNetError(f"cannot read the network description {path}: {e.strerror or e}; give a JSON file or "
+                           f"the name of one the package carries: {', '.join(DESCRIBED)}") from None
     except OSError as e:
         raise CapsNetError(f"cannot read the network description {path}: {e.strerror or e}") from None
     except ValueError as e:
