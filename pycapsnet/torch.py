@@ -9,7 +9,8 @@
     loss = ...; loss.backward()   # through ClassCaps' hand-written backward
 
 ``Layer(layer)`` wraps any pycapsnet layer (a ``Sequential`` of them too) built on the torch
-backend; ``Network(net)`` wraps a whole network: images (N, C, H, W) in, (v, scores,
+backend; ``Network(net)`` wraps a whole network (or the Model ``pycapsnet.build(..., backend="torch")``
+gives): images (N, C, H, W) in, (v, scores,
 reconstruction) out, and ``.loss(x, y)`` its own losses.  Each call is one
 ``torch.autograd.Function`` whose forward and backward are the layer's: nothing inside requires
 grad.  The parameters are ``nn.Parameter``s over the layer's own tensors (no copies), so optimizers,
@@ -371,6 +372,7 @@ class Network(_Module):
     one without y); ``loss(x, y)`` is the network's own loss, a scalar tensor."""
 
     def __init__(self, network):
+        network = getattr(network, "network", network)  # a Model of pycapsnet.build/load: its network
         if not isinstance(network, _CoreNetwork):
             raise CapsNetError(f"pycapsnet.torch.Network wraps a pycapsnet network, got {type(network).__name__}; "
                                "a layer: pycapsnet.torch.Layer")

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import pycapsnet
 from pycapsnet import backends
 from pycapsnet import CapsNet, CapsNetError
 from pycapsnet.core import architecture as A
@@ -310,3 +311,15 @@ def test_a_failed_conversion_and_bad_inputs_are_one_clear_error():
                          (torch.zeros(2, 1, 28, 28, dtype=torch.int64), "takes float tensors")):
         with pytest.raises(CapsNetError, match=message):
             m(bad)
+    caps = pct.Layer(ClassCaps(B, positions=36, types=4, in_dim=8, n_classes=10, out_dim=16))
+    with pytest.raises(CapsNetError, match=r"ClassCaps takes u \(N, 36, 4, 8\).*got \(3, 35, 4, 8\)"):
+        caps(torch.zeros(3, 35, 4, 8))
+
+
+def test_the_model_that_build_gives_is_wrapped_as_its_network():
+    model = pycapsnet.build("capsnet", backend="torch", seed=0, conv_channels=16, primary_types=4)
+    m, x, y = pct.Network(model), torch.rand(2, 1, 28, 28), torch.tensor([3, 5])
+    # the model's own tensors, no copies: training the module trains the model
+    assert sorted(p.data_ptr() for p in m.parameters()) == sorted(t.data_ptr() for t in model.network.params.values())
+    m.loss(x, y).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import init as initializers
+from ..errors import CapsNetError
 from .depthwise import DepthwiseConv2d
 from .fourier import FourierConv2d
 from .layers import Conv2d, Layer
@@ -96,6 +97,9 @@ class ClassCaps(Layer):
         xp = self.B.xp
         n = u.shape[0]
         self.in_shape = tuple(u.shape)
+        if int(np.prod(self.in_shape[1:])) != self.P * self.T * self.K:
+            raise CapsNetError(f"ClassCaps takes u (N, {self.P}, {self.T}, {self.K}): {self.P} positions of "
+                               f"{self.T} capsule types of {self.K}D; got {self.in_shape}")
         if len(self.in_shape) != 4:
             u = xp.reshape(u, (n, self.P, self.T, self.K))
         if self.share_spatial and self.routes_shared:
