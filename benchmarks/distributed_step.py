@@ -88,7 +88,7 @@ def measure(backend: str, global_batch: int, steps: int, device: str | None = No
             model.train_step_grads(x, y)
             B.synchronize()
             t1 = t2 = time.perf_counter()
-        else:  # trainer._data_parallel_grads, timed in its two parts
+        else:  # distributed.data_parallel_grads, timed in its two parts
             out = model.train_step_grads(x, y)
             model.flat_grads *= len(y) / global_batch
             out.loss  # the loss is read in the trainer's step too

@@ -176,11 +176,11 @@ def test_batch_norm_trains_data_parallel_and_its_running_statistics_are_averaged
 
 
 def test_the_running_statistics_are_replaced_by_their_mean_over_the_processes():
-    """trainer._average_buffers with a stand-in for the process group: this process holds a, the
+    """distributed.average_buffers with a stand-in for the process group: this process holds a, the
     other b; all_reduce sums them in place, and the mean is what every process keeps."""
     from pycapsnet import backends
     from pycapsnet.core import architecture as A
-    from pycapsnet.training.trainer import _average_buffers
+    from pycapsnet.training.distributed import average_buffers
 
     model = A.build(A.network([A.conv2d(3, 3), A.batch_norm(name="bn"), A.primary_caps(1, 3, 3, 1),
                                A.dynamic_caps(2, 4)], input_shape=(1, 7, 7), n_classes=2), backends.get("numpy"))
@@ -194,6 +194,6 @@ def test_the_running_statistics_are_replaced_by_their_mean_over_the_processes():
             x += b if x is model.buffers["bn.running_mean"] else x  # the other holds b, and the same variance
             return x
 
-    _average_buffers(OtherRank(), model)
+    average_buffers(OtherRank(), model)
     np.testing.assert_allclose(model.buffers["bn.running_mean"], (a + b) / 2)
     np.testing.assert_allclose(model.buffers["bn.running_var"], 1)

@@ -23,7 +23,7 @@ with the batch's own sums dβ and dγ (before they are added to the parameters' 
 The running statistics are state, not parameters: ``buffers``, which checkpoints save and restore
 and which Adam never sees.  A data-parallel run normalises each process's batch by its own
 statistics (as PyTorch's BatchNorm does without SyncBatchNorm) and averages the running statistics
-over the processes at the end of every epoch (trainer._average_buffers), so every process -- and
+over the processes at the end of every epoch (distributed.average_buffers), so every process -- and
 the checkpoint -- holds the same.
 """
 from __future__ import annotations

@@ -140,3 +140,37 @@ class Group:
     def close(self):
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
+
+
+def data_parallel_grads(model, group, x, y, n):
+    """This process's shard (x, y) of a global batch of n images: every process ends with the
+    global batch's mean gradient in ``model.grads`` (each shard's mean gradient weighted by its
+    share of the batch, summed over the processes: the module's docstring says why that is exact).
+    Returns the global batch's (loss sum, correct predictions)."""
+    if len(y):
+        out = model.train_step_grads(x, y)
+        model.flat_grads *= len(y) / n
+        mine = [out.loss * len(y), int((out.predictions == y).sum())]
+    else:  # a last batch smaller than the number of processes leaves some without images
+        model.zero_grad()
+        mine = [0.0, 0]
+    group.sum_(model.flat_grads)
+    loss_sum, correct = group.sum_values(mine)
+    return float(loss_sum), int(correct)
+
+
+def share_rank0_state(group, model, opt):
+    """Rank 0's weights and optimizer state on every process.  They are equal already (the same
+    seed, or the same checkpoint); this makes it so whatever each process read."""
+    for a in [*model.params.values(), *model.buffers.values(),
+              *(a for state in opt.state.values() for a in state.values())]:
+        group.broadcast_(a)
+
+
+def average_buffers(group, model):
+    """At an epoch's end: each process's running statistics (batch norm's, gathered from its own
+    shards) replaced by their mean over the processes, so that every process evaluates, and the
+    checkpoint keeps, the same."""
+    for b in model.buffers.values():
+        group.sum_(b)
+        b /= group.world

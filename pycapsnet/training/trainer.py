@@ -234,7 +234,7 @@ class Training:
             group.agree(e)  # rank 0 checks the output directory: the others learn that it failed
         if group is not None:
             group.agree(None)
-            _share_rank0_state(group, model, opt)
+            distributed.share_rank0_state(group, model, opt)
         if start is None:
             return {}
         # Where the backend can record a step and replay it (a CUDA graph), full batches go through
@@ -268,7 +268,7 @@ class Training:
             model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
             seen, correct, loss_sum, train_time = self._train_epoch(opt, captured, epoch)
             if group is not None:
-                _average_buffers(group, model)
+                distributed.average_buffers(group, model)
             self._check_finite(opt, epoch)  # the epoch's last update has not been checked yet
             last = {"epoch": epoch + 1, "lr": opt.lr, "train_loss": loss_sum / seen, "train_acc": correct / seen,
                     **self._scored(epoch, captured_eval), "train_seconds": round(train_time, 2),
@@ -344,7 +344,7 @@ class Training:
             replayed = captured is not None and len(y) == captured.batch_size
             with B.quiet_float_errors():  # an overflow ends in a non-finite loss, reported just below
                 if group is not None:
-                    step_loss, step_correct = _data_parallel_grads(model, group, x, y, n)
+                    step_loss, step_correct = distributed.data_parallel_grads(model, group, x, y, n)
                 else:  # a recorded step includes the update, which is checked by the next step's loss
                     out = captured(x, y) if replayed else model.train_step_grads(x, y)
                     step_loss, step_correct = out.loss * n, int((out.predictions == y).sum())
@@ -393,40 +393,6 @@ def _compiled_step(model, opt, batch_size):
     if not uncompiled:
         say(f"--compile: compiled in {time.perf_counter() - t0:.0f} s")
     return step
-
-
-def _data_parallel_grads(model, group, x, y, n):
-    """This process's shard (x, y) of a global batch of n images: every process ends with the
-    global batch's mean gradient in ``model.grads`` (each shard's mean gradient weighted by its
-    share of the batch, summed over the processes: distributed.py says why that is exact).
-    Returns the global batch's (loss sum, correct predictions)."""
-    if len(y):
-        out = model.train_step_grads(x, y)
-        model.flat_grads *= len(y) / n
-        mine = [out.loss * len(y), int((out.predictions == y).sum())]
-    else:  # a last batch smaller than the number of processes leaves some without images
-        model.zero_grad()
-        mine = [0.0, 0]
-    group.sum_(model.flat_grads)
-    loss_sum, correct = group.sum_values(mine)
-    return float(loss_sum), int(correct)
-
-
-def _share_rank0_state(group, model, opt):
-    """Rank 0's weights and optimizer state on every process.  They are equal already (the same
-    seed, or the same checkpoint); this makes it so whatever each process read."""
-    for a in [*model.params.values(), *model.buffers.values(),
-              *(a for state in opt.state.values() for a in state.values())]:
-        group.broadcast_(a)
-
-
-def _average_buffers(group, model):
-    """At an epoch's end: each process's running statistics (batch norm's, gathered from its own
-    shards) replaced by their mean over the processes, so that every process evaluates, and the
-    checkpoint keeps, the same."""
-    for b in model.buffers.values():
-        group.sum_(b)
-        b /= group.world
 
 
 def _largest_weight(model) -> float:
