@@ -2,6 +2,8 @@
 capsule lengths."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import init as initializers
@@ -97,7 +99,7 @@ class ClassCaps(Layer):
         xp = self.B.xp
         n = u.shape[0]
         self.in_shape = tuple(u.shape)
-        if int(np.prod(self.in_shape[1:])) != self.P * self.T * self.K:
+        if math.prod(self.in_shape[1:]) != self.P * self.T * self.K:  # math, not NumPy: torch.compile traces it
             raise CapsNetError(f"ClassCaps takes u (N, {self.P}, {self.T}, {self.K}): {self.P} positions of "
                                f"{self.T} capsule types of {self.K}D; got {self.in_shape}")
         if len(self.in_shape) != 4:
