@@ -178,9 +178,16 @@ def test_checkpoints_written_before_compositions_load_and_compute_the_same(name)
     model.zero_grad()
     out = model.loss(x, y)
     model.backward()
-    assert out.loss == expected["loss"] and out.parts == expected["parts"]  # bit for bit
+    # Not bit for bit: BLAS sums in an order that depends on its thread count and the CPU's vector
+    # width, which moves float64 results in the last digits. Any change to the math moves them by
+    # far more than 1e-12.
+    close = dict(rel=1e-12, abs=1e-14)
+    assert out.loss == pytest.approx(expected["loss"], **close)
+    assert out.parts == pytest.approx(expected["parts"], **close)
     assert out.predictions.tolist() == expected["predictions"]
-    assert {k: float(np.asarray(g).sum()) for k, g in model.grads.items()} == expected["grad_sums"]
+    sums = {k: float(np.asarray(g).sum()) for k, g in model.grads.items()}
+    assert sums.keys() == expected["grad_sums"].keys()
+    assert sums == pytest.approx(expected["grad_sums"], **close)
 
 
 def test_a_described_network_trains_resumes_and_evaluates_without_user_code(tmp_path, capsys):
