@@ -318,3 +318,41 @@ def test_pixels_beyond_0_1_are_refused_not_turned_into_nan(value):
     x[1, 0, 3, 3] = value
     with pytest.raises(CapsNetError, match=r"images must hold pixels in \[0, 1\], got values from .*8-bit pixels: x / 255"):
         model.loss(x, [1, 2])
+
+
+def _wrong_inputs():
+    """(layer factory, an input it cannot take, what the message must say) for each layer that reads
+    an input's shape: a wrong channel count, a missing batch axis, an image smaller than the kernel."""
+    from pycapsnet.core.batch_norm import BatchNorm
+    from pycapsnet.core.capsules import PrimaryCaps
+    from pycapsnet.core.depthwise import DepthwiseConv2d
+    from pycapsnet.core.fourier import FourierConv2d
+    from pycapsnet.core.layers import Conv2d, Linear
+    from pycapsnet.core.matrix_capsules import PrimaryMatrixCaps
+
+    return {
+        "conv channels": (lambda B: Conv2d(B, 3, 4, 3), (2, 8, 8, 1), r"Conv2d takes .*\(N, H, W, 3\)"),
+        "conv no batch": (lambda B: Conv2d(B, 1, 4, 3), (8, 8, 1), r"Conv2d takes .*got \(8, 8, 1\)"),
+        "conv too small": (lambda B: Conv2d(B, 1, 4, 9), (2, 5, 5, 1), r"at least 9x9 pixels; got \(2, 5, 5, 1\)"),
+        "padded fits": (lambda B: Conv2d(B, 1, 4, 3, padding=1), (2, 1, 1, 1), None),
+        "fourier": (lambda B: FourierConv2d(B, 2, 4, 5, 2), (2, 9, 9, 3), r"FourierConv2d takes .*\(N, H, W, 2\)"),
+        "depthwise": (lambda B: DepthwiseConv2d(B, 6, 6, 3), (2, 5, 5, 5), r"DepthwiseConv2d takes .*\(N, H, W, 6\)"),
+        "primary": (lambda B: PrimaryCaps(B, 8, 2, 4, 3, 2), (2, 7, 7, 7), r"PrimaryCaps takes .*\(N, H, W, 8\)"),
+        "linear": (lambda B: Linear(B, 10, 3), (2, 9), r"Linear takes x \(N, 10\); got \(2, 9\)"),
+        "batch norm": (lambda B: BatchNorm(B, 4), (2, 3, 3, 5), r"BatchNorm takes .*\(N, 4\); got \(2, 3, 3, 5\)"),
+        "primary matrix": (lambda B: PrimaryMatrixCaps(B, 6, 2), (2, 3, 3, 5), r"PrimaryMatrixCaps takes h \(N, H, W, 6\)"),
+    }
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", list(_wrong_inputs()))
+def test_a_layer_refuses_an_input_of_the_wrong_shape_in_one_line(backend, case):
+    """Not the backend's own error from deep inside (a mismatched product, a negative dimension)."""
+    make, shape, message = _wrong_inputs()[case]
+    B = backends.get(backend, dtype="float64")
+    layer, x = make(B), B.asarray(np.random.default_rng(0).random(shape))
+    if message is None:
+        layer.forward(x)  # the check counts the padding
+        return
+    with pytest.raises(CapsNetError, match=message):
+        layer.forward(x)

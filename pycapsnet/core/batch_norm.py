@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from ..errors import CapsNetError
-from .layers import Layer
+from .layers import Layer, check_input
 
 
 class BatchNorm(Layer):
@@ -53,6 +53,7 @@ class BatchNorm(Layer):
 
     def forward(self, x):
         # x: (N, H, W, C) or (N, C) -> y: the same shape
+        check_input("BatchNorm", x, f"x (N, H, W, {self.channels}) or (N, {self.channels})", self.channels)
         xp = self.B.xp
         axes = tuple(range(x.ndim - 1))
         m = math.prod(x.shape[:-1])

@@ -10,7 +10,7 @@ from . import init as initializers
 from ..errors import CapsNetError
 from .depthwise import DepthwiseConv2d
 from .fourier import FourierConv2d
-from .layers import Conv2d, Layer
+from .layers import Conv2d, Layer, check_images
 from . import shared_routing
 from .attention_routing import attention_backward_factors, attention_forward
 from .routing import MODES, routing_backward_factors, routing_forward
@@ -49,6 +49,7 @@ class PrimaryCaps(Layer):
         self.params, self.grads = self.conv.params, self.conv.grads  # one set of parameters
 
     def forward(self, x):
+        check_images("PrimaryCaps", x, self.conv)
         y = self.conv.forward(x)                   # (N, OH, OW, T*K)
         n, oh, ow, _ = y.shape
         s = self.B.xp.reshape(y, (n, oh * ow, self.types, self.dim))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layers import Conv2d, Layer, window_offsets
+from .layers import Conv2d, Layer, check_images, window_offsets
 
 
 class DepthwiseConv2d(Layer):
@@ -40,6 +40,7 @@ class DepthwiseConv2d(Layer):
 
     def forward(self, x):
         # x: (N, H, W, C) -> y: (N, OH, OW, C)
+        check_images("DepthwiseConv2d", x, self)
         x_pad = self.B.pad_hw(x, self.padding)
         oh, ow = self.output_hw(*x.shape[1:3])
         W = self.params["W"]

@@ -77,7 +77,7 @@ import math
 
 import numpy as np
 
-from .layers import Conv2d
+from .layers import Conv2d, check_images
 
 
 def half_spectrum(n_h: int, n_w: int):
@@ -310,6 +310,7 @@ class FourierConv2d(Conv2d):
     # ---- forward / backward ---------------------------------------------------------------------
     def forward(self, x):
         # x: (N, H, W, C_in) -> y: (N, OH, OW, C_out)
+        check_images(type(self).__name__, x, self)
         xp, mm = self.B.xp, self.B.matmul  # products through the backend (see Backend.matmul)
         n, h, w, _ = x.shape
         g = self._plan(h, w)

@@ -19,6 +19,27 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import CapsNetError
+
+
+def check_input(name: str, x, takes: str, last: int, ndim: int | None = None, least_hw: int = 0):
+    """Refuse, in one line naming the layer and what it takes, an input the layer cannot compute
+    with: otherwise the backend's own error (a mismatched product, a negative dimension) surfaces
+    deep inside. ``ndim``: the dimensions x must have (None: any); ``last``: its last axis (the
+    channels or features); ``least_hw``: the smallest height and width of an image. Shapes are
+    compared as Python ints, which torch.compile reads as constants."""
+    shape = tuple(x.shape)
+    if (ndim is not None and len(shape) != ndim) or shape[-1] != last or \
+            (least_hw and min(shape[1:3]) < least_hw):
+        raise CapsNetError(f"{name} takes {takes}; got {shape}")
+
+
+def check_images(name: str, x, conv):
+    """x must be channels-last images (N, H, W, C_in) that the convolution ``conv`` fits in."""
+    least = conv.k - 2 * conv.padding
+    check_input(name, x, f"channels-last images x (N, H, W, {conv.c_in}) of at least {least}x{least} pixels",
+                conv.c_in, ndim=4, least_hw=least)
+
 
 class Layer:
     capturable = True  # False: a step through it cannot be recorded and replayed (graph.py)
@@ -145,6 +166,7 @@ class Conv2d(Layer):
 
     def forward(self, x):
         # x: (N, H, W, C_in) -> y: (N, OH, OW, C_out)
+        check_images(type(self).__name__, x, self)
         xp = self.B.xp
         n, h, w, _ = x.shape
         oh, ow = self.output_hw(h, w)
@@ -230,11 +252,13 @@ class Linear(Layer):
         from . import init as initializers
 
         rng = rng if rng is not None else np.random.default_rng(0)
+        self.n_in = n_in
         W, b = (init or initializers.uniform_fan_in)(rng, (n_in, n_out), n_in)
         self._add_param("W", W)
         self._add_param("b", b)
 
     def forward(self, x):
+        check_input("Linear", x, f"x (N, {self.n_in})", self.n_in, ndim=2)
         self.cache = x
         return self.B.matmul(x, self.params["W"]) + self.params["b"]
 

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from .em_routing import MODES, Identity, em_backward, em_forward, inverse_temperatures
-from .layers import Layer, Linear, sigmoid
+from .layers import Layer, Linear, check_input, sigmoid
 
 
 def transform_init(rng, shape):
@@ -78,6 +78,7 @@ class PrimaryMatrixCaps(Layer):
 
     def forward(self, h):
         xp = self.B.xp
+        check_input("PrimaryMatrixCaps", h, f"h (N, H, W, {self.linear.n_in})", self.linear.n_in, ndim=4)
         n, hh, ww, c = h.shape
         y = self.linear.forward(xp.reshape(h, (n * hh * ww, c)))
         t = self.types
