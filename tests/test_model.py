@@ -328,7 +328,8 @@ def _wrong_inputs():
     from pycapsnet.core.depthwise import DepthwiseConv2d
     from pycapsnet.core.fourier import FourierConv2d
     from pycapsnet.core.layers import Conv2d, Linear
-    from pycapsnet.core.matrix_capsules import PrimaryMatrixCaps
+    from pycapsnet.core.conv_caps import ConvCaps
+    from pycapsnet.core.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 
     return {
         "conv channels": (lambda B: Conv2d(B, 3, 4, 3), (2, 8, 8, 1), r"Conv2d takes .*\(N, H, W, 3\)"),
@@ -341,6 +342,16 @@ def _wrong_inputs():
         "linear": (lambda B: Linear(B, 10, 3), (2, 9), r"Linear takes x \(N, 10\); got \(2, 9\)"),
         "batch norm": (lambda B: BatchNorm(B, 4), (2, 3, 3, 5), r"BatchNorm takes .*\(N, 4\); got \(2, 3, 3, 5\)"),
         "primary matrix": (lambda B: PrimaryMatrixCaps(B, 6, 2), (2, 3, 3, 5), r"PrimaryMatrixCaps takes h \(N, H, W, 6\)"),
+        "conv caps": (lambda B: ConvCaps(B, (5, 5), 4, 8, 3, 6), (2, 24, 4, 8), r"ConvCaps takes u \(N, 25, 4, 8\)"),
+        "conv caps 5-d": (lambda B: ConvCaps(B, (5, 5), 4, 8, 3, 6), (2, 5, 5, 4, 8), None),
+        "conv matrix": (lambda B: ConvMatrixCaps(B, 4, 3), [(2, 5, 5, 3, 16), (2, 5, 5, 3)],
+                        r"ConvMatrixCaps takes \(M \(N, H, W, 4, 16\), a \(N, H, W, 4\)\), H and W at least 3; "
+                        r"got M \(2, 5, 5, 3, 16\)"),
+        "conv matrix small": (lambda B: ConvMatrixCaps(B, 4, 3), [(2, 2, 5, 4, 16), (2, 2, 5, 4)], "at least 3"),
+        "conv matrix a": (lambda B: ConvMatrixCaps(B, 4, 3), [(2, 5, 5, 4, 16), (2, 5, 5, 3)], r"a \(2, 5, 5, 3\)"),
+        "conv matrix one": (lambda B: ConvMatrixCaps(B, 4, 3), (2, 5, 5, 4, 16), "takes a pair"),
+        "class matrix": (lambda B: ClassMatrixCaps(B, (3, 3), 4, 10), [(2, 3, 4, 4, 16), (2, 3, 4, 4)],
+                         r"ClassMatrixCaps takes \(M \(N, 3, 3, 4, 16\)"),
     }
 
 
@@ -350,7 +361,9 @@ def test_a_layer_refuses_an_input_of_the_wrong_shape_in_one_line(backend, case):
     """Not the backend's own error from deep inside (a mismatched product, a negative dimension)."""
     make, shape, message = _wrong_inputs()[case]
     B = backends.get(backend, dtype="float64")
-    layer, x = make(B), B.asarray(np.random.default_rng(0).random(shape))
+    rng = np.random.default_rng(0)
+    x = [B.asarray(rng.random(s)) for s in shape] if isinstance(shape, list) else B.asarray(rng.random(shape))
+    layer = make(B)
     if message is None:
         layer.forward(x)  # the check counts the padding
         return

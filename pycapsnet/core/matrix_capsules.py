@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from ..errors import CapsNetError
 from .em_routing import MODES, Identity, em_backward, em_forward, inverse_temperatures
 from .layers import Layer, Linear, check_input, sigmoid
 
@@ -53,6 +54,19 @@ class WindowGroup:
             ones = self.B.zeros((1, self.oh * self.ow, self.k * self.k * t)) + 1
             self._copies = self.B.window_sum(ones, (1, h, w, t), self.k, self.s)[..., None]
         return self._copies
+
+
+def check_poses(name: str, x, types: int, least: int = 1, grid=None):
+    """x must be (M (N, H, W, T, 16), a (N, H, W, T)) with T = ``types``, H and W at least ``least``
+    (a window's size) or exactly ``grid``: else one line naming the layer and what it takes."""
+    hw = "H, W" if grid is None else f"{grid[0]}, {grid[1]}"
+    takes = f"(M (N, {hw}, {types}, 16), a (N, {hw}, {types}))" + (f", H and W at least {least}" if least > 1 else "")
+    if not (isinstance(x, (tuple, list)) and len(x) == 2):
+        raise CapsNetError(f"{name} takes a pair {takes}; got {type(x).__name__}")
+    m, a = tuple(x[0].shape), tuple(x[1].shape)
+    if len(m) != 5 or m[3:] != (types, 16) or a != m[:4] or min(m[1:3]) < least or \
+            (grid is not None and m[1:3] != tuple(grid)):
+        raise CapsNetError(f"{name} takes {takes}; got M {m}, a {a}")
 
 
 class PrimaryMatrixCaps(Layer):
@@ -194,9 +208,10 @@ class ConvMatrixCaps(_EMLayer):
     def __init__(self, backend, in_types, out_types, kernel=3, stride=1, iters=3, routing_grad="full",
                  lam=1e-3, rng=None):
         super().__init__(backend, kernel * kernel * in_types, out_types, iters, routing_grad, lam, rng)
-        self.k, self.stride, self.out_types = kernel, stride, out_types
+        self.k, self.stride, self.in_types, self.out_types = kernel, stride, in_types, out_types
 
     def forward(self, x):
+        check_poses("ConvMatrixCaps", x, self.in_types, least=self.k)
         M, a = x
         xp, B = self.B.xp, self.B
         n, h, w, t, _ = M.shape
@@ -243,9 +258,10 @@ class ClassMatrixCaps(_EMLayer):
         offsets[..., 3] = ((np.arange(gh) + 0.5) / gh)[:, None, None, None]  # entry (0, 3): the row
         offsets[..., 7] = ((np.arange(gw) + 0.5) / gw)[None, :, None, None]  # entry (1, 3): the column
         self.offsets = backend.asarray(offsets.reshape(1, gh * gw, 1, 1, 16))  # (1, Q, 1, 1, 16)
-        self.J = n_classes
+        self.J, self.grid, self.in_types = n_classes, (gh, gw), in_types
 
     def forward(self, x):
+        check_poses("ClassMatrixCaps", x, self.in_types, grid=self.grid)
         M, a = x
         xp, B = self.B.xp, self.B
         n, gh, gw, t, _ = M.shape
