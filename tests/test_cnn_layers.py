@@ -10,7 +10,7 @@ from pycapsnet.core.layers import Dropout, Flatten, MaxPool2d
 from pycapsnet.core.losses import SoftmaxCrossEntropy
 from pycapsnet.experiments.networks import baseline_cnn
 from pycapsnet.tools import gradcheck
-from pycapsnet.tools.gradcheck import _LossLayer, check_layer
+from pycapsnet.tools.finite_diff import _LossLayer, check_layer
 from tests.conftest import CPU_BACKENDS, assert_close
 
 torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch: pip install torch")

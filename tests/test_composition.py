@@ -14,7 +14,7 @@ from pycapsnet import CapsNet, CapsNetError
 from pycapsnet.training import checkpoint
 from pycapsnet.core import architecture as A
 from pycapsnet.tools import gradcheck
-from pycapsnet.tools.gradcheck import check_layer
+from pycapsnet.tools.finite_diff import check_layer
 from pycapsnet.core.conv_caps import ConvCaps
 from tests.conftest import CPU_BACKENDS, assert_close
 

@@ -13,7 +13,7 @@ from pycapsnet import CapsNetError
 from pycapsnet.core import architecture as A
 from pycapsnet.experiments import digits, multimnist
 from pycapsnet.experiments.networks import capsnet
-from pycapsnet.tools.gradcheck import check_tensors
+from pycapsnet.tools.finite_diff import check_tensors
 from tests.conftest import CPU_BACKENDS
 
 

@@ -4,7 +4,7 @@ routing-gradient modes.  Max relative error < 1e-6 (see pycapsnet.tools.gradchec
 import pytest
 
 from pycapsnet import backends
-from pycapsnet.tools import gradcheck
+from pycapsnet.tools import finite_diff, gradcheck
 
 B64 = backends.get("numpy", dtype="float64")
 
@@ -94,8 +94,8 @@ def test_rounding_of_a_large_loss_is_not_a_failure_and_an_error_still_is():
     def loss():  # exact gradient g; the constant is what rounds
         return 3000.0 + float(np.sum(g * B64.to_numpy(x)))
 
-    exact = gradcheck.check_tensors(B64, "big loss", loss, {"x": x}, {"x": B64.asarray(g)}, samples=12)
-    off = gradcheck.check_tensors(B64, "big loss", loss, {"x": x}, {"x": B64.asarray(g * (1 + 1e-4))}, samples=12)
+    exact = finite_diff.check_tensors(B64, "big loss", loss, {"x": x}, {"x": B64.asarray(g)}, samples=12)
+    off = finite_diff.check_tensors(B64, "big loss", loss, {"x": x}, {"x": B64.asarray(g * (1 + 1e-4))}, samples=12)
     assert exact[0].max_abs > 1e-6 * g.min(), "the rounding this test is about did not occur"
     _assert_all_pass(exact)
     assert exact[0].n_checked == 12 and exact[0].kinks == 0

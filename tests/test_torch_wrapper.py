@@ -22,7 +22,8 @@ from pycapsnet.core.layers import Conv2d, ReLU
 from pycapsnet.core.losses import MarginLoss
 from pycapsnet.core.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 from pycapsnet.core.network import LengthHead, Network, Sequential
-from pycapsnet.tools.gradcheck import SMALL, SMALL_EM, _freeze_final_coupling, away_from_init, efficient_architecture
+from pycapsnet.tools.finite_diff import _freeze_final_coupling
+from pycapsnet.tools.gradcheck import SMALL, SMALL_EM, away_from_init, efficient_architecture
 from pycapsnet.training import optim
 
 torch = pytest.importorskip("torch", reason="pycapsnet.torch needs PyTorch: pip install torch")
