@@ -2,15 +2,12 @@
 capsule lengths."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import init as initializers
-from ..errors import CapsNetError
 from .depthwise import DepthwiseConv2d
 from .fourier import FourierConv2d
-from .layers import Conv2d, Layer, check_images
+from .layers import Conv2d, Layer, check_images, check_input
 from . import shared_routing
 from .attention_routing import attention_backward_factors, attention_forward
 from .routing import MODES, routing_backward_factors, routing_forward
@@ -100,9 +97,8 @@ class ClassCaps(Layer):
         xp = self.B.xp
         n = u.shape[0]
         self.in_shape = tuple(u.shape)
-        if math.prod(self.in_shape[1:]) != self.P * self.T * self.K:  # math, not NumPy: torch.compile traces it
-            raise CapsNetError(f"ClassCaps takes u (N, {self.P}, {self.T}, {self.K}): {self.P} positions of "
-                               f"{self.T} capsule types of {self.K}D; got {self.in_shape}")
+        check_input("ClassCaps", u, f"u (N, {self.P}, {self.T}, {self.K}): {self.P} positions of {self.T} capsule "
+                    f"types of {self.K}D", size=self.P * self.T * self.K)
         if len(self.in_shape) != 4:
             u = xp.reshape(u, (n, self.P, self.T, self.K))
         if self.share_spatial and self.routes_shared:

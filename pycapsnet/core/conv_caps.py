@@ -23,13 +23,10 @@ docs/backprop.md derives it beside the fully connected form.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from ..errors import CapsNetError
 from . import init as initializers
-from .layers import Layer
+from .layers import Layer, check_input
 from .routing import MODES, routing_backward_factors, routing_forward
 
 
@@ -56,9 +53,8 @@ class ConvCaps(Layer):
     def forward(self, u):
         xp, B = self.B.xp, self.B
         n, (h, w), P = u.shape[0], self.grid, self.oh * self.ow
-        if math.prod(u.shape[1:]) != h * w * self.T * self.K:  # math, not NumPy: torch.compile traces it
-            raise CapsNetError(f"ConvCaps takes u (N, {h * w}, {self.T}, {self.K}): a {h}x{w} grid of {self.T} "
-                               f"capsule types of {self.K}D; got {tuple(u.shape)}")
+        check_input("ConvCaps", u, f"u (N, {h * w}, {self.T}, {self.K}): a {h}x{w} grid of {self.T} capsule types "
+                    f"of {self.K}D", size=h * w * self.T * self.K)
         cols = B.im2col(xp.reshape(u, (n, h, w, self.T * self.K)), self.k, self.k, self.stride)  # (N*P, I*K)
         ut = xp.permute_dims(xp.reshape(cols, (n * P, self.I, self.K)), (1, 0, 2))               # (I, N*P, K)
         Wm = xp.reshape(self.params["W"], (self.I, self.C * self.D, self.K))

@@ -17,20 +17,24 @@ contiguous rows and the PrimaryCaps output regroups into capsules with a free re
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import CapsNetError
 
 
-def check_input(name: str, x, takes: str, last: int, ndim: int | None = None, least_hw: int = 0):
+def check_input(name: str, x, takes: str, last: int | None = None, ndim: int | None = None, least_hw: int = 0,
+                size: int | None = None):
     """Refuse, in one line naming the layer and what it takes, an input the layer cannot compute
     with: otherwise the backend's own error (a mismatched product, a negative dimension) surfaces
     deep inside. ``ndim``: the dimensions x must have (None: any); ``last``: its last axis (the
-    channels or features); ``least_hw``: the smallest height and width of an image. Shapes are
-    compared as Python ints, which torch.compile reads as constants."""
+    channels or features); ``least_hw``: the smallest height and width of an image; ``size``: the
+    entries of one sample, whatever its axes (capsules that a layer regroups). Shapes are compared
+    as Python ints (math.prod, not NumPy's), which torch.compile reads as constants."""
     shape = tuple(x.shape)
-    if (ndim is not None and len(shape) != ndim) or shape[-1] != last or \
-            (least_hw and min(shape[1:3]) < least_hw):
+    if not shape or (ndim is not None and len(shape) != ndim) or (last is not None and shape[-1] != last) or \
+            (least_hw and min(shape[1:3]) < least_hw) or (size is not None and math.prod(shape[1:]) != size):
         raise CapsNetError(f"{name} takes {takes}; got {shape}")
 
 
