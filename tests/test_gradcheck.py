@@ -1,6 +1,6 @@
 """Finite-difference checks (float64, fourth-order central differences) of every hand-written
 backward: each layer, and the full loss w.r.t. every parameter tensor and the input, in both
-routing-gradient modes.  Max relative error < 1e-6 (see pycapsnet.tools.gradcheck for the metric)."""
+routing-gradient modes.  Max relative error < 1e-6 (see pycapsnet.tools.finite_diff for the metric)."""
 import pytest
 
 from pycapsnet import backends
