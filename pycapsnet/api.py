@@ -182,7 +182,7 @@ class Model(Run):
         """{"loss", "accuracy"}: the mean training loss (with the label mask, as in training) and the
         share of images whose highest score is their class."""
         from .training.data import Split
-        from .training.trainer import evaluate
+        from .training.loop import evaluate
 
         xa = images(x, self.input_shape)
         split = Split(xa, labels(y, len(xa), self.network.n_classes), "arrays", self.classes)

@@ -14,7 +14,7 @@ import random
 import sys
 
 from pycapsnet.core import architecture as A
-from pycapsnet.training import checkpoint, trainer
+from pycapsnet.training import trainer
 from pycapsnet.tools import cli
 
 DATA = ["--limit", "8", "--limit-test", "4", "--batch-size", "4", "--no-progress", "--epochs", "1"]

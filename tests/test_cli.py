@@ -105,7 +105,7 @@ def test_gpu_crosscheck(ckpt):
 def test_inspect_writes_three_pictures(ckpt, tmp_path, capsys):
     out = str(tmp_path / "ins")
     assert cli.main(["inspect", ckpt, "--out", out, "--index", "3"]) == 0
-    assert (f"coupling.npz: the coupling coefficients c_ij of test image 3, one array per routing iteration "
+    assert ("coupling.npz: the coupling coefficients c_ij of test image 3, one array per routing iteration "
             "(iteration_1, iteration_2, iteration_3), each (144, 10): 144 input capsules x 10 classes"
             in capsys.readouterr().out)
     for name in ["reconstructions.png", "perturbation.png", "coupling.png"]:

@@ -141,7 +141,7 @@ def test_evaluation_drops_nothing_and_a_dropout_network_is_not_captured():
     first, second = model.scores(x), model.scores(x)
     assert np.array_equal(first, second) and model.training  # evaluation mode only inside scores
     from pycapsnet.training import data
-    from pycapsnet.training.trainer import evaluate
+    from pycapsnet.training.loop import evaluate
     split = data.Split((x * 255).astype(np.uint8), np.arange(6) % 3)
     assert evaluate(model, split, 3) == evaluate(model, split, 3) and model.training
 

@@ -11,7 +11,7 @@ import pytest
 from pycapsnet import backends
 from pycapsnet.backends import BackendError
 from pycapsnet import CapsNet, CapsNetError
-from pycapsnet.training import optim, recipe, trainer
+from pycapsnet.training import loop, optim, recipe, trainer
 from pycapsnet.training.graph import CapturedEval, CapturedStep
 from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, SMALL
 
@@ -110,12 +110,12 @@ def test_captured_step_takes_only_its_batch_size():
 ], ids=["step", "evaluation"])
 def test_trainer_uses_the_recordings_for_full_batches(tmp_path, monkeypatch, recording, limit, expected):
     """With a backend that can capture, the trainer records the step and the evaluation (in batches
-    of trainer.EVAL_BATCH); the last, smaller batch of each runs op by op.  Same numbers as
+    of loop.EVAL_BATCH); the last, smaller batch of each runs op by op.  Same numbers as
     --no-graph.  (torch on the CPU, told it can capture: the recording is then a re-run with host
     transfers refused, so this checks the trainer's bookkeeping.)"""
     torch_backend = pytest.importorskip("pycapsnet.backends.torch_backend")
     monkeypatch.setattr(torch_backend.TorchBackend, "can_capture", True)
-    monkeypatch.setattr(trainer, "EVAL_BATCH", 16)
+    monkeypatch.setattr(loop, "EVAL_BATCH", 16)
     calls = []
     real_call = recording.__call__
     monkeypatch.setattr(recording, "__call__", lambda self, x, y: calls.append(len(y)) or real_call(self, x, y))

@@ -193,7 +193,7 @@ def test_evaluation_releases_what_forward_kept_for_backward():
     # After predict/evaluate no backward follows; the caches (the PrimaryCaps spectra, û) must not
     # be carried into the next train step, where they would add to its peak memory.
     from pycapsnet.training import data as data_mod
-    from pycapsnet.training.trainer import evaluate
+    from pycapsnet.training.loop import evaluate
 
     m = CapsNet("numpy", CapsNetConfig(conv_channels=8, primary_types=2), seed=0)
     x = np.random.default_rng(0).random((2, 1, 28, 28)).astype(np.float32)

@@ -15,7 +15,6 @@ what and how to fix it), 3 the model's numbers are not finite (train, evaluate),
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
