@@ -230,3 +230,23 @@ def test_code_version_names_the_files_even_where_git_lags_behind_them(tmp_path, 
     lagging = code_version(str(tmp_path))
     assert lagging["commit"] == one["commit"] and lagging["clean"] is False and lagging["tree"] == two_tree
     assert git("status", "--porcelain") != ""  # the scratch index left the checkout's own alone
+
+
+def test_seeds_figure_marks_the_fixed_epoch_and_says_the_mean_error(tmp_path, capsys):
+    """benchmarks/seeds_figure.py: the runs' mean test error at the epoch given, and a PNG; a run
+    without that epoch is refused in one line (exit 2)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.seeds_figure import main
+
+    for name, accs in (("a", [0.99, 0.996]), ("b", [0.98, 0.997])):
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for epoch, acc in enumerate(accs, 1):
+                f.write(json.dumps({"epoch": epoch, "train_loss": 0.1, "test_acc": acc}) + "\n")
+    png = tmp_path / "seeds.png"
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--epoch", "2", "--target", "99.7", "--out", str(png)]) == 0
+    assert "mean test error at epoch 2: 0.350%" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "a"), "--epoch", "3", "--out", str(png)])
+    assert stop.value.code == 2 and "a has no test accuracy at epoch 3" in capsys.readouterr().err
