@@ -85,7 +85,8 @@ def test_a_described_network_and_image_files(digits, tmp_path):
     x, y, _, _ = digits
     net = A.network([A.conv2d(8, 9), A.relu(), A.primary_caps(2, 8, kernel=9, stride=2), A.dynamic_caps(10, 16)])
     model = pycapsnet.build(net, seed=1, classes=list("abcdefghij"))
-    model.fit(x[:32], y[:32], epochs=1, batch_size=16, progress=False)
+    history = model.fit(x[:32], y[:32], epochs=2, batch_size=16, lr=1e-3, lr_decay=0.1, lr_min=5e-4, progress=False)
+    assert [h["lr"] for h in history] == pytest.approx([1e-3, 5e-4])  # the decay stops at its floor
     Image.fromarray((x[0, 0] * 255).astype(np.uint8)).save(tmp_path / "d.png")
     [(path, best)] = model.predict(str(tmp_path / "d.png"), top=2)
     assert path.endswith("d.png") and len(best) == 2 and best[0][0] in "abcdefghij"
@@ -102,6 +103,8 @@ BAD = {
     "NaN": (lambda m, x, y: m.evaluate(np.where(x > 0.5, np.nan, x), y), CapsNetError, "NaN or inf"),
     "a string epochs": (lambda m, x, y: m.fit(x, y, epochs="3"), CapsNetError, "epochs must be a whole number"),
     "validation not a pair": (lambda m, x, y: m.fit(x, y, validation_data=x), CapsNetError, "a pair (x, y)"),
+    "a floor above lr": (lambda m, x, y: m.fit(x, y, lr=1e-3, lr_min=1e-2), CapsNetError, "lr_min 0.01 is above lr"),
+    "a negative floor": (lambda m, x, y: m.fit(x, y, lr_min=-1.0), CapsNetError, "lr_min must be a positive number"),
     "no images": (lambda m, x, y: m.predict(x[:0]), CapsNetError, "holds no images"),
 }
 

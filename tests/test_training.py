@@ -261,8 +261,8 @@ def test_resume_without_repeating_the_flags_continues_the_same_run(tmp_path):
     assert [m["lr"] for m in _metrics(out)] == pytest.approx([5e-3, 2.5e-3])
     resumed = checkpoint.load(out)
     assert resumed["header"]["optimizer"] == "sgd"
-    assert resumed["header"]["recipe"] == {"optimizer": "sgd", "lr": 5e-3, "lr_decay": 0.5, "seed": 5,
-                                           "shift": 1, "augment": "shift", "batch_size": 16, "dtype": "float64",
+    assert resumed["header"]["recipe"] == {"optimizer": "sgd", "lr": 5e-3, "lr_decay": 0.5, "lr_min": None,
+                                           "seed": 5, "shift": 1, "augment": "shift", "batch_size": 16, "dtype": "float64",
                                            "dataset": "embedded", "data_dir": None, "limit": 96, "limit_test": 40,
                                            "image_size": None, "channels": None, "test_fraction": 0.2,
                                            "val_fraction": None, "early_stop": None}
@@ -284,6 +284,22 @@ def test_resume_says_which_recipe_flags_change_the_run(tmp_path, capsys):
     assert "--seed" not in said  # given, but the run's own value: nothing to say
     assert checkpoint.load(out)["header"]["recipe"]["optimizer"] == "adam"
     assert _metrics(out)[-1]["lr"] == pytest.approx(1e-3 * 0.5)
+
+
+def test_lr_min_is_the_floor_the_decay_stops_at_and_a_resumed_run_keeps_it(tmp_path, capsys):
+    """Efficient-CapsNet's schedule: lr x decay each epoch, never below the floor; --resume goes on
+    with the run's floor without being told it again."""
+    out = str(tmp_path / "run")
+    argv = DATA + ARCH + ["--lr", "1e-2", "--lr-decay", "0.5", "--lr-min", "3e-3", "--out", out]
+    assert _main(argv + ["--epochs", "2"]) == 0
+    assert _main(["--no-progress", "--epochs", "3", "--resume", out]) == 0
+    assert [m["lr"] for m in _metrics(out)] == pytest.approx([1e-2, 5e-3, 3e-3])
+    assert checkpoint.load(out)["header"]["recipe"]["lr_min"] == 3e-3
+    capsys.readouterr()
+    assert _main(DATA + ARCH + ["--lr", "1e-3", "--lr-min", "2e-3", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "--lr-min 0.002 is above --lr 0.001" in err and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "b" / "checkpoint.npz")
 
 
 def test_resume_refuses_flags_that_contradict_the_architecture(tmp_path, capsys):
@@ -492,6 +508,7 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path):
     (["--lr", "-1"], "argument --lr: must be a finite number above 0, got -1"),  # trained uphill
     (["--lr", "nan"], "argument --lr: must be a finite number above 0, got nan"),
     (["--lr-decay", "0"], "argument --lr-decay: must be a finite number above 0, got 0"),
+    (["--lr-min", "0"], "argument --lr-min: must be a finite number above 0, got 0"),
     (["--routing-iters", "0"], "argument --routing-iters: must be at least 1, got 0"),
     (["--conv-channels", "0"], "argument --conv-channels: must be at least 1, got 0"),
     (["--primary-types", "0"], "argument --primary-types: must be at least 1, got 0"),

@@ -260,7 +260,7 @@ class Training:
         writes = group is None or group.writes
         self.scalars = Scalars(run.log_csv, run.tensorboard) if writes else Scalars()
         for epoch in range(start, run.epochs):
-            opt.lr = optim.exponential_lr(run.lr, run.lr_decay, epoch)
+            opt.lr = optim.exponential_lr(run.lr, run.lr_decay, epoch, run.lr_min)
             model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
             seen, correct, loss_sum, train_time = self._train_epoch(opt, captured, epoch)
             if group is not None:

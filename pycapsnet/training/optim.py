@@ -180,6 +180,7 @@ def make(name: str, model, lr: float):
     raise ValueError(f"unknown optimizer {name!r}: use one of {NAMES}")
 
 
-def exponential_lr(base_lr: float, decay: float, epoch: int) -> float:
-    """Learning rate of epoch ``epoch`` (0-based): base_lr * decay^epoch."""
-    return base_lr * decay ** epoch
+def exponential_lr(base_lr: float, decay: float, epoch: int, floor: float | None = None) -> float:
+    """Learning rate of epoch ``epoch`` (0-based): base_lr * decay^epoch, and never below ``floor``."""
+    lr = base_lr * decay ** epoch
+    return lr if floor is None else max(lr, floor)

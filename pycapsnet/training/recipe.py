@@ -28,7 +28,7 @@ from .log import say
 #           to None, "not used", so on --resume they too mean "as the run had it".)
 #   ARCHITECTURE: the model's shape, fixed by the checkpoint's weights.  Given on --resume with a
 #           value other than the checkpoint's: refused.
-RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "seed": 0, "shift": 2, "augment": "shift",
+RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "lr_min": None, "seed": 0, "shift": 2, "augment": "shift",
           "batch_size": 32,
           "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None,
           "image_size": None, "channels": None, "test_fraction": 0.2, "val_fraction": None, "early_stop": None}
@@ -50,7 +50,7 @@ ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
                           "class_dim", "decoder_hidden", "share_spatial", "primary_conv")}
 # What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": (*data.DATASETS, "arrays"), "data_dir": str,
-                 "lr": positive_float, "lr_decay": positive_float, "seed": nonnegative_int,
+                 "lr": positive_float, "lr_decay": positive_float, "lr_min": positive_float, "seed": nonnegative_int,
                  "shift": nonnegative_int, "augment": data.AUGMENTS, "batch_size": positive_int, "limit": positive_int,
                  "limit_test": positive_int, "channels": (1, 3), "image_size": list, "test_fraction": fraction,
                  "val_fraction": fraction, "early_stop": positive_int}
@@ -65,6 +65,7 @@ class Run:
     optimizer: str
     lr: float
     lr_decay: float
+    lr_min: float | None  # the decay stops here (Efficient-CapsNet's code: 5e-5); None: no floor
     seed: int
     shift: int
     augment: str  # "shift" (by up to ``shift`` pixels) or "efficient" (Efficient-CapsNet's transforms)
@@ -120,6 +121,8 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help=f"initial learning rate (default: {d['lr']:g}; --routing em: {em['lr']:g})")
     p.add_argument("--lr-decay", type=positive_float,
                    help=f"learning rate x this after every epoch (default: {d['lr_decay']})")
+    p.add_argument("--lr-min", type=positive_float,
+                   help="the decay stops at this learning rate (default: none, it decays without a floor)")
     p.add_argument("--optimizer", choices=optim.NAMES,
                    help=f"adam or sgd with momentum 0.9 (default: {d['optimizer']})")
     p.add_argument("--routing", choices=ROUTINGS,
@@ -291,6 +294,9 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     if values["augment"] == "efficient" and "shift" in given:
         raise CapsNetError("--shift with --augment efficient: Efficient-CapsNet's augmentation moves each image "
                            "within its own blank margins, not by --shift pixels; drop --shift, or use --augment shift")
+    if values["lr_min"] is not None and values["lr_min"] > values["lr"]:
+        raise CapsNetError(f"--lr-min {values['lr_min']:g} is above --lr {values['lr']:g}: the floor of the decay "
+                           "must be at most the learning rate it starts from; lower --lr-min or raise --lr")
     if values["early_stop"] is not None and values["val_fraction"] is None:
         raise CapsNetError("--early-stop needs --val-fraction F: it stops on the validation accuracy (never on the "
                            "test split, which would then no longer be a test)")
