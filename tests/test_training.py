@@ -286,6 +286,23 @@ def test_resume_says_which_recipe_flags_change_the_run(tmp_path, capsys):
     assert _metrics(out)[-1]["lr"] == pytest.approx(1e-3 * 0.5)
 
 
+def test_resume_says_so_when_a_flag_the_checkpoint_predates_changes_the_run(tmp_path, capsys, monkeypatch):
+    """A checkpoint from before --lr-min existed has no lr_min in its recipe: the run had none."""
+    out = str(tmp_path / "run")
+    assert _main(DATA + ARCH + ["--epochs", "1", "--out", out]) == 0
+    real = checkpoint.load
+
+    def older(path, *a, **k):
+        ckpt = real(path, *a, **k)
+        ckpt["header"]["recipe"].pop("lr_min")
+        return ckpt
+    monkeypatch.setattr(checkpoint, "load", older)
+    capsys.readouterr()
+    assert _main(DATA + ["--epochs", "2", "--resume", out, "--lr-min", "1e-4"]) == 0
+    said = capsys.readouterr()
+    assert "resuming with --lr-min 0.0001 (the run so far used none)" in said.out + said.err
+
+
 def test_lr_min_is_the_floor_the_decay_stops_at_and_a_resumed_run_keeps_it(tmp_path, capsys):
     """Efficient-CapsNet's schedule: lr x decay each epoch, never below the floor; --resume goes on
     with the run's floor without being told it again."""

@@ -366,7 +366,9 @@ def _take_from_checkpoint(values, given, ckpt, cfg, evaluating):
         raise CapsNetError(f"{ckpt['path']} is damaged: its recipe has {bad}; use another checkpoint, "
                            "or train afresh")
     for k in EVALUATED_ON if evaluating else RECIPE:
-        if k not in saved:
+        if k not in saved:  # an older version's checkpoint: the run had the flag's default
+            if k in given and not evaluating and values[k] != RECIPE[k]:
+                say(f"resuming with {flag(k)} {values[k]} (the run so far used {_shown(RECIPE[k])})")
             continue
         if k not in given:
             # --dataset X alone names other data: the run's --data-dir belongs to the run's dataset
