@@ -13,7 +13,7 @@
 #                 the limit keeps its finished epochs (metrics.jsonl, best.npz). The learning rate,
 #                 its decay and the epoch are chosen afterwards on the 5,001 validation digits only.
 #  efficient      with $EFFICIENT=1, also Efficient-CapsNet beside them: its paper's recipe and augmentation
-#                 (--network efficient --lr 5e-4 --lr-decay 0.97 --batch-size 16 --augment efficient)
+#                 (--network efficient --lr 5e-4 --lr-decay 0.97 --lr-min 5e-5 --batch-size 16 --augment efficient)
 #  epoch 1 again  each run's first epoch from the same command, to say whether it reproduces on the GPU
 #  bench          the step at batch 64 and 256, torch:cuda and cupy against eager autograd, on a
 #                 GPU nothing else uses by then
@@ -64,7 +64,7 @@ flags="--dataset mnist --data-dir $data $([ "$val" = 0 ] || echo "--val-fraction
 names=() runflags=()  # each run: its name, and the flags it adds to $flags
 for cfg in $sweep; do names+=("lr${cfg%:*}-d${cfg#*:}"); runflags+=("--lr ${cfg%:*} --lr-decay ${cfg#*:}"); done
 if [ "${EFFICIENT:-0}" = 1 ]; then  # Efficient-CapsNet, its paper's recipe and augmentation (a later flag wins)
-    names+=(efficient); runflags+=("--network efficient --lr 5e-4 --lr-decay 0.97 --batch-size 16 --augment efficient")
+    names+=(efficient); runflags+=("--network efficient --lr 5e-4 --lr-decay 0.97 --lr-min 5e-5 --batch-size 16 --augment efficient")
 fi
 for k in "${!names[@]}"; do
     job "mnist_${names[k]}" $((train_s - (SECONDS - start))) python train_torch.py --device $device $flags \

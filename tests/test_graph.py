@@ -11,7 +11,7 @@ import pytest
 from pycapsnet import backends
 from pycapsnet.backends import BackendError
 from pycapsnet import CapsNet, CapsNetError
-from pycapsnet.training import loop, optim, recipe, trainer
+from pycapsnet.training import flags, loop, optim, trainer
 from pycapsnet.training.graph import CapturedEval, CapturedStep
 from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, SMALL
 
@@ -119,13 +119,13 @@ def test_trainer_uses_the_recordings_for_full_batches(tmp_path, monkeypatch, rec
     calls = []
     real_call = recording.__call__
     monkeypatch.setattr(recording, "__call__", lambda self, x, y: calls.append(len(y)) or real_call(self, x, y))
-    flags = ["--conv-channels", "16", "--primary-types", "4", "--limit", str(limit), "--limit-test", "40",
-             "--batch-size", "32", "--epochs", "2", "--no-progress", "--dtype", "float64"]
+    argv = ["--conv-channels", "16", "--primary-types", "4", "--limit", str(limit), "--limit-test", "40",
+            "--batch-size", "32", "--epochs", "2", "--no-progress", "--dtype", "float64"]
     args = argparse.ArgumentParser()
-    recipe.add_arguments(args, "torch")
-    a = trainer.train(trainer.describe(args.parse_args(flags + ["--out", str(tmp_path / "a")]), "torch"))
+    flags.add_arguments(args, "torch")
+    a = trainer.train(trainer.describe(args.parse_args(argv + ["--out", str(tmp_path / "a")]), "torch"))
     assert calls == expected
-    b = trainer.train(trainer.describe(args.parse_args(flags + ["--out", str(tmp_path / "b"), "--no-graph"]), "torch"))
+    b = trainer.train(trainer.describe(args.parse_args(argv + ["--out", str(tmp_path / "b"), "--no-graph"]), "torch"))
     assert len(calls) == len(expected)
     for k in ("train_loss", "train_acc", "test_loss", "test_acc"):
         assert a[k] == pytest.approx(b[k], rel=1e-12), k

@@ -13,7 +13,7 @@ import pytest
 
 from pycapsnet import backends
 from pycapsnet import CapsNet, CapsNetError
-from pycapsnet.training import checkpoint, data, optim, recipe, trainer
+from pycapsnet.training import checkpoint, data, flags, optim, recipe, trainer
 from pycapsnet.tools import cli
 from pycapsnet.core import routing
 from pycapsnet.core.capsules import PrimaryCaps
@@ -542,7 +542,7 @@ def test_impossible_numbers_are_refused_when_the_command_line_is_read(argv, mess
 def test_every_choice_the_trainer_offers_builds_and_nothing_else_does():
     """The trainer's choices come from the library's own tables; each one builds a model and an optimizer."""
     parser = argparse.ArgumentParser()
-    recipe.add_arguments(parser, "numpy")
+    flags.add_arguments(parser, "numpy")
     offered = {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
     assert offered["routing_grad"] == routing.MODES
     assert offered["primary_conv"] == PrimaryCaps.FULL_CONVS

@@ -295,7 +295,7 @@ def build_parser():
     from pycapsnet.backends import NAMES
     from pycapsnet.backends.base import FLOAT_DTYPES
 
-    from ..training.recipe import add_accept_changed_data, add_arguments, add_limit_test
+    from ..training.flags import add_accept_changed_data, add_arguments, add_limit_test
 
     p = argparse.ArgumentParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -16,7 +16,8 @@ from ..errors import BackendError, CapsNetError
 from . import checkpoint, distributed
 from .log import speaking
 from .loop import NotFinite, Training
-from .recipe import Run, add_arguments, settle
+from .flags import add_arguments
+from .recipe import Run, settle
 from .run_dir import RunDir
 
 
