@@ -10,7 +10,7 @@ import pytest
 from pycapsnet import backends
 from pycapsnet import CapsNet
 from pycapsnet.training import checkpoint
-from pycapsnet.tools import cli
+from pycapsnet.tools import cli, crosscheck
 from tests.conftest import SMALL
 
 PAPER_SMALL = dict(conv_channels=16, primary_types=4)  # 28x28 digits, a quick model
@@ -68,7 +68,7 @@ def test_crosscheck_agrees_and_catches_a_perturbation(ckpt, capsys):
 def test_a_float32_backward_is_checked_against_the_float64_one(ckpt, capsys):
     """--dtype-b: side b in float32, side a in float64 (the backward gradcheck checks), from the same
     float32 weights; float32's rounding stays far inside the tolerance, a 0.1% error does not."""
-    rows, models, _ = cli.crosscheck("numpy", "numpy", "float64", batch=2, config=SMALL, dtype_b="float32")
+    rows, models, _ = crosscheck.crosscheck("numpy", "numpy", "float64", batch=2, config=SMALL, dtype_b="float32")
     hi, lo = models
     assert (hi.B.dtype, lo.B.dtype) == ("float64", "float32")
     for k, p in lo.params.items():  # the same numbers on both sides: float64 holds float32's exactly
