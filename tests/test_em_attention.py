@@ -95,7 +95,7 @@ def _run(spec, dtype, routing, mode, n=4):
 
 
 def _compare(a, b, dtype, routing):
-    from pycapsnet.tools.cli import EM_FLOAT32_TOLERANCE  # why EM's float32 is looser: see there
+    from pycapsnet.tools.crosscheck import EM_FLOAT32_TOLERANCE  # why EM's float32 is looser: see there
 
     rtol = EM_FLOAT32_TOLERANCE if routing == "em" and dtype == "float32" else RTOL[dtype]
     assert a.keys() == b.keys()
