@@ -257,6 +257,7 @@ def _positive(v, name):
 def _recipe_values(**values) -> dict:
     """fit's recipe keywords checked as the command line's flags check them."""
     from .training import data, optim
+    from .training.recipe import refuse_floor_above_lr
 
     for name in ("epochs", "batch_size"):
         _positive(values[name], name)
@@ -268,9 +269,7 @@ def _recipe_values(**values) -> dict:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise CapsNetError(f"{name} must be a positive number, got {v!r}")
-    if values["lr_min"] is not None and values["lr_min"] > values["lr"]:
-        raise CapsNetError(f"lr_min {values['lr_min']:g} is above lr {values['lr']:g}: the decay's floor must be at "
-                           "most the learning rate it starts from")
+    refuse_floor_above_lr(values["lr"], values["lr_min"], spell=str)
     if isinstance(values["shift"], bool) or not isinstance(values["shift"], (int, np.integer)) or values["shift"] < 0:
         raise CapsNetError(f"shift must be a whole number of pixels, 0 or more, got {values['shift']!r}")
     if values["augment"] not in data.AUGMENTS:

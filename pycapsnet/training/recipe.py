@@ -105,6 +105,15 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
+def refuse_floor_above_lr(lr, lr_min, spell=flag) -> None:
+    """The decay's floor must be at most the rate it starts from.  ``spell``: how the message names
+    a recipe key (a flag on the command line, the keyword itself for ``Model.fit``)."""
+    if lr_min is not None and lr_min > lr:
+        raise CapsNetError(f"{spell('lr_min')} {lr_min:g} is above {spell('lr')} {lr:g}: the floor of the decay "
+                           f"must be at most the learning rate it starts from; lower {spell('lr_min')} or raise "
+                           f"{spell('lr')}")
+
+
 def _shown(value):
     return "none" if value is None else value
 
@@ -155,9 +164,7 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     if values["augment"] == "efficient" and "shift" in given:
         raise CapsNetError("--shift with --augment efficient: Efficient-CapsNet's augmentation moves each image "
                            "within its own blank margins, not by --shift pixels; drop --shift, or use --augment shift")
-    if values["lr_min"] is not None and values["lr_min"] > values["lr"]:
-        raise CapsNetError(f"--lr-min {values['lr_min']:g} is above --lr {values['lr']:g}: the floor of the decay "
-                           "must be at most the learning rate it starts from; lower --lr-min or raise --lr")
+    refuse_floor_above_lr(values["lr"], values["lr_min"])
     if values["early_stop"] is not None and values["val_fraction"] is None:
         raise CapsNetError("--early-stop needs --val-fraction F: it stops on the validation accuracy (never on the "
                            "test split, which would then no longer be a test)")
@@ -227,11 +234,12 @@ def _take_from_checkpoint(values, given, ckpt, cfg, evaluating):
         raise CapsNetError(f"{ckpt['path']} is damaged: its recipe has {bad}; use another checkpoint, "
                            "or train afresh")
     for k in EVALUATED_ON if evaluating else RECIPE:
-        if k not in saved:  # an older version's checkpoint: the run had the flag's default
-            if k in given and not evaluating and values[k] != RECIPE[k]:
-                say(f"resuming with {flag(k)} {values[k]} (the run so far used {_shown(RECIPE[k])})")
-            continue
-        if k not in given:
+        if k in given:
+            was = saved.get(k, RECIPE[k])  # a key an older version's checkpoint lacks: the flag's default
+            if values[k] != was and not evaluating:
+                fresh = "; its state starts afresh" if k == "optimizer" else ""
+                say(f"resuming with {flag(k)} {values[k]} (the run so far used {_shown(was)}){fresh}")
+        elif k in saved:
             # --dataset X alone names other data: the run's --data-dir belongs to the run's dataset
             if k == "data_dir" and "dataset" in given and values["dataset"] != saved.get("dataset"):
                 continue
@@ -240,9 +248,6 @@ def _take_from_checkpoint(values, given, ckpt, cfg, evaluating):
                 what = "images" if values["dataset"] == "folder" else "IDX files"
                 raise CapsNetError(f"the run's data directory {saved[k]} (saved in {ckpt['path']}) is not "
                                    f"there any more; give --data-dir DIR where its {what} are now")
-        elif values[k] != saved[k] and not evaluating:
-            fresh = "; its state starts afresh" if k == "optimizer" else ""
-            say(f"resuming with {flag(k)} {values[k]} (the run so far used {_shown(saved[k])}){fresh}")
     if cfg is not None:
         values.update({k: v for k, v in cfg.to_dict().items() if k in ARCHITECTURE})
 
