@@ -249,16 +249,6 @@ def test_the_example_builds_and_trains_both_custom_networks(tmp_path):
         assert json.loads((tmp_path / f"{name}.json").read_text())["body"][-1]["name"] == "classcaps"
 
 
-def test_plan_says_it_does_not_model_a_described_network(tmp_path, capsys):
-    from pycapsnet.tools.cli import main
-
-    path = tmp_path / "net.json"
-    path.write_text(json.dumps(gradcheck.composed_architectures()["ConvCaps network routing=full"]))
-    assert main(["plan", "--network", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert "no memory model yet for a described network" in err and "conv_caps" in err and err.count("\n") == 1
-
-
 def _every_kind_of_layer():
     """Descriptions that use every layer kind: the built-ins, the experiments' CNN, the compositions,
     and one with max pooling, padding, attention and shared transforms."""

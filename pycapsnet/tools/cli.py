@@ -129,31 +129,13 @@ def cmd_data(args):
 
 
 def cmd_plan(args):
-    from ..core.model import CapsNetConfig
     from pycapsnet.backends.host import machine_memory
 
-    from ..training.recipe import ARCHITECTURE, refuse_ignored_flags
-    from .plan import SEARCH_CAP, format_bytes, measured_peak, parse_memory, plan
+    from .plan import SEARCH_CAP, format_bytes, parse_memory
 
-    if args.network:
-        from ..core import architecture
-
-        body = architecture.load(args.network)["body"]
-        kinds = sorted({spec.get("layer", "?") for spec in body if isinstance(spec, dict)})
-        raise CapsNetError(f"pycapsnet plan models the three built-in networks, set by its flags; it has no memory "
-                           f"model yet for a described network (layers: {', '.join(kinds)}); run a few steps with "
-                           "--limit and watch the process's memory instead")
-    given = {k: getattr(args, k) for k in ARCHITECTURE if getattr(args, k, None) is not None}  # plan's own flags
-    refuse_ignored_flags(given, args.routing)   # e.g. --share-spatial with --routing em: one line, as train says
     budget = parse_memory(args.memory) if args.memory else machine_memory()
-    cfg = CapsNetConfig(input_shape=tuple(args.input_shape), n_classes=args.classes, **given)
-    p = plan(cfg, args.batch_size, args.dtype, args.optimizer)
+    p, shrink, measure = (_plan_described if args.network else _plan_builtin)(args)
     n = args.batch_size
-    c, h, w = cfg.input_shape
-    how = "matrix capsules, EM routing" if cfg.routing == "em" else (
-        f"{cfg.routing} routing{', share_spatial' if cfg.share_spatial else ''}, PrimaryCaps by {cfg.primary_conv}")
-    print(f"a train step of CapsNet on {c}x{h}x{w} images, {cfg.n_classes} classes, {how}, "
-          f"{args.dtype}, {args.optimizer}, batch {n}")
     rows = [{"layer": layer.name, "parameters": f"{layer.params:,}", "kept per image": format_bytes(layer.kept / n),
              f"working memory at batch {n}": format_bytes(layer.work),
              "held whatever the batch": format_bytes(layer.state) if layer.state else ""}
@@ -166,16 +148,60 @@ def cmd_plan(args):
     if budget:
         most = p.largest_batch(budget)
         where = f"{args.memory}" if args.memory else f"{format_bytes(budget)} (this machine's memory; --memory to set)"
-        shrink = [] if cfg.routing == "em" else [f for f, on in (
-            ("--share-spatial", cfg.share_spatial), ("--primary-conv im2col", cfg.primary_conv == "im2col")) if not on]
         print(f"largest batch within {where}: " + (
             f"{most:,} or more (the search stops there)" if most == SEARCH_CAP else f"{most:,}" if most else
             "none: not even one image fits" + (f"; {' and '.join(shrink)} shrink the step" if shrink else "")))
     if args.measure:
-        measured = measured_peak(cfg, n, args.dtype, args.optimizer)
+        measured = measure()
         print(f"measured (NumPy backend, tracemalloc): {format_bytes(measured)}, "
               f"plan/measured {p.peak / measured:.3f}")
     return 0
+
+
+def _plan_builtin(args):
+    """(plan, flags that would shrink the step, the measurement) of a built-in network."""
+    from ..core.model import CapsNetConfig
+    from ..training.recipe import ARCHITECTURE, refuse_ignored_flags
+    from .plan import measured_peak, plan
+
+    routing = args.routing or "dynamic"
+    given = {k: getattr(args, k) for k in ARCHITECTURE if getattr(args, k, None) is not None}  # plan's own flags
+    given.pop("routing", None)
+    refuse_ignored_flags(given, routing)   # e.g. --share-spatial with --routing em: one line, as train says
+    cfg = CapsNetConfig(input_shape=tuple(args.input_shape or (1, 28, 28)), n_classes=args.classes or 10,
+                        routing=routing, **given)
+    p = plan(cfg, args.batch_size, args.dtype, args.optimizer)
+    c, h, w = cfg.input_shape
+    how = "matrix capsules, EM routing" if cfg.routing == "em" else (
+        f"{cfg.routing} routing{', share_spatial' if cfg.share_spatial else ''}, PrimaryCaps by {cfg.primary_conv}")
+    print(f"a train step of CapsNet on {c}x{h}x{w} images, {cfg.n_classes} classes, {how}, "
+          f"{args.dtype}, {args.optimizer}, batch {args.batch_size}")
+    shrink = [] if cfg.routing == "em" else [f for f, on in (
+        ("--share-spatial", cfg.share_spatial), ("--primary-conv im2col", cfg.primary_conv == "im2col")) if not on]
+    return p, shrink, lambda: measured_peak(cfg, args.batch_size, args.dtype, args.optimizer)
+
+
+def _plan_described(args):
+    """(plan, [], the measurement) of a described network: its step run at small batches (plan_measured.py)."""
+    from ..core import architecture
+    from ..training.recipe import ARCHITECTURE
+    from .plan_measured import measure_step, plan_network
+
+    flags = sorted("--" + k.replace("_", "-") for k in ARCHITECTURE if getattr(args, k, None) is not None)
+    if flags:
+        raise CapsNetError(f"{', '.join(flags)} set{'s' if len(flags) == 1 else ''} a built-in network; "
+                           f"a described one has its layers in {args.network}: plan it without "
+                           f"{'that flag' if len(flags) == 1 else 'those flags'}")
+    arch = dict(architecture.load(args.network))
+    arch["input_shape"] = tuple(args.input_shape or arch.get("input_shape") or (1, 28, 28))
+    arch["n_classes"] = args.classes or arch.get("n_classes") or 10
+    p = plan_network(arch, args.batch_size, args.dtype, args.optimizer)
+    c, h, w = arch["input_shape"]
+    a, b = p.measured_at
+    how = "measured" if args.batch_size <= b else f"measured at batches {a} and {b}, extrapolated"
+    print(f"a train step of {args.network} on {c}x{h}x{w} images, {arch['n_classes']} classes, {args.dtype}, "
+          f"{args.optimizer}, batch {args.batch_size} ({how} on the NumPy backend)")
+    return p, [], lambda: measure_step(arch, args.batch_size, args.dtype, args.optimizer)["peak"]
 
 
 def _data_flags(p):
@@ -281,10 +307,11 @@ def build_parser():
     from ..training.optim import NAMES as OPTIMIZERS
 
     pl = sub.add_parser("plan", help="will it fit? the memory of a train step, per layer, and the largest batch")
-    pl.add_argument("--input-shape", type=positive_int, nargs=3, metavar=("C", "H", "W"), default=(1, 28, 28),
-                    help="image channels, height, width (default: 1 28 28)")
-    pl.add_argument("--classes", type=positive_int, default=10, help="number of classes (default: 10)")
-    pl.add_argument("--routing", choices=("dynamic", "attention", "em"), default="dynamic",
+    pl.add_argument("--input-shape", type=positive_int, nargs=3, metavar=("C", "H", "W"), default=None,
+                    help="image channels, height, width (default: a description's own, else 1 28 28)")
+    pl.add_argument("--classes", type=positive_int, default=None,
+                    help="number of classes (default: a description's own, else 10)")
+    pl.add_argument("--routing", choices=("dynamic", "attention", "em"), default=None,
                     help="the built-in network to plan (default: dynamic)")
     pl.add_argument("--share-spatial", action="store_true", default=None,
                     help="one ClassCaps transform per capsule type (dynamic and attention routing)")
@@ -302,7 +329,8 @@ def build_parser():
                     help="budget for the largest batch, e.g. 80GB or 512MB, in powers of 1024 (GB as GiB) "
                          "(default: this machine's memory)")
     pl.add_argument("--network", default=None, metavar="FILE.json",
-                    help="a described network: refused, saying that plan does not model one yet")
+                    help="a described network (a JSON file, or the name of one the package carries): its step "
+                         "is run at two small batches on the NumPy backend and extrapolated")
     pl.add_argument("--measure", action="store_true",
                     help="also run the step on the NumPy backend and report its measured peak")
     pl.set_defaults(fn=cmd_plan)
