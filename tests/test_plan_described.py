@@ -77,3 +77,18 @@ def test_plan_of_a_described_network_refuses_in_one_line(argv, words, capsys):
     assert cli.main(["plan", "--network", "efficient", *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_step_too_large_to_measure_is_one_line(monkeypatch, capsys):
+    import tracemalloc
+
+    from pycapsnet.core.network import Network
+
+    def out_of_memory(self, x, y):
+        raise MemoryError
+
+    monkeypatch.setattr(Network, "train_step_grads", out_of_memory)
+    assert cli.main(["plan", "--network", "efficient"]) == 2
+    err = capsys.readouterr().err
+    assert "ran out of this machine's memory: plan a smaller batch" in err and len(err.strip().splitlines()) == 1
+    assert not tracemalloc.is_tracing()

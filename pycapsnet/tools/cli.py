@@ -185,7 +185,7 @@ def _plan_described(args):
     """(plan, [], the measurement) of a described network: its step run at small batches (plan_measured.py)."""
     from ..core import architecture
     from ..training.recipe import ARCHITECTURE
-    from .plan_measured import measure_step, plan_network
+    from .plan_measured import measure_step, measured_batches, plan_network
 
     flags = sorted("--" + k.replace("_", "-") for k in ARCHITECTURE if getattr(args, k, None) is not None)
     if flags:
@@ -195,12 +195,12 @@ def _plan_described(args):
     arch = dict(architecture.load(args.network))
     arch["input_shape"] = tuple(args.input_shape or arch.get("input_shape") or (1, 28, 28))
     arch["n_classes"] = args.classes or arch.get("n_classes") or 10
-    p = plan_network(arch, args.batch_size, args.dtype, args.optimizer)
     c, h, w = arch["input_shape"]
-    a, b = p.measured_at
+    a, b = measured_batches()
     how = "measured" if args.batch_size <= b else f"measured at batches {a} and {b}, extrapolated"
     print(f"a train step of {args.network} on {c}x{h}x{w} images, {arch['n_classes']} classes, {args.dtype}, "
-          f"{args.optimizer}, batch {args.batch_size} ({how} on the NumPy backend)")
+          f"{args.optimizer}, batch {args.batch_size} ({how} on the NumPy backend)", flush=True)
+    p = plan_network(arch, args.batch_size, args.dtype, args.optimizer)
     return p, [], lambda: measure_step(arch, args.batch_size, args.dtype, args.optimizer)["peak"]
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pycapsnet.backends.host import cpu_threads
+from pycapsnet.errors import CapsNetError
 
 from .ledger import OPTIMIZER_SLOTS, LayerMemory
 
@@ -117,9 +118,9 @@ def measure_step(arch: dict, n: int, dtype: str = "float32", optimizer: str = "a
     rng = np.random.default_rng(0)
     x = rng.random((n, *arch["input_shape"])).astype(dtype)
     y = np.arange(n) % arch["n_classes"]
-    architecture.build(arch, B).train_step_grads(x[:1], y[:1])  # imports what a step imports, untraced
-    tracemalloc.start()
     try:
+        architecture.build(arch, B).train_step_grads(x[:1], y[:1])  # imports what a step imports, untraced
+        tracemalloc.start()
         net = architecture.build(arch, B)
         opt = optim.make(optimizer, net, 1e-3)
         meter, rows = _Meter(), []
@@ -140,8 +141,11 @@ def measure_step(arch: dict, n: int, dtype: str = "float32", optimizer: str = "a
         return {"peak": meter.peak + batch, "peak_at": meter.at, "state": state,
                 "segments": {k: v + batch for k, v in meter.segments.items()},
                 "layers": [row.memory for row in rows]}
+    except MemoryError:
+        raise CapsNetError(f"measuring a train step at batch {n} ran out of this machine's memory: plan a "
+                           f"smaller batch, or make the network's layers smaller") from None
     finally:
-        tracemalloc.stop()
+        tracemalloc.stop()  # a no-op where it never started
 
 
 def _layers(net):
