@@ -165,8 +165,7 @@ def _plan_builtin(args):
     from .plan import measured_peak, plan
 
     routing = args.routing or "dynamic"
-    given = {k: getattr(args, k) for k in ARCHITECTURE if getattr(args, k, None) is not None}  # plan's own flags
-    given.pop("routing", None)
+    given = {k: getattr(args, k) for k in ARCHITECTURE if k != "routing" and getattr(args, k, None) is not None}
     refuse_ignored_flags(given, routing)   # e.g. --share-spatial with --routing em: one line, as train says
     cfg = CapsNetConfig(input_shape=tuple(args.input_shape or (1, 28, 28)), n_classes=args.classes or 10,
                         routing=routing, **given)

@@ -134,7 +134,7 @@ def measure_step(arch: dict, n: int, dtype: str = "float32", optimizer: str = "a
             row.begin_step()
         meter.claimed = set()
         net.train_step_grads(x, y)
-        meter.mark("after the backward")
+        meter.mark("the end of the backward")
         opt.step()
         meter.mark("the optimizer")
         batch = x.nbytes + y.nbytes  # made before tracing began
@@ -175,7 +175,7 @@ class _Meter:
         return current
 
     def between(self) -> int:
-        return self.mark(f"after {self.last}")
+        return self.mark(f"what follows {self.last}")
 
 
 class _Row:
