@@ -337,6 +337,11 @@ class Backend(abc.ABC):
                 top[:, rows, cols, :] = xp.maximum(top[:, rows, cols, :], x6[:, :, :, r, c, :])
         return xp.reshape(self.im2col(top, k, k, stride), tuple(x.shape))
 
+    def out_of_memory(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is this library's way of saying that an allocation did not fit (NumPy's
+        and CuPy's errors are MemoryErrors)."""
+        return isinstance(exc, MemoryError)
+
     def all_finite(self, x) -> bool:
         """Whether every entry of ``x`` is finite; a host NumPy array is checked where it is."""
         if isinstance(x, np.ndarray):

@@ -362,6 +362,12 @@ class TorchBackend(Backend):
         if self._device.type == "cuda":
             self.torch.cuda.synchronize(self._device)
 
+    def out_of_memory(self, exc: BaseException) -> bool:
+        """CUDA's torch.OutOfMemoryError; on the CPU, the allocator's RuntimeError."""
+        torch = self.torch
+        return (isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError))
+                or isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
     def memory(self) -> dict:
         if self._device.type == "cuda":
             c = self.torch.cuda

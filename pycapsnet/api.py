@@ -161,7 +161,7 @@ class Model(Run):
         was = speaking()
         try:
             speaking(was and progress)  # progress=False: nothing printed
-            trainer.train(run)
+            trainer.train(run, spell=str)
             path = os.path.join(run.out, "checkpoint.npz")
             self.history = list(read_header(path).get("history") or [])
         finally:

@@ -4,3 +4,8 @@ from pycapsnet.backends.base import BackendError  # noqa: F401  (re-exported)
 
 class CapsNetError(ValueError):
     """Bad input to a pycapsnet model, loss, dataset or checkpoint."""
+
+
+class OutOfMemory(CapsNetError, MemoryError):
+    """A train step or an evaluation needed more memory than the device has: the batch is too
+    large for it.  Also a MemoryError, so code that catches one catches this."""

@@ -287,6 +287,101 @@ def test_an_unwritable_metrics_file_is_one_line(runs, tmp_path, capsys):
 
 
 # ---- 6. messages that name the problem and the fix -----------------------------------------------
+@pytest.mark.parametrize("where", ["step", "evaluation"])
+def test_a_batch_too_large_for_memory_is_one_line_naming_the_batch(tmp_path, capsys, monkeypatch, where):
+    """What NumPy raises when an allocation fails, in a train step or in the evaluation after it."""
+    def too_large(*args, **kwargs):
+        raise MemoryError("Unable to allocate 2.75 GiB for an array with shape (4000, 36, 32, 160)")
+
+    if where == "step":
+        monkeypatch.setattr(optim.Adam, "step", too_large)
+    else:
+        from pycapsnet.training import loop
+
+        monkeypatch.setattr(loop, "evaluate", too_large)
+    assert trainer.main("numpy", [*TINY, "--epochs", "1", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: out of memory on numpy:cpu/float32 at batch 16 (Unable to allocate 2.75 GiB for an array "
+                   "with shape (4000, 36, 32, 160)): give a smaller --batch-size; `pycapsnet plan` works out the "
+                   "largest that fits\n")
+
+
+def test_an_evaluation_batch_too_large_for_memory_is_scored_in_halves(monkeypatch):
+    """Evaluation keeps 100 images' forward: where that does not fit, the batch is scored in
+    halves (here down to 25), with the same accuracy and loss; other errors are not retried."""
+    from pycapsnet.training import loop
+
+    _, te = data.load_embedded()
+    split = data.Split(te.x[:100], te.y[:100])
+    from pycapsnet.core.model import CapsNetConfig
+
+    model = CapsNet(backends.get("numpy", dtype="float64"), CapsNetConfig(conv_channels=8, primary_types=2))
+    accuracy, loss = loop.evaluate(model, split, batch_size=100)
+    real, sizes = CapsNet.loss, []
+
+    def fits_25(self, x, y):
+        sizes.append(len(y))
+        if len(y) > 25:
+            raise MemoryError("Unable to allocate 1.00 GiB")
+        return real(self, x, y)
+
+    monkeypatch.setattr(CapsNet, "loss", fits_25)
+    assert loop.evaluate(model, split, batch_size=100) == (accuracy, pytest.approx(loss, rel=1e-12))
+    assert sizes == [100, 50, 25, 25, 50, 25, 25]
+
+    def broken(self, x, y):
+        raise ValueError("not a memory error")
+
+    monkeypatch.setattr(CapsNet, "loss", broken)
+    with pytest.raises(ValueError, match="not a memory error"):
+        loop.evaluate(model, split, batch_size=100)
+
+
+def test_predict_out_of_memory_is_one_line(runs, tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
+    from pycapsnet.core.model import CapsNet
+
+    def too_large(*args, **kwargs):
+        raise MemoryError("Unable to allocate 9.00 GiB")
+
+    Image.fromarray(np.zeros((28, 28), np.uint8)).save(tmp_path / "digit.png")
+    monkeypatch.setattr(CapsNet, "scores", too_large)
+    assert cli.main(["predict", str(runs["one"]), str(tmp_path / "digit.png")]) == 2
+    assert capsys.readouterr().err == ("error: out of memory (Unable to allocate 9.00 GiB): give a smaller "
+                                       "--batch-size where the command takes one\n")
+
+
+def test_fit_out_of_memory_is_a_memory_error_naming_its_keyword(monkeypatch):
+    import pycapsnet
+    from pycapsnet.errors import OutOfMemory
+
+    def too_large(*args, **kwargs):
+        raise MemoryError("Unable to allocate 1.00 GiB")
+
+    monkeypatch.setattr(optim.Adam, "step", too_large)
+    (x, y), _ = pycapsnet.load_digits()
+    model = pycapsnet.build("capsnet", input_shape=(1, 28, 28), n_classes=10, seed=0)
+    with pytest.raises(OutOfMemory, match=r"at batch 8 \(Unable to allocate 1.00 GiB\): give a smaller batch_size;") as e:
+        model.fit(x[:16], y[:16], epochs=1, batch_size=8, progress=False)
+    assert isinstance(e.value, MemoryError) and isinstance(e.value.__cause__, MemoryError)
+
+
+def test_each_backend_knows_its_libraries_out_of_memory_errors():
+    B = backends.get("numpy")
+    assert B.out_of_memory(MemoryError()) and not B.out_of_memory(ValueError("x"))
+    torch = pytest.importorskip("torch")
+    T = backends.get("torch")
+    try:
+        torch.empty(2**62, dtype=torch.uint8)  # the CPU allocator's RuntimeError, raised at once
+    except RuntimeError as e:
+        assert T.out_of_memory(e)
+    else:
+        pytest.fail("torch allocated 4 EiB")
+    assert T.out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not T.out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
 def _write_idx_float(path, values):
     a = np.asarray(values, ">f4")
     Path(path).write_bytes(bytes([0, 0, 0x0D, a.ndim]) + np.asarray(a.shape, ">i4").tobytes() + a.tobytes())

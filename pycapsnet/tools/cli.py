@@ -361,6 +361,11 @@ def main(argv=None) -> int:
     except (CapsNetError, BackendError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except MemoryError as e:  # train's and evaluate's are OutOfMemory (a CapsNetError) with their batch
+        said = (str(e).strip().splitlines() or ["an allocation failed"])[0][:200]
+        print(f"error: out of memory ({said}): give a smaller --batch-size where the command takes one",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -59,12 +59,11 @@ def evaluate(model, split: data.Split, batch_size: int = EVAL_BATCH, show: bool 
     model.train(False)  # Dropout, if any, drops nothing
     try:
         for x, y in progress(data.batches(split, batch_size), n_batches, "eval", not show, batch=batch_size):
-            with model.B.quiet_float_errors():
-                out = captured(x, y) if captured is not None and len(y) == captured.batch_size else model.loss(x, y)
-            correct += int((out.predictions == y).sum())
-            loss_sum += out.loss * len(y)
-            if confusion is not None:
-                np.add.at(confusion, (y, out.predictions), 1)
+            for out, y_part in _scored(model, x, y, captured):
+                correct += int((out.predictions == y_part).sum())
+                loss_sum += out.loss * len(y_part)
+                if confusion is not None:
+                    np.add.at(confusion, (y_part, out.predictions), 1)
     finally:
         model.train(mode)
     model.release()  # no backward follows: do not carry forward's caches into the next train step
@@ -73,6 +72,23 @@ def evaluate(model, split: data.Split, batch_size: int = EVAL_BATCH, show: bool 
         if confusion is not None:
             confusion[...] = group.sum_values(confusion.ravel()).reshape(confusion.shape)
     return correct / n_all, loss_sum / n_all
+
+
+def _scored(model, x, y, captured=None) -> list:
+    """[(outputs, labels)] of one evaluation batch.  A batch that does not fit the device's memory
+    (evaluation keeps each layer's forward for a backward, EVAL_BATCH images of it, which can be
+    more than a train step at a small batch holds) is scored in halves instead, each the same
+    per image: the accuracy is unchanged, the loss's sum differs in its last bits."""
+    try:
+        with model.B.quiet_float_errors():
+            replay = captured is not None and len(y) == captured.batch_size
+            return [(captured(x, y) if replay else model.loss(x, y), y)]
+    except Exception as e:
+        if len(y) < 2 or not model.B.out_of_memory(e):
+            raise
+    model.release()  # what the failed forward kept
+    h = len(y) // 2
+    return _scored(model, x[:h], y[:h]) + _scored(model, x[h:], y[h:])
 
 
 class Training:

@@ -1,7 +1,8 @@
 """The ways into the one trainer: ``train_numpy.py``, ``train_cupy.py``, ``train_torch.py`` and
 ``pycapsnet train`` / ``evaluate`` call ``main``/``run``; Python calls ``fit``.  Each settles its
 flags into a ``recipe.Run`` (``describe``), hands it to the loop (``loop.Training``) and turns
-expected failures into one line and an exit code: 0 done, 2 bad input, 3 the loss or the model
+expected failures into one line and an exit code: 0 done, 2 bad input (a batch too large for the
+device's memory among them), 3 the loss or the model
 became NaN/inf, 4 another process of a data-parallel run stopped (``distributed.py``), 130
 interrupted (Ctrl-C or SIGTERM).
 """
@@ -12,12 +13,12 @@ import signal
 import sys
 import threading
 
-from ..errors import BackendError, CapsNetError
+from ..errors import BackendError, CapsNetError, OutOfMemory
 from . import checkpoint, distributed
 from .log import speaking
 from .loop import NotFinite, Training
 from .flags import add_arguments
-from .recipe import Run, settle
+from .recipe import Run, flag, settle
 from .run_dir import RunDir
 
 
@@ -27,10 +28,11 @@ def describe(args, backend_name: str, network=None, model=None) -> Run:
     return settle(args, ckpt, backend_name, network=network, model=model)
 
 
-def train(run: Run, directory: RunDir | None = None) -> dict:
+def train(run: Run, directory: RunDir | None = None, spell=flag) -> dict:
     """The whole run: set-up, then each epoch trained, evaluated and committed (or, with
     ``eval_only``, the checkpoint scored).  ``directory`` keeps the last good checkpoint for the
-    caller's messages if the run stops early."""
+    caller's messages if the run stops early; ``spell`` names a recipe key in them (a flag, or
+    ``str``: fit's keyword)."""
     if directory is None:
         directory = RunDir()
     if run.checkpoint:  # the one to go back to if the run stops early (a NaN loss, Ctrl-C)
@@ -39,12 +41,25 @@ def train(run: Run, directory: RunDir | None = None) -> dict:
     try:
         training = Training(run, directory)
         return training.evaluate_only() if run.eval_only else training.train()
+    except Exception as e:
+        model = getattr(training, "model", None)
+        if isinstance(e, MemoryError) or model is not None and model.B.out_of_memory(e):
+            raise OutOfMemory(_out_of_memory(run, model, e, spell)) from e
+        raise
     finally:
         directory.release()
         if training is not None and getattr(training, "scalars", None) is not None:
             training.scalars.close()
         if training is not None and training.group is not None:
             training.group.close()
+
+
+def _out_of_memory(run: Run, model, e: BaseException, spell) -> str:
+    """One line for a step that did not fit: where, at which batch, what the library said, the fix."""
+    said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    where = f" on {model.B.label}" if model is not None else ""
+    return (f"out of memory{where} at batch {run.batch_size} ({said[:200]}): give a smaller "
+            f"{spell('batch_size')}; `pycapsnet plan` works out the largest that fits")
 
 
 def _terminated(signum, frame):
@@ -138,4 +153,4 @@ def fit(network, backend: str = "numpy", **flags) -> dict:
     for k, v in flags.items():
         setattr(args, k, tuple(v) if isinstance(v, list) else v)
     args.backend = backend
-    return train(describe(args, backend, network=None if model is not None else network, model=model))
+    return train(describe(args, backend, network=None if model is not None else network, model=model), spell=str)
