@@ -287,23 +287,24 @@ def test_an_unwritable_metrics_file_is_one_line(runs, tmp_path, capsys):
 
 
 # ---- 6. messages that name the problem and the fix -----------------------------------------------
-@pytest.mark.parametrize("where", ["step", "evaluation"])
+@pytest.mark.parametrize("where", ["step", "evaluation", "set-up"])
 def test_a_batch_too_large_for_memory_is_one_line_naming_the_batch(tmp_path, capsys, monkeypatch, where):
-    """What NumPy raises when an allocation fails, in a train step or in the evaluation after it."""
+    """What NumPy raises when an allocation fails: in a train step or in the evaluation after it,
+    the batch is named; before any step (the data read, the network built), the images."""
+    from pycapsnet.training import loop
+
     def too_large(*args, **kwargs):
         raise MemoryError("Unable to allocate 2.75 GiB for an array with shape (4000, 36, 32, 160)")
 
-    if where == "step":
-        monkeypatch.setattr(optim.Adam, "step", too_large)
-    else:
-        from pycapsnet.training import loop
-
-        monkeypatch.setattr(loop, "evaluate", too_large)
+    monkeypatch.setattr(*{"step": (optim.Adam, "step"), "evaluation": (loop, "evaluate"),
+                          "set-up": (loop.Training, "_setup")}[where], too_large)
     assert trainer.main("numpy", [*TINY, "--epochs", "1", "--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err
-    assert err == ("error: out of memory on numpy:cpu/float32 at batch 16 (Unable to allocate 2.75 GiB for an array "
-                   "with shape (4000, 36, 32, 160)): give a smaller --batch-size; `pycapsnet plan` works out the "
-                   "largest that fits\n")
+    said = "(Unable to allocate 2.75 GiB for an array with shape (4000, 36, 32, 160))"
+    assert capsys.readouterr().err == (
+        f"error: out of memory while reading the data and building the network {said}: give fewer or smaller "
+        "images (--limit, --image-size)\n" if where == "set-up" else
+        f"error: out of memory on numpy:cpu/float32 at batch 16 {said}: give a smaller --batch-size; "
+        "`pycapsnet plan` works out the largest that fits\n")
 
 
 def test_an_evaluation_batch_too_large_for_memory_is_scored_in_halves(monkeypatch):

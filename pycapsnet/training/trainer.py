@@ -56,9 +56,11 @@ def train(run: Run, directory: RunDir | None = None, spell=flag) -> dict:
 
 def _out_of_memory(run: Run, model, e: BaseException, spell) -> str:
     """One line for a step that did not fit: where, at which batch, what the library said, the fix."""
-    said = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    where = f" on {model.B.label}" if model is not None else ""
-    return (f"out of memory{where} at batch {run.batch_size} ({said[:200]}): give a smaller "
+    said = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    if model is None:  # the data were being read, or the network built: no step had run
+        return (f"out of memory while reading the data and building the network ({said}): give fewer or "
+                f"smaller images ({spell('limit')}, {spell('image_size')})")
+    return (f"out of memory on {model.B.label} at batch {run.batch_size} ({said}): give a smaller "
             f"{spell('batch_size')}; `pycapsnet plan` works out the largest that fits")
 
 
