@@ -2,6 +2,7 @@
 the wheel carries the licence and its metadata, and installed in a fresh virtual environment it runs
 `pycapsnet --version` (dependencies from the environment this test runs in: nothing is downloaded)."""
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -55,6 +56,12 @@ def test_the_wheel_installs_in_a_fresh_environment_and_runs(dist, tmp_path):
     done = subprocess.run([str(env / "bin" / "pycapsnet"), "--version"], capture_output=True, text=True,
                           cwd=str(tmp_path), timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == f"pycapsnet {pycapsnet.__version__}", done.stderr
+    # The dependencies are this interpreter's. Made from a virtual environment, the new one's system
+    # site-packages are the base Python's, which may lack them: name this one's too, after the new
+    # environment's own (a plain path per line, so the checkout's editable install is not loaded).
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    (Path(purelib) / "the_tests_interpreter.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     code = ("import pycapsnet, pycapsnet.backends as b; print(pycapsnet.__file__, b.__file__); "
             "print(pycapsnet.build('efficient').network.n_params())")
     where = subprocess.run([str(python), "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
