@@ -9,3 +9,8 @@ class CapsNetError(ValueError):
 class OutOfMemory(CapsNetError, MemoryError):
     """A train step or an evaluation needed more memory than the device has: the batch is too
     large for it.  Also a MemoryError, so code that catches one catches this."""
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """What an exception said, on one line: its first line, at most ``limit`` characters."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]

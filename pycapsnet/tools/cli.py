@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from ..training.argtypes import name_and_factor, nonnegative_int, positive_float, positive_int
-from ..errors import BackendError, CapsNetError
+from ..errors import BackendError, CapsNetError, first_line
 from ..core.model import ROUTINGS
 
 def format_table(rows, cols):
@@ -362,8 +362,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except MemoryError as e:  # train's and evaluate's are OutOfMemory (a CapsNetError) with their batch
-        said = (str(e).strip().splitlines() or ["an allocation failed"])[0][:200]
-        print(f"error: out of memory ({said}): give a smaller --batch-size where the command takes one",
+        print(f"error: out of memory ({first_line(e)}): give a smaller --batch-size where the command takes one",
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:

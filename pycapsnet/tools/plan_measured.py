@@ -17,8 +17,9 @@ samples a host thread):
 The step is cut into segments at each layer's forward and backward.  What is alive in a segment
 grows linearly with the batch except where a layer works in bounded chunks, so each segment's peak
 is extrapolated along the line through its peaks at a and b, and the step's peak at batch n is the
-largest of those lines at n (measured directly when n <= b).  Chunked temporaries still growing between a and b make the slope steeper
-than it is further out: the extrapolation then errs high, and the largest batch low.  Like plan.py,
+largest of those lines at n (measured directly when n <= b).  Chunked temporaries still growing
+between a and b make the slope steeper than it is further out: the extrapolation then errs high,
+and the largest batch low.  Like plan.py,
 it counts NumPy's arrays; GPU allocators cache and round blocks, so read a GPU plan as a lower bound.
 """
 from __future__ import annotations
@@ -29,12 +30,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pycapsnet.backends.base import Backend
 from pycapsnet.backends.host import cpu_threads
 from pycapsnet.errors import CapsNetError
 
 from .ledger import OPTIMIZER_SLOTS, LayerMemory
-
-SEARCH_CAP = 1 << 40      # largest_batch counts no further
+from .plan import SEARCH_CAP  # largest_batch counts no further, as the built-in plan's
 
 
 @dataclass
@@ -183,6 +184,7 @@ class _Row:
 
     def __init__(self, name, layer):
         self.layer, self.memory = layer, LayerMemory(name, sum(int(p.size) for p in layer.params.values()))
+        self.before = {}  # buffer id -> bytes reachable from the layer when the measured step began
 
     def begin_step(self):
         own = _buffers([self.layer.params, self.layer.grads])  # grads may view one flat buffer: all of it
@@ -194,7 +196,6 @@ class _Row:
 
 def _instrument(name, layer, meter) -> _Row:
     row = _Row(name, layer)
-    row.before = {}
     forward, backward = layer.forward, layer.backward
 
     def measured_forward(x):
@@ -237,13 +238,7 @@ def _buffers(obj, found=None, seen=None, depth=0) -> dict:
         for value in obj:
             _buffers(value, found, seen, depth + 1)
     elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType, types.FunctionType)) \
-            and not _is_backend(obj):
+            and not isinstance(obj, Backend):
         for value in vars(obj).values():
             _buffers(value, found, seen, depth + 1)
     return found
-
-
-def _is_backend(obj) -> bool:
-    from pycapsnet.backends.base import Backend
-
-    return isinstance(obj, Backend)

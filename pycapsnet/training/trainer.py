@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from ..errors import BackendError, CapsNetError, OutOfMemory
+from ..errors import BackendError, CapsNetError, OutOfMemory, first_line
 from . import checkpoint, distributed
 from .log import speaking
 from .loop import NotFinite, Training
@@ -56,7 +56,7 @@ def train(run: Run, directory: RunDir | None = None, spell=flag) -> dict:
 
 def _out_of_memory(run: Run, model, e: BaseException, spell) -> str:
     """One line for a step that did not fit: where, at which batch, what the library said, the fix."""
-    said = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    said = first_line(e)
     if model is None:  # the data were being read, or the network built: no step had run
         return (f"out of memory while reading the data and building the network ({said}): give fewer or "
                 f"smaller images ({spell('limit')}, {spell('image_size')})")
