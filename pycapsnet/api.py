@@ -128,13 +128,14 @@ class Model(Run):
     # ---- training ----------------------------------------------------------------------------------
     @_keywords
     def fit(self, x, y, *, epochs: int = 12, batch_size: int = 32, lr: float = 2e-3, lr_decay: float = 0.85,
-            lr_min: float | None = None, optimizer: str = "adam", shift: int = 2, augment: str = "shift", seed: int = 0,
+            lr_min: float | None = None, ema: float | None = None, optimizer: str = "adam", shift: int = 2, augment: str = "shift", seed: int = 0,
             validation_data=None, early_stop=None, out: str | None = None, overwrite: bool = False, progress: bool = True) -> list:
         """Train on (x, y) for ``epochs`` from the weights the model has now, with a fresh
         optimizer, as ``pycapsnet train`` would (its recipe's meanings and defaults; ``shift``:
         random shifts of up to that many pixels; ``augment`` "efficient": Efficient-CapsNet's
         rotation, shift within the margins, squeeze and erasure instead; ``lr_min``: the floor the
-        decay stops at).  ``validation_data``
+        decay stops at; ``ema``: a decay such as 0.999, with which the model keeps an exponential
+        moving average of its weights, and holds the average when fit returns).  ``validation_data``
         (x, y) is scored after each epoch (``val_acc``, ``val_loss``) and, with ``early_stop`` N,
         ends training after N epochs without a better score.  ``out``: a run directory to keep
         (checkpoints, metrics.jsonl, pictures; ``pycapsnet evaluate``/``predict``/``--resume``
@@ -150,7 +151,7 @@ class Model(Run):
         if early_stop is not None and val is None:
             raise CapsNetError("early_stop needs validation_data: it stops on the validation accuracy")
         recipe = _recipe_values(epochs=epochs, batch_size=batch_size, lr=lr, lr_decay=lr_decay, lr_min=lr_min,
-                                optimizer=optimizer,
+                                ema=ema, optimizer=optimizer,
                                 shift=shift, augment=augment, seed=seed, early_stop=early_stop)
         temporary = tempfile.TemporaryDirectory(prefix="pycapsnet-fit-") if out is None else None
         run = Recipe(backend=self.B.name, device=None, dtype=self.B.dtype, dataset="arrays", data_dir=None,
@@ -270,6 +271,9 @@ def _recipe_values(**values) -> dict:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise CapsNetError(f"{name} must be a positive number, got {v!r}")
     refuse_floor_above_lr(values["lr"], values["lr_min"], spell=str)
+    ema = values["ema"]
+    if ema is not None and (isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 < ema < 1):
+        raise CapsNetError(f"ema must be a number between 0 and 1 (a decay such as 0.999), or None, got {ema!r}")
     if isinstance(values["shift"], bool) or not isinstance(values["shift"], (int, np.integer)) or values["shift"] < 0:
         raise CapsNetError(f"shift must be a whole number of pixels, 0 or more, got {values['shift']!r}")
     if values["augment"] not in data.AUGMENTS:

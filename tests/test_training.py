@@ -261,7 +261,7 @@ def test_resume_without_repeating_the_flags_continues_the_same_run(tmp_path):
     assert [m["lr"] for m in _metrics(out)] == pytest.approx([5e-3, 2.5e-3])
     resumed = checkpoint.load(out)
     assert resumed["header"]["optimizer"] == "sgd"
-    assert resumed["header"]["recipe"] == {"optimizer": "sgd", "lr": 5e-3, "lr_decay": 0.5, "lr_min": None,
+    assert resumed["header"]["recipe"] == {"optimizer": "sgd", "lr": 5e-3, "lr_decay": 0.5, "lr_min": None, "ema": None,
                                            "seed": 5, "shift": 1, "augment": "shift", "batch_size": 16, "dtype": "float64",
                                            "dataset": "embedded", "data_dir": None, "limit": 96, "limit_test": 40,
                                            "image_size": None, "channels": None, "test_fraction": 0.2,

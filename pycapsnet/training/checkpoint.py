@@ -203,9 +203,9 @@ def _member_limits(shapes: dict) -> dict:
     optimizer slots in float64, with room for the .npy header; the optimizer's two scalars."""
     room = 1024
     limits = {f"param/{k}": 8 * int(np.prod(s)) + room for k, s in shapes.items()}
-    for slot in ("m", "v", "buf"):  # Adam's and SGD's slots (optim.py)
+    for slot in ("m", "v", "buf", "average"):  # Adam's and SGD's slots, and --ema's averages (optim.py)
         limits.update({f"optim/{slot}/{k}": 8 * int(np.prod(s)) + room for k, s in shapes.items()})
-    limits.update({"optim/step_count": room, "optim/lr": room})
+    limits.update({"optim/step_count": room, "optim/lr": room, "optim/averaged": room})
     return limits
 
 

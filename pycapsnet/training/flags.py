@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help=f"learning rate x this after every epoch (default: {d['lr_decay']})")
     p.add_argument("--lr-min", type=positive_float,
                    help="the decay stops at this learning rate (default: none, it decays without a floor)")
+    p.add_argument("--ema", type=fraction, metavar="DECAY",
+                   help="keep an exponential moving average of the weights (Polyak averaging, e.g. 0.999): each "
+                        "epoch is scored, checkpointed and later predicted with the average (default: off; on "
+                        "--resume of a run without it, the average starts from the checkpoint's weights)")
     p.add_argument("--optimizer", choices=optim.NAMES,
                    help=f"adam or sgd with momentum 0.9 (default: {d['optimizer']})")
     p.add_argument("--routing", choices=ROUTINGS,
@@ -119,7 +123,7 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--out", default=None, help="output directory (default: runs/<backend>)")
     p.add_argument("--resume", default=None, metavar="CKPT",
                    help="continue from a checkpoint file or run directory: the run's architecture, and its "
-                        "optimizer, --lr, --lr-decay, --lr-min, --seed, --shift, --batch-size, --dtype and data "
+                        "optimizer, --lr, --lr-decay, --lr-min, --ema, --seed, --shift, --batch-size, --dtype and data "
                         "flags unless given again")
     p.add_argument("--eval-only", action="store_true",
                    help="only evaluate the --resume checkpoint, on its run's test split and dtype unless given")

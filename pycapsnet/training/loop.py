@@ -213,9 +213,10 @@ class Training:
             raise CapsNetError(f"--shift {run.shift} is not less than the {side}-pixel image side: shifted "
                                f"images could be blank; use a smaller --shift (the paper's is 2)")
         path = run.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", self.model.B.name))
-        opt = optim.make(run.optimizer, self.model, run.lr)
+        opt = optim.make(run.optimizer, self.model, run.lr, run.ema)
         if ckpt and ckpt["header"].get("optimizer") == run.optimizer:
             checkpoint.restore_optimizer(ckpt, opt)
+        opt.use_average(False)  # a checkpoint of an --ema run holds the averages as its weights: train the live ones
         start = ckpt["header"].get("epoch", 0) if ckpt else 0
         if group is not None and not group.writes:  # rank 0 alone reads and writes the directory
             self.directory.path = path
@@ -278,9 +279,11 @@ class Training:
         for epoch in range(start, run.epochs):
             opt.lr = optim.exponential_lr(run.lr, run.lr_decay, epoch, run.lr_min)
             model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
+            opt.use_average(False)
             seen, correct, loss_sum, train_time = self._train_epoch(opt, captured, epoch)
             if group is not None:
                 distributed.average_buffers(group, model)
+            opt.use_average(True)  # --ema: scored, checkpointed and left in the model for predict
             self._check_finite(opt, epoch)  # the epoch's last update has not been checked yet
             last = {"epoch": epoch + 1, "lr": opt.lr, "train_loss": loss_sum / seen, "train_acc": correct / seen,
                     **self._scored(epoch, captured_eval), "train_seconds": round(train_time, 2),

@@ -25,7 +25,7 @@ from .log import say
 #           to None, "not used", so on --resume they too mean "as the run had it".)
 #   ARCHITECTURE: the model's shape, fixed by the checkpoint's weights.  Given on --resume with a
 #           value other than the checkpoint's: refused.
-RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "lr_min": None, "seed": 0, "shift": 2, "augment": "shift",
+RECIPE = {"optimizer": "adam", "lr": 2e-3, "lr_decay": 0.85, "lr_min": None, "ema": None, "seed": 0, "shift": 2, "augment": "shift",
           "batch_size": 32,
           "dtype": "float32", "dataset": "embedded", "data_dir": None, "limit": None, "limit_test": None,
           "image_size": None, "channels": None, "test_fraction": 0.2, "val_fraction": None, "early_stop": None}
@@ -47,7 +47,7 @@ ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
                           "class_dim", "decoder_hidden", "share_spatial", "primary_conv")}
 # What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": (*data.DATASETS, "arrays"), "data_dir": str,
-                 "lr": positive_float, "lr_decay": positive_float, "lr_min": positive_float, "seed": nonnegative_int,
+                 "lr": positive_float, "lr_decay": positive_float, "lr_min": positive_float, "ema": fraction, "seed": nonnegative_int,
                  "shift": nonnegative_int, "augment": data.AUGMENTS, "batch_size": positive_int, "limit": positive_int,
                  "limit_test": positive_int, "channels": (1, 3), "image_size": list, "test_fraction": fraction,
                  "val_fraction": fraction, "early_stop": positive_int}
@@ -63,6 +63,7 @@ class Run:
     lr: float
     lr_decay: float
     lr_min: float | None  # the decay stops here (Efficient-CapsNet's code: 5e-5); None: no floor
+    ema: float | None  # evaluate and keep an exponential moving average of the weights (optim.py); None: off
     seed: int
     shift: int
     augment: str  # "shift" (by up to ``shift`` pixels) or "efficient" (Efficient-CapsNet's transforms)
