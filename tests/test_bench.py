@@ -250,3 +250,31 @@ def test_seeds_figure_marks_the_fixed_epoch_and_says_the_mean_error(tmp_path, ca
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path / "a"), "--epoch", "3", "--out", str(png)])
     assert stop.value.code == 2 and "a has no test accuracy at epoch 3" in capsys.readouterr().err
+
+
+def test_pair_figure_chooses_each_records_epoch_on_validation(tmp_path, capsys):
+    """benchmarks/pair_figure.py: per record, the best validation epoch from --from on (the
+    earliest of equals) and its test accuracy, and a PNG; a record without validation is refused
+    in one line (exit 2)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.pair_figure import main
+
+    rows = {"a": [(0.999, 0.90), (0.99, 0.991), (0.995, 0.993), (0.995, 0.999)],  # epoch 1 is before --from
+            "b": [(0.9, 0.9), (0.992, 0.994), (0.991, 0.998), (0.993, 0.996)]}
+    for name, accs in rows.items():
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for epoch, (val, test) in enumerate(accs, 1):
+                f.write(json.dumps({"epoch": epoch, "val_acc": val, "test_acc": test}) + "\n")
+    png = tmp_path / "pair.png"
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--labels", "last", "averaged", "--from", "2",
+                 "--out", str(png)]) == 0
+    said = capsys.readouterr().out
+    assert "last: epoch 3 chosen on validation (99.50%), test 99.30%" in said
+    assert "averaged: epoch 4 chosen on validation (99.30%), test 99.60%" in said
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    os.makedirs(tmp_path / "c")
+    (tmp_path / "c" / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "test_acc": 0.9}) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(png)])
+    assert stop.value.code == 2 and "no epoch from 1 on has a validation accuracy" in capsys.readouterr().err
