@@ -42,7 +42,8 @@ def pair_figure(runs: dict, first: int, path: str) -> dict:
             ax.plot(epochs, [100 * r[key] for r in rows], ".-", color=f"C{k}", lw=1, label=label)
             ax.plot([pick["epoch"]], [100 * pick[key]], "o", mfc="none", ms=9, color=f"C{k}")
         ax_test.annotate(f"{100 * pick['test_acc']:.2f}%", (pick["epoch"], 100 * pick["test_acc"]),
-                         textcoords="offset points", xytext=(6, -12 if k else 6), fontsize=7, color=f"C{k}")
+                         textcoords="offset points", xytext=(-6, -12) if k else (6, 6),
+                         ha="right" if k else "left", fontsize=7, color=f"C{k}")
     for ax, what in ((ax_val, "validation"), (ax_test, "test")):
         ax.set_xlabel("epoch"), ax.set_ylabel(f"{what} accuracy (%)"), ax.grid(alpha=0.3)
     ax_val.set_title("circled: the epoch each chooses on validation", fontsize=8)
