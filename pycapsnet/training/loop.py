@@ -216,7 +216,6 @@ class Training:
         opt = optim.make(run.optimizer, self.model, run.lr, run.ema)
         if ckpt and ckpt["header"].get("optimizer") == run.optimizer:
             checkpoint.restore_optimizer(ckpt, opt)
-        opt.use_average(False)  # a checkpoint of an --ema run holds the averages as its weights: train the live ones
         start = ckpt["header"].get("epoch", 0) if ckpt else 0
         if group is not None and not group.writes:  # rank 0 alone reads and writes the directory
             self.directory.path = path
@@ -279,7 +278,7 @@ class Training:
         for epoch in range(start, run.epochs):
             opt.lr = optim.exponential_lr(run.lr, run.lr_decay, epoch, run.lr_min)
             model.set_epoch(epoch)  # the spread loss's margin schedule (EM)
-            opt.use_average(False)
+            opt.use_average(False)  # an --ema checkpoint holds the averages as its weights: train the live ones
             seen, correct, loss_sum, train_time = self._train_epoch(opt, captured, epoch)
             if group is not None:
                 distributed.average_buffers(group, model)

@@ -56,14 +56,12 @@ class Optimizer:
     def _scalars(self, n):
         """A device array of n scalars and a view of each, shaped (1,) so that it broadcasts; with
         ``ema``, one more (1 - β_t, the average's step), kept by the optimizer itself."""
-        views = self._alloc_scalars(n + (self.ema is not None))
+        n += self.ema is not None
+        self._scalar_values = self.model.B.zeros((n,))
+        views = [self._scalar_values[k:k + 1] for k in range(n)]
         if self.ema is not None:
             self._mix = views.pop()
         return views
-
-    def _alloc_scalars(self, n):
-        self._scalar_values = self.model.B.zeros((n,))
-        return [self._scalar_values[k:k + 1] for k in range(n)]
 
     def _write_scalars(self, *values):
         B = self.model.B
@@ -137,8 +135,8 @@ class Optimizer:
         slots = self._slots()
         if self.ema is not None and not any(k.startswith("average/") for k in state):
             slots = self.moments
-            self.use_average(False)
-            self.state["average"] = {k: B.xp.asarray(p, copy=True) for k, p in self.model.params.items()}
+            for k, p in self.model.params.items():  # in place, as use_average trades them
+                self.state["average"][k][...] = p
         shapes = {"step_count": (), "lr": ()}
         shapes.update({f"{slot}/{k}": tuple(v.shape) for slot in slots for k, v in self.state[slot].items()})
         missing = [k for k in shapes if k not in state]
