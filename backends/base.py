@@ -423,6 +423,20 @@ class Backend(abc.ABC):
         reset_process_peak()
 
     # ---- convolution primitives (shared) -----------------------------------------------------
+    # True where the library has its own convolution (``conv2d``, ``conv2d_backward``): Conv2d then
+    # calls it instead of its im2col products.  False here: the layer's im2col form is the default.
+    direct_conv: bool = False
+
+    def conv2d(self, x, W, b, stride: int, padding: int):
+        """y = conv(x, W) + b on channels-last images, by the library's own convolution (only where
+        ``direct_conv``).  x (N, H, W, C_in), W (kh, kw, C_in, C_out), b (C_out,) -> (N, OH, OW, C_out)."""
+        raise NotImplementedError(f"the {self.name} backend has no direct convolution (direct_conv is False)")
+
+    def conv2d_backward(self, dy, x, W, stride: int, padding: int, input_grad: bool = True):
+        """(dx or None, dW) of ``conv2d`` for dy (N, OH, OW, C_out): dW = sum over windows of x^T dy
+        in W's layout, dx = the transposed convolution of dy -- the library's own kernels."""
+        raise NotImplementedError(f"the {self.name} backend has no direct convolution (direct_conv is False)")
+
     def pad_hw(self, x, padding: int):
         """Zero-pad the two spatial axes of (N, H, W, C) by ``padding`` on each side."""
         if padding == 0:

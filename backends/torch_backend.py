@@ -58,6 +58,7 @@ class TorchBackend(Backend):
             # call, so fewer, larger blocks pay (docs/performance.md)
             self.sample_block = 1 << 22
             keep_freed_memory()  # PyTorch's CPU allocator is glibc's malloc: same reasoning as NumPy
+            self.direct_conv = _direct_conv()
             if _numpy_blas_is_faster():
                 from .numpy_backend import NumpyBackend
 
@@ -113,6 +114,23 @@ class TorchBackend(Backend):
 
     def route_block(self, u_hat, sl):
         return super().route_block(u_hat, sl) if self._numpy is None else u_hat[:, sl]
+
+    # Convolutions (Conv2d) on the CPU: PyTorch's own kernels (oneDNN's direct ones), forward and
+    # both gradients (aten.convolution_backward: the kernels autograd would call, called here by
+    # hand, so nothing requires grad).  Our (N, H, W, C) images are PyTorch's channels-last memory
+    # format: permuted to (N, C, H, W) they are read in place, and the outputs come back in it.  On
+    # CUDA the layer's im2col form stays until cuDNN's kernels are checked there (whether their
+    # weight gradient is deterministic, and under CUDA graphs).
+    def conv2d(self, x, W, b, stride, padding):
+        y = self.torch.nn.functional.conv2d(x.permute(0, 3, 1, 2), _oihw(W), b, stride, padding)
+        return y.permute(0, 2, 3, 1).contiguous()  # a view where y is channels-last, as it is here
+
+    def conv2d_backward(self, dy, x, W, stride, padding, input_grad=True):
+        dx, dW, _ = self.torch.ops.aten.convolution_backward(
+            dy.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), _oihw(W), None, [stride, stride],
+            [padding, padding], [1, 1], False, [0, 0], 1, [input_grad, True, False])
+        dx = dx.permute(0, 2, 3, 1).contiguous() if input_grad else None
+        return dx, dW.permute(2, 3, 1, 0)  # (C_out, C_in, kh, kw) -> W's (kh, kw, C_in, C_out), a view
 
     @property
     def collective_backend(self):
@@ -395,6 +413,21 @@ def _numpy_blas_is_faster() -> bool:
     from .numpy_backend import _blas_name
 
     return cpu_vendor() == "AuthenticAMD" and "openblas" in _blas_name()
+
+
+def _direct_conv() -> bool:
+    """Whether the CPU backend convolves with PyTorch's own kernels: yes, unless
+    ``PYCAPSNET_TORCH_CPU_CONV=im2col`` keeps the layer's im2col products (to compare the two)."""
+    choice = os.environ.get("PYCAPSNET_TORCH_CPU_CONV", "").strip().lower()
+    if choice not in ("", "torch", "im2col"):
+        raise BackendError(f"PYCAPSNET_TORCH_CPU_CONV={choice!r}: use 'torch' (PyTorch's own convolution, "
+                           "the default) or 'im2col' (the layer's matrix products)")
+    return choice != "im2col"
+
+
+def _oihw(W):
+    """A kernel (kh, kw, C_in, C_out) as PyTorch's (C_out, C_in, kh, kw), laid out as it expects."""
+    return W.permute(3, 2, 0, 1).contiguous()
 
 
 def _per_parent(u_hat, order):

@@ -124,6 +124,9 @@ class Conv2d(Layer):
     the setting, not by the image size.  Forward keeps only x; backward rebuilds each chunk's X for
     dW -- one cheap gather -- and adds each chunk's dX straight into dx (bands of input rows
     overlap where their windows do), so neither X nor dX of the whole batch ever exists.
+
+    A backend whose library has a convolution of its own (``B.direct_conv``: PyTorch's on the CPU)
+    computes the same y, dW and dx with it instead; the math above is what its kernels compute.
     """
 
     chunk_bytes = 48 * 2**20
@@ -171,6 +174,9 @@ class Conv2d(Layer):
     def forward(self, x):
         # x: (N, H, W, C_in) -> y: (N, OH, OW, C_out)
         check_images(type(self).__name__, x, self)
+        if self.B.direct_conv:  # the library's own convolution (e.g. PyTorch's on the CPU)
+            self.cache = x
+            return self.B.conv2d(x, self.params["W"], self.params["b"], self.stride, self.padding)
         xp = self.B.xp
         n, h, w, _ = x.shape
         oh, ow = self.output_hw(h, w)
@@ -191,11 +197,15 @@ class Conv2d(Layer):
         # dy: (N, OH, OW, C_out) -> dx: (N, H, W, C_in)
         xp = self.B.xp
         x, self.cache = self.cache, None
+        self.grads["b"] += xp.sum(dy, axis=(0, 1, 2))
+        if self.B.direct_conv:
+            dx, dW = self.B.conv2d_backward(dy, x, self.params["W"], self.stride, self.padding, input_grad)
+            self.grads["W"] += dW
+            return dx
         n, h, w, _ = x.shape
         p = self.padding
         W = xp.reshape(self.params["W"], (-1, self.c_out))
         dW = xp.reshape(self.grads["W"], W.shape)  # a view: accumulate in place
-        self.grads["b"] += xp.sum(dy, axis=(0, 1, 2))
         x_pad = self.B.pad_hw(x, p)
         dx = self.B.zeros(tuple(x_pad.shape), dtype=self.B.dtype_name(x)) if input_grad else None
         for sl, rows in self.chunks(n, h, w, x.dtype.itemsize):
