@@ -168,6 +168,13 @@ class Backend(abc.ABC):
         """dx = dy [y > 0], from y = relu(x): a multiply by the 0/1 mask (faster than where() on NumPy)."""
         return dy * (y > 0)
 
+    # ---- batch normalisation's passes over channels-last arrays (pycapsnet/core/batch_norm.py) ----
+    def channel_affine(self, x, a, c):
+        """x * a + c with a and c per channel (the last axis): one pass where the library fuses it."""
+        y = x * a
+        y += c
+        return y
+
     # ---- ClassCaps' predictions û_j|i and routing's blocks of them (pycapsnet/core/capsules.py) -------------
     def predictions(self, ut, W_t):
         """û_j|i = W_ij u_i for every input capsule i = (p, t):  ut (P, T, N, K) and the transposed

@@ -132,6 +132,9 @@ class TorchBackend(Backend):
         dx = dx.permute(0, 2, 3, 1).contiguous() if input_grad else None
         return dx, dW.permute(2, 3, 1, 0)  # (C_out, C_in, kh, kw) -> W's (kh, kw, C_in, C_out), a view
 
+    def channel_affine(self, x, a, c):
+        return self.torch.addcmul(c, x, a)  # one pass, no temporary
+
     @property
     def collective_backend(self):
         return "nccl" if self._device.type == "cuda" else "gloo"

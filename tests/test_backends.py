@@ -518,3 +518,16 @@ def test_a_users_own_backends_module_does_not_break_pycapsnet(tmp_path):
             "print(m.predict(numpy.zeros((2, 1, 28, 28), numpy.float32)).shape)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "(2,)", out.stderr
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (7, 5)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS + GPU_BACKENDS)
+def test_channel_affine_is_the_broadcast_multiply_add(backend, dtype, shape):
+    """B.channel_affine (batch norm's passes; PyTorch's is one addcmul) against x * a + c."""
+    B = backends.get(backend, dtype=dtype)
+    rng = np.random.default_rng(0)
+    x, a, c = (rng.standard_normal(s).astype(dtype) for s in (shape, shape[-1:], shape[-1:]))
+    y = B.channel_affine(B.asarray(x), B.asarray(a), B.asarray(c))
+    assert B.dtype_name(y) == dtype and tuple(y.shape) == shape
+    np.testing.assert_allclose(B.to_numpy(y), x * a + c, rtol=1e-6 if dtype == "float32" else 1e-14, atol=1e-6)

@@ -54,16 +54,17 @@ class BatchNorm(Layer):
     def forward(self, x):
         # x: (N, H, W, C) or (N, C) -> y: the same shape
         check_input("BatchNorm", x, f"x (N, H, W, {self.channels}) or (N, {self.channels})", self.channels)
-        xp = self.B.xp
-        axes = tuple(range(x.ndim - 1))
+        B, xp = self.B, self.B.xp
         m = math.prod(x.shape[:-1])
         if not self.training:
-            r = 1 / xp.sqrt(self.buffers["running_var"] + self.eps)
-            x_hat = (x - self.buffers["running_mean"]) * r
+            mu, var = self.buffers["running_mean"], self.buffers["running_var"]
+            r = 1 / xp.sqrt(var + self.eps)
+            x_hat = B.channel_affine(x, r, -mu * r)  # (x - μ) r
         else:
             if m < 2:
                 raise CapsNetError(f"batch normalisation in training mode needs more than one value per channel, "
                                    f"and this batch of shape {tuple(x.shape)} gives one: train with a larger batch")
+            axes = tuple(range(x.ndim - 1))
             mu = xp.mean(x, axis=axes)
             d = x - mu
             var = xp.mean(d * d, axis=axes)
@@ -71,7 +72,7 @@ class BatchNorm(Layer):
             x_hat = d * r
             self._update_running(mu, var, m)
         self.cache = (x_hat, r, self.training)
-        return x_hat * self.params["gamma"] + self.params["beta"]
+        return B.channel_affine(x_hat, self.params["gamma"], self.params["beta"])
 
     def _update_running(self, mu, var, m):
         """In place, so that a recorded step (graph.py) updates the same arrays when replayed."""
@@ -94,4 +95,5 @@ class BatchNorm(Layer):
         if not batch:
             return dy * g
         m = math.prod(dy.shape[:-1])
-        return g * (dy - (d_beta + x_hat * d_gamma) / m)
+        # g (dy - (dβ + x̂ dγ) / m), as two multiply-adds per element
+        return self.B.channel_affine(dy, g, self.B.channel_affine(x_hat, -g * d_gamma / m, -g * d_beta / m))
