@@ -34,14 +34,15 @@ def _torchrun(n, flags):
                  str(ROOT / "train_numpy.py"), *flags])
 
 
-@pytest.mark.parametrize("optimizer,dtype,epochs,limit,rtol", [
-    ("adam", "float64", 2, 40, 1e-12),
-    ("sgd", "float64", 1, 33, 1e-12),   # the last global batch is 1 image: the second process has none
-    ("adam", "float32", 1, 40, 1e-4),   # float32 sums in another order: rounding, not a different step
-])
+@pytest.mark.parametrize("optimizer,dtype,epochs,limit,rtol,more", [
+    ("adam", "float64", 2, 40, 1e-12, []),
+    ("sgd", "float64", 1, 33, 1e-12, []),   # the last global batch is 1 image: the second process has none
+    ("adam", "float32", 1, 40, 1e-4, []),   # float32 sums in another order: rounding, not a different step
+    ("adam", "float64", 2, 40, 1e-12, ["--ema", "0.9"]),  # averaged weights in params, the live ones in optim
+], ids=["adam", "sgd-short-batch", "float32", "ema"])
 def test_two_processes_end_with_the_weights_of_one_with_their_global_batch(tmp_path, optimizer, dtype, epochs, limit,
-                                                                           rtol):
-    flags = [*TINY, "--optimizer", optimizer, "--dtype", dtype, "--epochs", str(epochs), "--limit", str(limit)]
+                                                                           rtol, more):
+    flags = [*TINY, "--optimizer", optimizer, "--dtype", dtype, "--epochs", str(epochs), "--limit", str(limit), *more]
     two = _torchrun(2, [*flags, "--batch-size", "8", "--out", str(tmp_path / "two")])
     assert two.returncode == 0, two.stderr[-3000:]
     assert "data parallel: 2 processes (gloo), batch 8 per process, global batch 16" in two.stdout
@@ -51,6 +52,8 @@ def test_two_processes_end_with_the_weights_of_one_with_their_global_batch(tmp_p
     a, b = checkpoint.load(str(tmp_path / "two")), checkpoint.load(str(tmp_path / "one"))
     for k in b["params"]:
         assert_close(a["params"][k], b["params"][k], rtol, k)
+    assert set(a["optim"]) == set(b["optim"])
+    assert any(k.startswith("average") for k in b["optim"]) == bool(more)
     for k in b["optim"]:
         assert_close(a["optim"][k], b["optim"][k], rtol, "optimizer " + k)
     for ra, rb in zip(a["header"]["history"], b["header"]["history"]):  # the global loss and accuracy
