@@ -92,7 +92,7 @@ def test_a_backend_without_one_says_so():
         B.conv2d(None, None, None, 1, 0)
 
 
-@pytest.mark.parametrize("backend", [b for b in GPU_BACKENDS], ids=lambda p: p)
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_backends_keep_the_im2col_form(backend):
     """Until cuDNN's kernels are checked on a GPU (determinism of dW, CUDA graphs), the layer's own."""
     assert not backends.get(backend).direct_conv

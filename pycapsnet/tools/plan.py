@@ -18,9 +18,9 @@ The step's peak is the largest (state + kept so far + work) over the walk.  Noth
 The ledger follows the NumPy backend's allocations (each temporary of an expression is its own
 array).  The torch backend frees temporaries the same way, but on the CPU it convolves with
 PyTorch's kernels, which make no im2col matrix: there a conv layer's work is an upper bound.  GPU
-allocators cache and round blocks, so read a GPU plan as a lower bound.  ``tests/test_plan.py`` checks the peak against a measured
-step (tracemalloc, which sees every NumPy array) within 15%; docs/performance.md compares the two
-from 28x28 to 224x224.
+allocators cache and round blocks, so read a GPU plan as a lower bound.  ``tests/test_plan.py``
+checks the peak against a measured step (tracemalloc, which sees every NumPy array) within 15%;
+docs/performance.md compares the two from 28x28 to 224x224.
 """
 from __future__ import annotations
 
