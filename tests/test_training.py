@@ -335,6 +335,34 @@ def test_resume_refuses_flags_that_contradict_the_architecture(tmp_path, capsys)
     assert [m["epoch"] for m in _metrics(out)] == [1]
 
 
+def test_recon_weight_weighs_the_reconstruction_term_as_a_description_s_decoder_weight_does(tmp_path, capsys):
+    """--recon-weight W trains what a description with the decoder's weight W trains (the same
+    losses to every digit); the run keeps it on --resume, and a resumed run told another is refused."""
+    from pycapsnet.core import architecture
+    from pycapsnet.core.model import CapsNetConfig, builtin_architecture
+    flagged, described = str(tmp_path / "flagged"), str(tmp_path / "described")
+    assert _main(DATA + ARCH + ["--recon-weight", "0.02", "--epochs", "1", "--out", flagged]) == 0
+    desc = builtin_architecture(CapsNetConfig(conv_channels=16, primary_types=4, recon_weight=0.02))
+    desc["input_shape"] = desc["n_classes"] = None
+    (tmp_path / "net.json").write_text(json.dumps(desc))
+    assert _main(DATA + ["--network", str(tmp_path / "net.json"), "--epochs", "1", "--out", described]) == 0
+    (a,), (b,) = _metrics(flagged), _metrics(described)
+    assert [a[k] for k in ("train_loss", "test_loss")] == [b[k] for k in ("train_loss", "test_loss")]
+    default = str(tmp_path / "default")
+    assert _main(DATA + ARCH + ["--epochs", "1", "--out", default]) == 0
+    assert _metrics(default)[0]["train_loss"] != a["train_loss"]  # the weight changes the training
+    assert checkpoint.config_of(checkpoint.load(flagged)).recon_weight == 0.02
+    assert architecture.build(desc | {"input_shape": [1, 28, 28], "n_classes": 10}).recon_loss.weight == 0.02
+    capsys.readouterr()
+    assert _main(DATA + ["--epochs", "2", "--resume", flagged, "--recon-weight", "0.0005"]) == 2
+    assert "--recon-weight 0.0005 (the checkpoint has 0.02)" in capsys.readouterr().err
+    assert _main(DATA + ["--epochs", "2", "--resume", flagged]) == 0
+    assert checkpoint.config_of(checkpoint.load(flagged)).recon_weight == 0.02
+    assert _main(DATA + ["--network", str(tmp_path / "net.json"), "--recon-weight", "0.01", "--out",
+                         str(tmp_path / "both")]) == 2
+    assert "set what --recon-weight would" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("routing, given, expected", [
     ("em", {}, (1e-2, 16, 20, 1)), ("em", {"lr": 3e-3, "epochs": 3}, (3e-3, 16, 3, 1)),
     ("em", {"shift": 2}, (1e-2, 16, 20, 2)), ("dynamic", {}, (2e-3, 32, 12, 2)),
@@ -531,6 +559,8 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path):
     (["--primary-types", "0"], "argument --primary-types: must be at least 1, got 0"),
     (["--shift", "-1"], "argument --shift: must be 0 or more, got -1"),
     (["--seed", "-1"], "argument --seed: must be 0 or more, got -1"),
+    (["--recon-weight", "-0.1"], "argument --recon-weight: must be a finite number of 0 or more, got -0.1"),
+    (["--recon-weight", "inf"], "argument --recon-weight: must be a finite number of 0 or more, got inf"),
 ])
 def test_impossible_numbers_are_refused_when_the_command_line_is_read(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:

@@ -47,6 +47,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (loss weights, where 0 turns a term off)."""
+    value = _parse(float, text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of 0 or more, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A number strictly between 0 and 1 (a share of a dataset)."""
     value = _parse(float, text)

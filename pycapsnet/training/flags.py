@@ -14,7 +14,7 @@ from ..core.capsules import PrimaryCaps
 from ..core.model import ROUTING_DEFAULTS, ROUTINGS, CapsNetConfig
 from ..core.routing import MODES as ROUTING_MODES
 from . import data, optim
-from .argtypes import fraction, nonnegative_int, positive_float, positive_int
+from .argtypes import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int
 from .recipe import ARCHITECTURE, EPOCHS, RECIPE, ROUTING_RECIPE
 
 
@@ -111,6 +111,10 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--decoder-hidden", type=positive_int, nargs="+", metavar="N",
                    help="the decoder's hidden layer sizes (default: "
                         f"{' '.join(map(str, CapsNetConfig.decoder_hidden))})")
+    p.add_argument("--recon-weight", type=nonnegative_float, metavar="W",
+                   help="the reconstruction loss's weight against the margin loss: W times the sum of squared "
+                        f"pixel errors (default, the paper's text: {CapsNetConfig.recon_weight}; its published code "
+                        "trains the equivalent of 0.01; 0: no reconstruction term)")
     p.add_argument("--share-spatial", action="store_true", default=None,
                    help="one routing transform per primary capsule type, shared over positions")
     p.add_argument("--primary-conv", choices=PrimaryCaps.FULL_CONVS,

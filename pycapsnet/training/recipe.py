@@ -44,7 +44,7 @@ EVALUATED_ON = ("dtype", "dataset", "data_dir", *FOLDER_FLAGS)
 ARCHITECTURE = {k: getattr(CapsNetConfig, k)  # the model's own defaults
                 for k in ("routing", "routing_iters", "routing_grad", "em_lambda", "conv_channels", "conv_kernel",
                           "conv_stride", "primary_types", "primary_dim", "primary_kernel", "primary_stride",
-                          "class_dim", "decoder_hidden", "share_spatial", "primary_conv")}
+                          "class_dim", "decoder_hidden", "recon_weight", "share_spatial", "primary_conv")}
 # What a saved recipe value may be: one of a tuple of names, or what the flag's argparse type takes.
 RECIPE_VALUES = {"optimizer": optim.NAMES, "dtype": FLOAT_DTYPES, "dataset": (*data.DATASETS, "arrays"), "data_dir": str,
                  "lr": positive_float, "lr_decay": positive_float, "lr_min": positive_float, "ema": fraction, "seed": nonnegative_int,
