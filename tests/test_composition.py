@@ -15,7 +15,9 @@ from pycapsnet.training import checkpoint
 from pycapsnet.core import architecture as A
 from pycapsnet.tools import gradcheck
 from pycapsnet.tools.finite_diff import check_layer
+from pycapsnet.core.capsules import ClassCaps
 from pycapsnet.core.conv_caps import ConvCaps
+from pycapsnet.core.squash import squash_backward
 from tests.conftest import CPU_BACKENDS, assert_close
 
 torch = pytest.importorskip("torch", reason="the autograd oracle needs PyTorch: pip install torch")
@@ -41,7 +43,7 @@ COMPOSED = [(mode, label) for mode in ("full", "final") for label in gradcheck.c
 def test_composed_networks_pass_finite_differences(backend):
     """Two stacked routing layers and a ConvCaps network, both routing modes: every parameter and the input."""
     results = gradcheck.composed_checks(backends.get(backend, dtype="float64"), samples=8)
-    assert len(results) == 4 * 13  # 4 networks: the input and 12 parameter tensors each
+    assert len(results) == 2 * 15 + 2 * 13  # the input and 14 (two routing layers, each with a bias) or 12 tensors
     assert all(r.passed for r in results), [(r.layer, r.tensor, r.max_rel) for r in results if not r.passed]
 
 
@@ -150,7 +152,7 @@ def test_layers_that_do_not_fit_are_refused_at_build_time(body, message):
 
 def test_a_network_is_a_composition_under_dotted_names():
     model = A.build(gradcheck.composed_architectures()["two routing layers routing=full"], "numpy")
-    names = ["conv1.W", "conv1.b", "primary.W", "primary.b", "caps1.W", "classcaps.W"] + \
+    names = ["conv1.W", "conv1.b", "primary.W", "primary.b", "caps1.W", "caps1.bias", "classcaps.W", "classcaps.bias"] + \
             [f"decoder{k}.{p}" for k in (1, 2, 3) for p in "Wb"]
     assert list(model.params) == names and list(model.grads) == names
     assert sum(g.size for g in model.grads.values()) == model.flat_grads.size == model.n_params()
@@ -276,3 +278,44 @@ def test_parameter_shapes_from_a_description_are_what_build_makes(k):
     arch = _every_kind_of_layer()[k]
     built = {name: tuple(p.shape) for name, p in A.build(arch, "numpy").state_dict().items()}  # buffers too
     assert description.param_shapes(arch) == built
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("share_spatial", [False, True], ids=["own W", "shared W"])
+@pytest.mark.parametrize("mode", ["full", "final"])
+def test_a_bias_on_s_j_passes_finite_differences(backend, mode, share_spatial):
+    """β_j added to every iteration's s_j (the paper's published code): dβ sums ds^r over the
+    iterations and the batch, on both routing paths (û formed, and shared transforms without û)."""
+    B = backends.get(backend, dtype="float64")
+    rng = np.random.default_rng(4)
+    layer = ClassCaps(B, 4, 2, 3, 3, 5, iters=3, routing_grad=mode, share_spatial=share_spatial, rng=rng, bias=0.1)
+    layer.params["W"][...] = B.asarray(0.5 * rng.standard_normal(layer.params["W"].shape))
+    assert B.to_numpy(layer.params["bias"]).tolist() == [[0.1] * 5] * 3
+    results = check_layer(B, "ClassCaps bias", layer, 0.5 * rng.standard_normal((2, 4, 2, 3)), samples=15)
+    assert [r.tensor for r in results] == ["input", "W", "bias"] and all(r.passed for r in results), results
+
+
+def test_a_wrong_bias_gradient_is_caught(monkeypatch):
+    """The check above can fail: dβ from the last iteration alone (the "final" form in "full" mode)."""
+    real = ClassCaps.route_backward
+    monkeypatch.setattr(ClassCaps, "route_backward", lambda self, u_hat, trace, dv: (
+        real(self, u_hat, trace, dv)[0], {"bias": self.B.xp.sum(squash_backward(
+            self.B.xp, trace[-1][1], trace[-1][2], dv), axis=0)}))
+    B = backends.get("numpy", dtype="float64")
+    rng = np.random.default_rng(4)
+    layer = ClassCaps(B, 4, 2, 3, 3, 5, iters=3, rng=rng, bias=0.1)
+    layer.params["W"][...] = B.asarray(0.5 * rng.standard_normal(layer.params["W"].shape))
+    results = check_layer(B, "ClassCaps bias", layer, 0.5 * rng.standard_normal((2, 4, 2, 3)), samples=15)
+    assert [r.passed for r in results] == [True, True, False]
+
+
+@pytest.mark.parametrize("layer,message", [
+    (A.dynamic_caps(10, 16, bias="0.1"), "a finite number in [-10, 10] or null"),
+    (A.dynamic_caps(10, 16, bias=float("nan")), "a finite number in [-10, 10] or null"),
+    ({"layer": "attention_caps", "capsules": 10, "dim": 16, "bias": 0.1}, "bias"),
+])
+def test_a_bad_bias_is_refused_in_one_line(layer, message):
+    body = [A.conv2d(8, 9), A.relu(), A.primary_caps(4, 4, 9, 2), layer]
+    with pytest.raises(CapsNetError) as e:
+        A.build(A.network(body, input_shape=(1, 28, 28), n_classes=10), "numpy")
+    assert message in str(e.value) and "\n" not in str(e.value)

@@ -99,9 +99,10 @@ def primary_caps(types, dim, kernel=9, stride=2, conv="fourier", squash="sabour"
 
 # Routing layers' transforms start at init_std, or, left None, at init.routed_std: capsules keep
 # their length from layer to layer, so that stacks of routing layers learn.
-def dynamic_caps(capsules, dim, iters=3, routing_grad="full", share_spatial=False, init_std=None, name=None):
+def dynamic_caps(capsules, dim, iters=3, routing_grad="full", share_spatial=False, init_std=None, bias=None,
+                 name=None):
     return _part("dynamic_caps", name, capsules=capsules, dim=dim, iters=iters, routing_grad=routing_grad,
-                 share_spatial=share_spatial, init_std=init_std)
+                 share_spatial=share_spatial, init_std=init_std, bias=bias)
 
 
 def attention_caps(capsules, dim, share_spatial=False, init_std=None, name=None):
@@ -207,9 +208,11 @@ def _routed_from(flow, share_spatial, capsules, dim, init_std):
     return (positions, flow.types, flow.dim), std
 
 
-def _dynamic_caps(B, flow, rng, capsules, dim, iters=3, routing_grad="full", share_spatial=False, init_std=None):
+def _dynamic_caps(B, flow, rng, capsules, dim, iters=3, routing_grad="full", share_spatial=False, init_std=None,
+                  bias=None):
     children, std = _routed_from(flow, share_spatial, capsules, dim, init_std)
-    layer = ClassCaps(B, *children, capsules, dim, iters, routing_grad, share_spatial, rng=rng, init_std=std)
+    layer = ClassCaps(B, *children, capsules, dim, iters, routing_grad, share_spatial, rng=rng, init_std=std,
+                      bias=bias)
     return layer, Flow("vector", None, capsules, dim)
 
 

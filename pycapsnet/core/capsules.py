@@ -73,13 +73,16 @@ class ClassCaps(Layer):
     With ``share_spatial`` û is never formed: routing runs on u and the small per-type matrices
     (shared_routing.py), a chunk of positions at a time whose coupling coefficients (N, T, p, J)
     fill at most ``chunk_bytes``, so memory no longer grows with P x J x D.
+
+    ``bias`` (a number, or None for none): a learned β_j (J, D) added to every routing iteration's
+    s_j, starting at that value: the paper's published code has one, starting at 0.1.
     """
 
     chunk_bytes = 64 * 2**20
     routes_shared = True  # with share_spatial, route u and W without forming û (shared_routing.py)
 
     def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, iters=3,
-                 routing_grad="full", share_spatial=False, rng=None, init_std=0.01):
+                 routing_grad="full", share_spatial=False, rng=None, init_std=0.01, bias=None):
         super().__init__(backend)
         if routing_grad not in MODES:
             raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
@@ -90,6 +93,9 @@ class ClassCaps(Layer):
         rng = rng if rng is not None else np.random.default_rng(0)
         shape = (1 if share_spatial else positions, types, n_classes, out_dim, in_dim)
         self._add_param("W", initializers.capsule_transform(rng, shape, init_std))
+        self.s_bias = bias is not None
+        if self.s_bias:
+            self._add_param("bias", np.full((n_classes, out_dim), float(bias)))   # β_j (J, D)
         self.trace = None
 
     def forward(self, u):
@@ -154,16 +160,24 @@ class ClassCaps(Layer):
     def route(self, u_hat, sl):
         """Dynamic routing of û (I, n, J, D), the samples ``sl`` of the batch: (v_j, the trace of
         every iteration) (routing.py)."""
-        return routing_forward(self.B, u_hat, self.iters)
+        return routing_forward(self.B, u_hat, self.iters, bias=self.bias_j)
 
     def route_backward(self, u_hat, trace, dv):
         """dL/dv and the trace of ``route`` -> (the factors of dL/dû (routing.py's
-        routing_backward_factors), the gradients of routing's own parameters: none here)."""
-        return routing_backward_factors(self.B, u_hat, trace, dv, self.routing_grad), {}
+        routing_backward_factors), the gradients of routing's own parameters: β_j's, if it has one)."""
+        if not self.s_bias:
+            return routing_backward_factors(self.B, u_hat, trace, dv, self.routing_grad), {}
+        coeffs, vecs, dbias = routing_backward_factors(self.B, u_hat, trace, dv, self.routing_grad, bias_grad=True)
+        return (coeffs, vecs), {"bias": dbias}
+
+    @property
+    def bias_j(self):
+        """β_j (J, D) added to s_j, or None."""
+        return self.params["bias"] if self.s_bias else None
 
     def route_shared(self, ut, W):
         """Dynamic routing of u (N, T, P, K) by W (T, J, D, K) shared over positions (shared_routing.py)."""
-        return shared_routing.forward(self.B, ut, W, self.iters, self._chunk(ut.shape[0]))
+        return shared_routing.forward(self.B, ut, W, self.iters, self._chunk(ut.shape[0]), bias=self.bias_j)
 
     def _shared_W(self):
         return self.B.xp.reshape(self.params["W"], (self.T, self.J, self.D, self.K))
@@ -197,9 +211,11 @@ class ClassCaps(Layer):
         xp = self.B.xp
         if self.share_spatial and self.routes_shared:
             ut, self.cache = self.cache, None
-            du, dW = shared_routing.backward(self.B, ut, self._shared_W(), self.trace, dv, self.routing_grad,
-                                             self._chunk(ut.shape[0]))
+            du, dW, dbias = shared_routing.backward(self.B, ut, self._shared_W(), self.trace, dv, self.routing_grad,
+                                                    self._chunk(ut.shape[0]))
             self.grads["W"] += xp.reshape(dW, self.params["W"].shape)
+            if self.s_bias:
+                self.grads["bias"] += dbias
             return self._as_input(xp.permute_dims(du, (0, 2, 1, 3))) if input_grad else None
         ut, u_hat = self.cache
         self.cache = None

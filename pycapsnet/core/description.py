@@ -54,7 +54,7 @@ OPTIONS = {
     "share_spatial": _boolean, "init_std": _number(0, 100, open_lo=True, none=True),
     "conv": _choice("fourier", "im2col", "depthwise"), "squash": _choice("sabour", "efficient"),
     "em_lambda": _number(0, open_lo=True), "rate": _number(0, 1, open_hi=True),
-    "momentum": _number(0, 1), "eps": _number(0, 1, open_lo=True),
+    "momentum": _number(0, 1), "eps": _number(0, 1, open_lo=True), "bias": _number(-10, 10, none=True),
 }
 STRIDE_OF = {"max_pool": _size_or_null}  # max_pool's stride may be null: its kernel
 TOP = {"input_shape", "n_classes", "body", "head", "loss", "decoder"}
@@ -227,11 +227,15 @@ def _primary_caps(o, kind, grid, t, d):
             ("vector", _out(grid, k, o["stride"]), o["types"], o["dim"]))
 
 
-def _routed(o, kind, grid, t, d, bias=False):
+def _routed(o, kind, grid, t, d, attention=False):
     if kind != "vector":
         return None
     p = 1 if o["share_spatial"] else math.prod(grid or (1,))
-    params = {"W": (p, t, o["capsules"], o["dim"], d), **({"bias": (p, t, o["capsules"])} if bias else {})}
+    params = {"W": (p, t, o["capsules"], o["dim"], d)}
+    if attention:  # β_ij on the coupling coefficients
+        params["bias"] = (p, t, o["capsules"])
+    elif o["bias"] is not None:  # β_j on s_j
+        params["bias"] = (o["capsules"], o["dim"])
     return params, ("vector", None, o["capsules"], o["dim"])
 
 
@@ -262,6 +266,6 @@ def _class_matrix_caps(o, kind, grid, t, d):
 
 _STEPS = {"conv2d": _conv2d, "max_pool": _max_pool, "batch_norm": _batch_norm, "flatten": _flatten, "linear": _linear,
           "primary_caps": _primary_caps, "dynamic_caps": _routed,
-          "attention_caps": lambda o, *flow: _routed(o, *flow, bias=True), "conv_caps": _conv_caps,
+          "attention_caps": lambda o, *flow: _routed(o, *flow, attention=True), "conv_caps": _conv_caps,
           "primary_matrix_caps": _primary_matrix_caps, "conv_matrix_caps": _conv_matrix_caps,
           "class_matrix_caps": _class_matrix_caps}

@@ -14,7 +14,8 @@ Forward, for r = 0 .. R-1 (b^0 = 0, so c^0 = 1/J and s^0 is a plain sum over i):
     s^r = sum_i c^r_ij û_j|i
     v^r = squash(s^r)
     b^{r+1} = b^r + û_j|i . v^r          (only for r < R-1)
-The output is v^{R-1}.
+The output is v^{R-1}.  With a learned bias β_j (D) per output capsule (the paper's published code
+has one, starting at 0.1), every iteration's s^r = sum_i c^r_ij û_j|i + β_j.
 
 Backward, mode "full" -- the exact gradient through every iteration.  Walk r from R-1 down to 0
 carrying db = dL/db^{r+1}  (zero at r = R-1, where dL/dv^{R-1} is the incoming gradient):
@@ -25,7 +26,8 @@ carrying db = dL/db^{r+1}  (zero at r = R-1, where dL/dv^{R-1} is the incoming g
 and û collects one outer product from every place it was used:
     dû_j|i = sum_r c^r_ij ds^r_j  +  sum_{r<R-1} db^{r+1}_ij v^r_j
 (formed in a single pass at the end: B.outer_sum).
-At r = 0 the logits b^0 = 0 are constants, so dc^0 and db^0 are not needed.
+At r = 0 the logits b^0 = 0 are constants, so dc^0 and db^0 are not needed.  The bias, added to
+every s^r, collects dβ_j = sum_r sum_n ds^r_j.
 
 Backward, mode "final" -- the coupling coefficients c^{R-1} are treated as constants (as if the
 routing loop ran under stop-gradient), and the gradient flows through the last weighted sum only:
@@ -57,12 +59,13 @@ def softmax_backward(xp, c, dc, axis=1):
     return c * (dc - xp.sum(c * dc, axis=axis, keepdims=True))
 
 
-def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
+def routing_forward(B, u_hat, iters: int, fixed_coupling=None, bias=None):
     """Returns (v, trace); trace keeps (c^r, s^r, |s^r|, v^r) of every iteration for the backward
     (and for inspection: ``trace[r][0]`` are the coupling coefficients of iteration r).
 
     ``fixed_coupling`` (N, J, I): use these c_ij in the last iteration instead of softmax(b) -- the
-    function whose exact gradient the "final" mode computes (gradient checks perturb it)."""
+    function whose exact gradient the "final" mode computes (gradient checks perturb it).
+    ``bias`` (J, D) or None: β_j, added to every iteration's s_j."""
     xp = B.xp
     n_in, n, n_out, _ = u_hat.shape
     b = None  # b^0 = 0
@@ -76,6 +79,8 @@ def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
         else:
             c = fixed_coupling if fixed else softmax(xp, b)  # (N, J, I)
             s = B.weighted_sum(c, u_hat)                  # s_j = sum_i c_ij û_j|i
+        if bias is not None:
+            s = s + bias                                  # s_j + β_j, the same for every sample
         v, s_norm = squash(xp, s)
         trace.append((c, s, s_norm, v))
         if not last:
@@ -84,19 +89,22 @@ def routing_forward(B, u_hat, iters: int, fixed_coupling=None):
     return v, trace
 
 
-def routing_backward_factors(B, u_hat, trace, dv, mode: str = "full"):
+def routing_backward_factors(B, u_hat, trace, dv, mode: str = "full", bias_grad: bool = False):
     """The backward from dL/dv (N, J, D) up to dL/dû (I, N, J, D), which is a sum of outer
     products: returns the lists (coeffs, vecs),
     coeffs[q] (N, J, I) and vecs[q] (N, J, D), of its terms (``B.outer_sum`` sums them).
-    Kept apart so that a caller can free û, whose last use this is, before dû is made."""
+    Kept apart so that a caller can free û, whose last use this is, before dû is made.
+    ``bias_grad``: also return dβ (J, D), the gradient of a bias routing_forward added."""
     xp = B.xp
     if mode == "final":
         c, s, s_norm, _ = trace[-1]
-        return [c], [squash_backward(xp, s, s_norm, dv)]  # dû_j|i = c_ij ds_j
+        ds = squash_backward(xp, s, s_norm, dv)
+        return ([c], [ds], xp.sum(ds, axis=0)) if bias_grad else ([c], [ds])  # dû_j|i = c_ij ds_j
     if mode != "full":
         raise ValueError(f"unknown routing gradient mode {mode!r}: use one of {MODES}")
     coeffs, vecs = [], []  # dû = sum_q coeffs[q] (x) vecs[q]
     db = None              # dL/db^{r+1}
+    dbias = None           # sum over the iterations of ds^r (N, J, D)
     for r in reversed(range(len(trace))):
         c, s, s_norm, v = trace[r]
         if db is not None:
@@ -106,8 +114,10 @@ def routing_backward_factors(B, u_hat, trace, dv, mode: str = "full"):
         ds = squash_backward(xp, s, s_norm, dv)
         coeffs.append(c)
         vecs.append(ds)
+        if bias_grad:
+            dbias = ds if dbias is None else dbias + ds
         if r > 0:
             dc = B.agreement(u_hat, ds)
             db_r = softmax_backward(xp, c, dc)
             db = db_r if db is None else db + db_r
-    return coeffs, vecs
+    return (coeffs, vecs, xp.sum(dbias, axis=0)) if bias_grad else (coeffs, vecs)

@@ -77,9 +77,10 @@ def coupling(B, u, A, a, b):
     return softmax(B.xp, B.matmul(u[:, :, a:b], B.xp.matrix_transpose(A)), axis=-1)
 
 
-def forward(B, u, W, iters: int, chunk: int, fixed_coupling=None):
+def forward(B, u, W, iters: int, chunk: int, fixed_coupling=None, bias=None):
     """(v, trace) with trace[r] = (A^r or None for 0, z^r, s^r, |s^r|, v^r).  ``fixed_coupling``
-    (N, T, P, J): the last iteration's c, held fixed (the function "final" mode differentiates)."""
+    (N, T, P, J): the last iteration's c, held fixed (the function "final" mode differentiates).
+    ``bias`` (J, D) or None: β_j, added to every iteration's s_j (routing.py)."""
     xp = B.xp
     n, types, positions, _ = u.shape
     parents = W.shape[1]
@@ -99,6 +100,8 @@ def forward(B, u, W, iters: int, chunk: int, fixed_coupling=None):
                 z = part if z is None else z + part
                 del c  # before the next chunk's is made: one chunk's coupling exists at a time
         s = _capsules(B, Wm, z)
+        if bias is not None:
+            s = s + bias
         v, s_norm = squash(xp, s)
         trace.append((A, z, s, s_norm, v))
         if not last:
@@ -108,7 +111,8 @@ def forward(B, u, W, iters: int, chunk: int, fixed_coupling=None):
 
 
 def backward(B, u, W, trace, dv, mode: str, chunk: int):
-    """(du (N, T, P, K), dW (T, J, D, K)) from dL/dv (N, J, D); the docstring's recursion."""
+    """(du (N, T, P, K), dW (T, J, D, K), dβ (J, D)) from dL/dv (N, J, D); the docstring's
+    recursion.  dβ = sum_r sum_n ds^r is the gradient of a bias forward added (unused without one)."""
     xp = B.xp
     types, parents, dims, k = W.shape
     positions = u.shape[2]
@@ -116,12 +120,14 @@ def backward(B, u, W, trace, dv, mode: str, chunk: int):
     du = B.zeros(tuple(u.shape))
     dWm = B.zeros((parents, dims, types * k))
     G = None  # dL/dA^{r+1}
+    dbias = 0
     steps = [len(trace) - 1] if mode == "final" else reversed(range(len(trace)))
     for r in steps:
         A, z, s, s_norm, v = trace[r]
         if G is not None:
             dv = _capsules(B, Wm, G)
         ds = squash_backward(xp, s, s_norm, dv)
+        dbias = dbias + xp.sum(ds, axis=0)
         dWm += _outer(B, ds, z)
         if G is not None:
             dWm += _outer(B, v, G)
@@ -144,4 +150,4 @@ def backward(B, u, W, trace, dv, mode: str, chunk: int):
             du[:, :, a:b] += du_part
             del c, du_part  # before the next chunk's are made
     dW = xp.permute_dims(xp.reshape(dWm, (parents, dims, types, k)), (2, 0, 1, 3))
-    return du, dW
+    return du, dW, dbias

@@ -133,10 +133,11 @@ def _freeze_final_coupling(layer):
     if isinstance(layer, ClassCaps) and layer.share_spatial:
         c = layer.shared_coupling(-1)
         layer.route_shared = lambda ut, W: shared_routing.forward(B, ut, W, layer.iters, ut.shape[2],
-                                                                  fixed_coupling=c)
+                                                                  fixed_coupling=c, bias=layer.bias_j)
     elif isinstance(layer, ClassCaps):
         c = layer.traced(0)[-1]  # c^{R-1} (N, J, I)
-        layer.route = lambda u_hat, sl: routing_forward(B, u_hat, layer.iters, fixed_coupling=c[sl])
+        layer.route = lambda u_hat, sl: routing_forward(B, u_hat, layer.iters, fixed_coupling=c[sl],
+                                                        bias=layer.bias_j)
     elif isinstance(layer, ConvCaps):
         c = layer.trace[-1][0]  # c^{R-1} (N*P, C, I): one routing per window
         layer.route = lambda u_hat: routing_forward(B, u_hat, layer.iters, fixed_coupling=c)

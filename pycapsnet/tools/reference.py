@@ -200,15 +200,17 @@ class AutogradCapsNet:
         return float(total.detach()), g
 
 
-def dynamic_route(u_hat, iters, final=False):
-    """Dynamic routing on û (N, I, J, D); ``final`` detaches everything but the last weighted sum."""
+def dynamic_route(u_hat, iters, final=False, bias=0):
+    """Dynamic routing on û (N, I, J, D), ``bias`` (J, D) added to every s_j; ``final`` detaches
+    everything but the last weighted sum and the bias."""
     u_for_b = u_hat.detach() if final else u_hat
+    bias_for_b = bias.detach() if final and torch.is_tensor(bias) else bias
     b = torch.zeros(u_hat.shape[:3], dtype=u_hat.dtype, device=u_hat.device)
     for r in range(iters):
         c = torch.softmax(b, dim=2)
         if r == iters - 1:
-            return squash(torch.einsum("nij,nijd->njd", c.detach() if final else c, u_hat))
-        v = squash(torch.einsum("nij,nijd->njd", c, u_for_b))
+            return squash(torch.einsum("nij,nijd->njd", c.detach() if final else c, u_hat) + bias)
+        v = squash(torch.einsum("nij,nijd->njd", c, u_for_b) + bias_for_b)
         b = b + torch.einsum("nijd,njd->nij", u_for_b, v)
 
 
@@ -273,7 +275,8 @@ class AutogradNetwork(AutogradCapsNet):
                 u = h.reshape(h.shape[0], -1, W.shape[1], W.shape[4])                # (N, P, T, K)
                 W = W.expand(u.shape[1], -1, -1, -1, -1)
                 u_hat = torch.einsum("ptjdk,nptk->nptjd", W, u).reshape(u.shape[0], -1, W.shape[2], W.shape[3])
-                h, grid = dynamic_route(u_hat, spec.get("iters", 3), spec.get("routing_grad") == "final"), None
+                h, grid = dynamic_route(u_hat, spec.get("iters", 3), spec.get("routing_grad") == "final",
+                                        p.get(name + ".bias", 0)), None
             elif kind == "conv_caps":
                 h, grid = self.conv_capsules(h, grid, name, spec)
             else:
