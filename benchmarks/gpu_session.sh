@@ -9,7 +9,10 @@
 #                 crosschecks of gpu_check.sh
 #  sweep          the paper's network on full MNIST, one run per $SWEEP entry (LR:DECAY, default
 #                 "1e-3:0.9 2e-3:0.9 1e-3:0.95 2e-3:0.95"; LR:DECAY:RECON also sets --recon-weight,
-#                 e.g. 2e-3:0.95:0.01, its published code's weighting) at batch $BATCH (128), $EPOCHS (30) epochs
+#                 e.g. 2e-3:0.95:0.01, its published code's weighting; $NETWORK=FILE.json trains that
+#                 description instead, e.g. benchmarks/capsnet-published.json, the network as the paper's
+#                 published code builds it, as far as pycapsnet's layers go: docs/results/mnist-capsnet-recon)
+#                 at batch $BATCH (128), $EPOCHS (30) epochs
 #                 or until $TRAIN_S (360) seconds after the start, whichever comes first; a run cut by
 #                 the limit keeps its finished epochs (metrics.jsonl, best.npz). The learning rate,
 #                 its decay and the epoch are chosen afterwards on the 5,001 validation digits only.
@@ -65,7 +68,9 @@ flags="--dataset mnist --data-dir $data $([ "$val" = 0 ] || echo "--val-fraction
 names=() runflags=()  # each run: its name, and the flags it adds to $flags
 for cfg in $sweep; do  # LR:DECAY, or LR:DECAY:RECON with the reconstruction loss's weight (--recon-weight)
     IFS=: read -r lr decay recon <<<"$cfg"
-    names+=("lr$lr-d$decay${recon:+-r$recon}"); runflags+=("--lr $lr --lr-decay $decay${recon:+ --recon-weight $recon}")
+    net=${NETWORK:+-$(basename "$NETWORK" .json)}
+    names+=("lr$lr-d$decay${recon:+-r$recon}$net")
+    runflags+=("--lr $lr --lr-decay $decay${recon:+ --recon-weight $recon}${NETWORK:+ --network $NETWORK}")
 done
 if [ "${EFFICIENT:-0}" = 1 ]; then  # Efficient-CapsNet, its paper's recipe and augmentation (a later flag wins)
     names+=(efficient); runflags+=("--network efficient --lr 5e-4 --lr-decay 0.97 --lr-min 5e-5 --batch-size 16 --augment efficient")
