@@ -11,7 +11,7 @@
 #                 "1e-3:0.9 2e-3:0.9 1e-3:0.95 2e-3:0.95"; LR:DECAY:RECON also sets --recon-weight,
 #                 e.g. 2e-3:0.95:0.01, its published code's weighting; $NETWORK=FILE.json trains that
 #                 description instead, e.g. benchmarks/capsnet-published.json, the network as the paper's
-#                 published code builds it, as far as pycapsnet's layers go: docs/results/mnist-capsnet-recon)
+#                 published code builds it: docs/results/mnist-capsnet-published)
 #                 at batch $BATCH (128), $EPOCHS (30) epochs
 #                 or until $TRAIN_S (360) seconds after the start, whichever comes first; a run cut by
 #                 the limit keeps its finished epochs (metrics.jsonl, best.npz). The learning rate,

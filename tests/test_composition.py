@@ -15,7 +15,7 @@ from pycapsnet.training import checkpoint
 from pycapsnet.core import architecture as A
 from pycapsnet.tools import gradcheck
 from pycapsnet.tools.finite_diff import check_layer
-from pycapsnet.core.capsules import ClassCaps
+from pycapsnet.core.capsules import ClassCaps, PrimaryCaps
 from pycapsnet.core.conv_caps import ConvCaps
 from pycapsnet.core.squash import squash_backward
 from tests.conftest import CPU_BACKENDS, assert_close
@@ -319,3 +319,56 @@ def test_a_bad_bias_is_refused_in_one_line(layer, message):
     with pytest.raises(CapsNetError) as e:
         A.build(A.network(body, input_shape=(1, 28, 28), n_classes=10), "numpy")
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("conv", ["fourier", "im2col", "depthwise"])
+def test_scaled_primary_capsules_pass_finite_differences(backend, conv):
+    """s = W * (scale x) + b (the published code's 1/32): dW sees the scaled input, db does not
+    scale, dx is scaled once; the options that start the convolution set what they say."""
+    B = backends.get(backend, dtype="float64")
+    rng = np.random.default_rng(5)
+    types, dim = (2, 2) if conv == "depthwise" else (2, 4)
+    layer = PrimaryCaps(B, 4, types, dim, 3, 1, rng=rng, conv=conv, init_std=0.7, bias=0.1, scale=0.25)
+    W = B.to_numpy(layer.params["W"])
+    assert B.to_numpy(layer.params["b"]).tolist() == [0.1] * (types * dim) and 0.5 < W.std() < 0.9
+    results = check_layer(B, f"PrimaryCaps {conv} scale", layer, rng.standard_normal((2, 5, 5, 4)), samples=15)
+    assert [r.tensor for r in results] == ["input", "W", "b"] and all(r.passed for r in results), results
+
+
+def test_a_primary_capsule_scale_left_out_of_backward_is_caught(monkeypatch):
+    """The check above can fail: dx not scaled (forward scales x, backward forgets it)."""
+    monkeypatch.setattr(PrimaryCaps, "backward", lambda self, du, input_grad=True: self.conv.backward(
+        self.B.xp.reshape(squash_backward(self.B.xp, self.cache[0], self.cache[1], du), self.cache[2]), input_grad))
+    B = backends.get("numpy", dtype="float64")
+    rng = np.random.default_rng(5)
+    layer = PrimaryCaps(B, 4, 2, 4, 3, 1, rng=rng, scale=0.25)
+    results = check_layer(B, "PrimaryCaps scale", layer, rng.standard_normal((2, 5, 5, 4)), samples=15)
+    assert [r.tensor for r in results] == ["input", "W", "b"] and not results[0].passed
+
+
+def test_convolutions_left_at_their_defaults_start_as_they_always_did():
+    """init_std, bias and scale unset: the description holds no new key and the same seed draws the
+    same weights (checkpoints and recorded runs rebuild as they were)."""
+    plain = [A.conv2d(8, 9, name="conv1"), A.relu(), A.primary_caps(4, 4, 9, 2, name="primary"), A.dynamic_caps(10, 16)]
+    assert set(plain[0]) == {"layer", "name", "channels", "kernel", "stride", "padding"}
+    assert "scale" not in plain[2] and "init_std" not in plain[2]
+    a = A.build(A.network(plain, input_shape=(1, 28, 28), n_classes=10), "numpy", seed=3).state_dict()
+    set_ = [A.conv2d(8, 9, init_std=0.05, bias=0.1, name="conv1"), A.relu(),
+            A.primary_caps(4, 4, 9, 2, init_std=0.1, bias=0.1, scale=1 / 32, name="primary"), A.dynamic_caps(10, 16)]
+    b = A.build(A.network(set_, input_shape=(1, 28, 28), n_classes=10), "numpy", seed=3).state_dict()
+    assert np.all(b["conv1.b"] == np.float32(0.1)) and abs(b["conv1.W"].std() - 0.05) < 0.005
+    assert abs(b["primary.W"].std() - 0.1) < 0.01 and not np.allclose(a["conv1.W"], b["conv1.W"])
+
+
+@pytest.mark.parametrize("layer,message", [
+    (A.primary_caps(4, 4, 9, 2, scale=0), "scale must be a finite number in (0, 1000]"),
+    (A.primary_caps(4, 4, 9, 2, scale="1/32"), "scale must be a finite number in (0, 1000]"),
+    (A.primary_caps(4, 4, 9, 2, init_std=-0.1), "init_std must be a finite number in (0, 100] or null"),
+    (A.primary_caps(4, 4, 9, 2, bias=float("inf")), "bias must be a finite number in [-10, 10] or null"),
+])
+def test_bad_convolution_starts_and_scales_are_refused_in_one_line(layer, message):
+    body = [A.conv2d(8, 9), A.relu(), layer, A.dynamic_caps(10, 16)]
+    with pytest.raises(CapsNetError) as e:
+        A.build(A.network(body, input_shape=(1, 28, 28), n_classes=10), "numpy")
+    assert message in str(e.value) and "'primary_caps1'" in str(e.value) and "\n" not in str(e.value)

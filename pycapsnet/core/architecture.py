@@ -32,7 +32,7 @@ from .batch_norm import BatchNorm
 from .capsules import AttentionCaps, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
 from ..errors import CapsNetError
-from .init import he_uniform, routed_std
+from .init import given, he_uniform, routed_std
 from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU, Sigmoid
 from .losses import MarginLoss, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
@@ -65,8 +65,12 @@ def _part(kind, name, **options):
     return {"layer": kind, **({"name": name} if name else {}), **options}
 
 
-def conv2d(channels, kernel, stride=1, padding=0, name=None):
-    return _part("conv2d", name, channels=channels, kernel=kernel, stride=stride, padding=padding)
+# A convolution's weights start He-uniform and its biases uniform in ±1/√fan_in, or, given
+# init_std and bias, at N(0, init_std²) and the constant bias (the paper's published code's choice);
+# a description holds those two options only when they are set.
+def conv2d(channels, kernel, stride=1, padding=0, init_std=None, bias=None, name=None):
+    return _part("conv2d", name, channels=channels, kernel=kernel, stride=stride, padding=padding,
+                 **_set(init_std=init_std, bias=bias))
 
 
 def relu(name=None):
@@ -93,8 +97,16 @@ def batch_norm(momentum=0.1, eps=1e-5, name=None):
     return _part("batch_norm", name, momentum=momentum, eps=eps)
 
 
-def primary_caps(types, dim, kernel=9, stride=2, conv="fourier", squash="sabour", name=None):
-    return _part("primary_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, conv=conv, squash=squash)
+# scale: s_i = W * (scale x) + b, the convolution scaled and the bias not, as the published code's
+# primary capsules are (a one-iteration routing from one input to 32 types: scale 1/32).
+def primary_caps(types, dim, kernel=9, stride=2, conv="fourier", squash="sabour", init_std=None, bias=None, scale=1.0,
+                 name=None):
+    return _part("primary_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, conv=conv, squash=squash,
+                 **_set(init_std=init_std, bias=bias), **({} if scale == 1 else {"scale": scale}))
+
+
+def _set(**options):
+    return {k: v for k, v in options.items() if v is not None}
 
 
 # Routing layers' transforms start at init_std, or, left None, at init.routed_std: capsules keep
@@ -156,8 +168,9 @@ def network(body, head="lengths", loss=None, decoder=decoder(), input_shape=None
 
 
 # ---- building --------------------------------------------------------------------------------------
-def _conv2d(B, flow, rng, channels, kernel, stride=1, padding=0):
-    layer = Conv2d(B, _need(flow, "image").types, channels, kernel, stride, padding, rng=rng, init=he_uniform)
+def _conv2d(B, flow, rng, channels, kernel, stride=1, padding=0, init_std=None, bias=None):
+    layer = Conv2d(B, _need(flow, "image").types, channels, kernel, stride, padding, rng=rng,
+                   init=given(he_uniform, init_std, bias))
     return layer, Flow("image", _fits(layer.output_hw(*flow.grid), kernel, stride), channels)
 
 
@@ -193,8 +206,10 @@ def _batch_norm(B, flow, rng, momentum=0.1, eps=1e-5):
     return BatchNorm(B, flow.types, momentum, eps), flow
 
 
-def _primary_caps(B, flow, rng, types, dim, kernel=9, stride=2, conv="fourier", squash="sabour"):
-    layer = PrimaryCaps(B, _need(flow, "image").types, types, dim, kernel, stride, rng=rng, conv=conv, squash=squash)
+def _primary_caps(B, flow, rng, types, dim, kernel=9, stride=2, conv="fourier", squash="sabour", init_std=None,
+                  bias=None, scale=1.0):
+    layer = PrimaryCaps(B, _need(flow, "image").types, types, dim, kernel, stride, rng=rng, conv=conv, squash=squash,
+                        init_std=init_std, bias=bias, scale=scale)
     return layer, Flow("vector", _fits(layer.conv.output_hw(*flow.grid), kernel, stride), types, dim)
 
 

@@ -30,24 +30,30 @@ class PrimaryCaps(Layer):
     parameters from the same rng and the same results to rounding.  "depthwise"
     (``DepthwiseConv2d``, Efficient-CapsNet's): one kernel per input channel, T*K = C_in.
     ``squash``: "sabour" (default) or "efficient" (SQUASHES).
+    ``init_std``, ``bias``: the convolution's weights drawn N(0, init_std²) and its biases set to
+    ``bias`` (init.given), else its defaults.  ``scale``: s = W * (scale x) + b, the convolution
+    scaled and the bias not, as the paper's published code has it (scale 1/32); the convolution
+    being linear in x, scaling x is scaling W * x, and backward scales dx by the same.
     """
 
     CONVS = {"fourier": FourierConv2d, "im2col": Conv2d, "depthwise": DepthwiseConv2d}
     FULL_CONVS = ("fourier", "im2col")  # those that mix channels: the built-in networks' choices (--primary-conv)
 
-    def __init__(self, backend, c_in, types=32, dim=8, kernel=9, stride=2, rng=None, conv="fourier", squash="sabour"):
+    def __init__(self, backend, c_in, types=32, dim=8, kernel=9, stride=2, rng=None, conv="fourier", squash="sabour",
+                 init_std=None, bias=None, scale=1.0):
         super().__init__(backend)
         if conv not in self.CONVS:
             raise ValueError(f"unknown convolution {conv!r}: use one of {tuple(self.CONVS)}")
         if squash not in SQUASHES:
             raise ValueError(f"unknown squash {squash!r}: use one of {tuple(SQUASHES)}")
-        self.types, self.dim, self.squash = types, dim, squash
-        self.conv = self.CONVS[conv](backend, c_in, types * dim, kernel, stride, rng=rng)
+        self.types, self.dim, self.squash, self.scale = types, dim, squash, float(scale)
+        self.conv = self.CONVS[conv](backend, c_in, types * dim, kernel, stride, rng=rng,
+                                     init=initializers.given(initializers.uniform_fan_in, init_std, bias))
         self.params, self.grads = self.conv.params, self.conv.grads  # one set of parameters
 
     def forward(self, x):
         check_images("PrimaryCaps", x, self.conv)
-        y = self.conv.forward(x)                   # (N, OH, OW, T*K)
+        y = self.conv.forward(x if self.scale == 1 else x * self.scale)  # (N, OH, OW, T*K)
         n, oh, ow, _ = y.shape
         s = self.B.xp.reshape(y, (n, oh * ow, self.types, self.dim))
         u, s_norm = SQUASHES[self.squash][0](self.B.xp, s)
@@ -58,7 +64,8 @@ class PrimaryCaps(Layer):
         s, s_norm, y_shape = self.cache
         self.cache = None
         ds = SQUASHES[self.squash][1](self.B.xp, s, s_norm, du)
-        return self.conv.backward(self.B.xp.reshape(ds, y_shape), input_grad)
+        dx = self.conv.backward(self.B.xp.reshape(ds, y_shape), input_grad)
+        return dx if dx is None or self.scale == 1 else dx * self.scale
 
 
 class ClassCaps(Layer):

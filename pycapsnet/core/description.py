@@ -55,6 +55,7 @@ OPTIONS = {
     "conv": _choice("fourier", "im2col", "depthwise"), "squash": _choice("sabour", "efficient"),
     "em_lambda": _number(0, open_lo=True), "rate": _number(0, 1, open_hi=True),
     "momentum": _number(0, 1), "eps": _number(0, 1, open_lo=True), "bias": _number(-10, 10, none=True),
+    "scale": _number(0, 1000, open_lo=True),
 }
 STRIDE_OF = {"max_pool": _size_or_null}  # max_pool's stride may be null: its kernel
 TOP = {"input_shape", "n_classes", "body", "head", "loss", "decoder"}

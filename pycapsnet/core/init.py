@@ -21,6 +21,22 @@ def he_uniform(rng, shape, fan_in):
     return uniform_fan_in(rng, shape, fan_in, gain=np.sqrt(2.0))
 
 
+def given(default, std=None, bias=None):
+    """``default`` (an initialiser of (W, b), as uniform_fan_in), with W drawn N(0, std^2) instead
+    when ``std`` is given and b set to the constant ``bias`` when that is: the paper's published code
+    starts its convolutions so (std 0.05 or 0.1, biases 0.1).  ``default`` draws first either way, so
+    that a layer left at its defaults draws what it always drew."""
+    if std is None and bias is None:
+        return default
+
+    def init(rng, shape, fan_in):
+        W, b = default(rng, shape, fan_in)
+        if std is not None:
+            W = rng.normal(0.0, std, size=shape)
+        return W, (b if bias is None else np.full(shape[-1], float(bias)))
+    return init
+
+
 def capsule_transform(rng: np.random.Generator, shape, std: float = 0.01):
     """The routing transforms W_ij ~ N(0, std^2), as in common CapsNet implementations."""
     return rng.normal(0.0, std, size=shape)

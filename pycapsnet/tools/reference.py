@@ -264,7 +264,8 @@ class AutogradNetwork(AutogradCapsNet):
                                  p[name + ".gamma"], p[name + ".beta"], self.training, spec.get("momentum", 0.1),
                                  spec.get("eps", 1e-5))
             elif kind == "primary_caps":
-                s = self.conv(h, name, spec.get("stride", 2), spec.get("conv") == "depthwise")  # (N, T*K, H2, W2)
+                s = self.conv(h * spec.get("scale", 1.0), name, spec.get("stride", 2),
+                              spec.get("conv") == "depthwise")  # (N, T*K, H2, W2): W * (scale x) + b
                 grid, image = s.shape[2:], False
                 s = s.permute(0, 2, 3, 1).reshape(s.shape[0], -1, spec["types"], spec["dim"])
                 h = exp_squash(s) if spec.get("squash") == "efficient" else squash(s)
