@@ -19,8 +19,9 @@ from pycapsnet.tools import cli
 
 DATA = ["--limit", "8", "--limit-test", "4", "--batch-size", "4", "--no-progress", "--epochs", "1"]
 BASES = {
-    "dynamic": A.network([A.conv2d(4, 9, name="conv1"), A.relu(), A.primary_caps(2, 4, kernel=9, stride=2),
-                          A.dynamic_caps(10, 8, name="classcaps")], decoder=A.decoder((16,))),
+    "dynamic": A.network([A.conv2d(4, 9, init_std=0.05, bias=0.1, name="conv1"), A.relu(),
+                          A.primary_caps(2, 4, kernel=9, stride=2, init_std=0.1, bias=0.1, scale=1 / 32),
+                          A.dynamic_caps(10, 8, init_std=0.1, bias=0.1, name="classcaps")], decoder=A.decoder((16,))),
     "convcaps": A.network([A.conv2d(4, 9), A.relu(), A.primary_caps(2, 4, kernel=9, stride=2), A.conv_caps(2, 4),
                            A.attention_caps(10, 8)], decoder=None),
     "em": A.network([A.conv2d(4, 5, stride=2), A.relu(), A.primary_matrix_caps(2), A.conv_matrix_caps(2, 3, 2),
