@@ -1,0 +1,121 @@
+"""The parts of a network description: one function per layer, loss and decoder, each returning
+the plain data (a dict) that architecture.build builds from and a JSON file holds.
+
+    body = [conv2d(256, 9, name="conv1"), relu(), primary_caps(32, 8, kernel=9, stride=2, name="primary"),
+            dynamic_caps(10, 16, name="classcaps")]
+    arch = network(body, input_shape=(1, 28, 28))
+
+A part holds every option its layer's builder takes but those that are unset and were added after
+descriptions were first saved (init_std and bias of conv2d and primary_caps, and scale), so that
+descriptions written before them read the same.
+"""
+from __future__ import annotations
+
+
+def _part(kind, name, **options):
+    return {"layer": kind, **({"name": name} if name else {}), **options}
+
+
+# A convolution's weights start He-uniform and its biases uniform in ±1/√fan_in, or, given
+# init_std and bias, at N(0, init_std²) and the constant bias (the paper's published code's choice);
+# a description holds those two options only when they are set.
+def conv2d(channels, kernel, stride=1, padding=0, init_std=None, bias=None, name=None):
+    return _part("conv2d", name, channels=channels, kernel=kernel, stride=stride, padding=padding,
+                 **_set(init_std=init_std, bias=bias))
+
+
+def relu(name=None):
+    return _part("relu", name)
+
+
+def max_pool(kernel=2, stride=None, name=None):
+    return _part("max_pool", name, kernel=kernel, stride=stride)
+
+
+def flatten(name=None):
+    return _part("flatten", name)
+
+
+def linear(features, name=None):
+    return _part("linear", name, features=features)
+
+
+def dropout(rate=0.5, name=None):
+    return _part("dropout", name, rate=rate)
+
+
+def batch_norm(momentum=0.1, eps=1e-5, name=None):
+    return _part("batch_norm", name, momentum=momentum, eps=eps)
+
+
+# scale: s_i = W * (scale x) + b, the convolution scaled and the bias not, as the published code's
+# primary capsules are (a one-iteration routing from one input to 32 types: scale 1/32).
+def primary_caps(types, dim, kernel=9, stride=2, conv="fourier", squash="sabour", init_std=None, bias=None, scale=1.0,
+                 name=None):
+    return _part("primary_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, conv=conv, squash=squash,
+                 **_set(init_std=init_std, bias=bias), **({} if scale == 1 else {"scale": scale}))
+
+
+def _set(**options):
+    return {k: v for k, v in options.items() if v is not None}
+
+
+# Routing layers' transforms start at init_std, or, left None, at init.routed_std: capsules keep
+# their length from layer to layer, so that stacks of routing layers learn.
+def dynamic_caps(capsules, dim, iters=3, routing_grad="full", share_spatial=False, init_std=None, bias=None,
+                 name=None):
+    return _part("dynamic_caps", name, capsules=capsules, dim=dim, iters=iters, routing_grad=routing_grad,
+                 share_spatial=share_spatial, init_std=init_std, bias=bias)
+
+
+def attention_caps(capsules, dim, share_spatial=False, init_std=None, name=None):
+    return _part("attention_caps", name, capsules=capsules, dim=dim, share_spatial=share_spatial, init_std=init_std)
+
+
+def conv_caps(types, dim, kernel=3, stride=1, iters=3, routing_grad="full", init_std=None, name=None):
+    return _part("conv_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, iters=iters,
+                 routing_grad=routing_grad, init_std=init_std)
+
+
+def primary_matrix_caps(types, name=None):
+    return _part("primary_matrix_caps", name, types=types)
+
+
+def conv_matrix_caps(types, kernel=3, stride=1, iters=2, routing_grad="full", em_lambda=1e-3, name=None):
+    return _part("conv_matrix_caps", name, types=types, kernel=kernel, stride=stride, iters=iters,
+                 routing_grad=routing_grad, em_lambda=em_lambda)
+
+
+def class_matrix_caps(capsules, iters=2, routing_grad="full", em_lambda=1e-3, name=None):
+    return _part("class_matrix_caps", name, capsules=capsules, iters=iters, routing_grad=routing_grad,
+                 em_lambda=em_lambda)
+
+
+def margin_loss(m_plus=0.9, m_minus=0.1, lam=0.5):
+    return {"loss": "margin", "m_plus": m_plus, "m_minus": m_minus, "lam": lam}
+
+
+def spread_loss():
+    return {"loss": "spread"}
+
+
+def cross_entropy():
+    return {"loss": "cross_entropy"}
+
+
+def decoder(hidden=(512, 1024), weight=0.0005):
+    return {"hidden": list(hidden), "weight": weight}
+
+
+def network(body, head="lengths", loss=None, decoder=decoder(), input_shape=None, n_classes=None):
+    """A whole description.  ``head``: "lengths" (vector capsules), "activations" (matrix
+    capsules) or "logits" (a CNN's last Linear layer); ``loss`` defaults to the head's: margin for
+    lengths, spread for activations, cross-entropy for logits; ``decoder`` None: no reconstruction
+    (a CNN has none).  input_shape (C, H, W) and n_classes may be left None for the trainer to take
+    from the data."""
+    loss = loss or DEFAULT_LOSS.get(head, margin_loss)()
+    return {"input_shape": None if input_shape is None else list(input_shape), "n_classes": n_classes,
+            "body": list(body), "head": head, "loss": loss, "decoder": decoder}
+
+
+DEFAULT_LOSS = {"lengths": margin_loss, "activations": spread_loss, "logits": cross_entropy}
