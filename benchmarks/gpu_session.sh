@@ -9,8 +9,8 @@
 #                 crosschecks of gpu_check.sh
 #  sweep          the paper's network on full MNIST, one run per $SWEEP entry (LR:DECAY, default
 #                 "1e-3:0.9 2e-3:0.9 1e-3:0.95 2e-3:0.95"; LR:DECAY:RECON also sets --recon-weight,
-#                 e.g. 2e-3:0.95:0.01, its published code's weighting; $NETWORK=FILE.json trains that
-#                 description instead, e.g. benchmarks/capsnet-published.json, the network as the paper's
+#                 e.g. 2e-3:0.95:0.01, its published code's weighting; $NETWORK=FILE.json or a name trains that
+#                 description instead, e.g. capsnet-published, the network as the paper's
 #                 published code builds it: docs/results/mnist-capsnet-published)
 #                 at batch $BATCH (128), $EPOCHS (30) epochs
 #                 or until $TRAIN_S (360) seconds after the start, whichever comes first; a run cut by

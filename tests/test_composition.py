@@ -372,3 +372,15 @@ def test_bad_convolution_starts_and_scales_are_refused_in_one_line(layer, messag
     with pytest.raises(CapsNetError) as e:
         A.build(A.network(body, input_shape=(1, 28, 28), n_classes=10), "numpy")
     assert message in str(e.value) and "'primary_caps1'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_published_network_is_carried_by_name():
+    """--network capsnet-published: the paper's network with every choice of its published code that
+    docs/published-code.md lists, 160 parameters (beta_j) more than the built-in one."""
+    arch = A.load("capsnet-published")
+    conv1, _, primary, classcaps = arch["body"]
+    assert (conv1["init_std"], conv1["bias"]) == (0.05, 0.1) and arch["decoder"]["weight"] == 0.01
+    assert (primary["init_std"], primary["bias"], primary["scale"]) == (0.1, 0.1, 1 / 32)
+    assert (classcaps["init_std"], classcaps["bias"], classcaps["iters"]) == (0.1, 0.1, 3)
+    model = A.build({**arch, "input_shape": [1, 28, 28], "n_classes": 10}, "numpy")
+    assert model.n_params() == 8_215_728 == CapsNet("numpy").n_params() + 160

@@ -190,7 +190,8 @@ def _fits(grid, kernel, stride):
 # paper's code sets it: batch norm with Keras' momentum (0.99 kept, 0.01 taken) and ε (1e-3), the
 # routing transforms at He's std for their fan-in, √(2/1280) ≈ 0.04 (init.routed_std's 0.63 there
 # saturates the attention scores: the network stayed at chance on the embedded digits).
-DESCRIBED = {"efficient": "efficient.json"}
+# capsnet-published: the paper's CapsNet as its published code builds it (docs/published-code.md).
+DESCRIBED = {"efficient": "efficient.json", "capsnet-published": "capsnet-published.json"}
 
 
 def load(path) -> dict:

@@ -239,7 +239,7 @@ def build_parser():
     g.add_argument("--routing", choices=ROUTINGS, default=None,
                    help="only this routing's layers and networks (default: every layer, every network)")
     g.add_argument("--network", default=None, metavar="FILE.json",
-                   help="check the network this description gives, or a built-in description (efficient): "
+                   help="check the network this description gives, or a built-in description (efficient, capsnet-published): "
                         "each of its layers, then its whole loss (input_shape and n_classes left null: "
                         "1x28x28 and 10)")
     g.set_defaults(fn=cmd_gradcheck)

@@ -123,7 +123,9 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--network", default=None, metavar="FILE.json",
                    help="train the network this JSON file describes (architecture.py; docs/architecture.md) "
                         "instead of a built-in one; its input_shape and n_classes may be null: the data's. "
-                        "'efficient': Efficient-CapsNet (Mazzia et al. 2021), a description the package carries")
+                        "'efficient': Efficient-CapsNet (Mazzia et al. 2021) and 'capsnet-published': the paper's "
+                        "network as its published code builds it (docs/published-code.md), descriptions the "
+                        "package carries")
     p.add_argument("--out", default=None, help="output directory (default: runs/<backend>)")
     p.add_argument("--resume", default=None, metavar="CKPT",
                    help="continue from a checkpoint file or run directory: the run's architecture, and its "
