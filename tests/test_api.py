@@ -121,7 +121,7 @@ def test_bad_input_is_one_clear_error(digits, case):
 
 def test_a_misspelt_network_names_the_choices():
     with pytest.raises(CapsNetError, match="unknown network 'capsnett': give one of capsnet, em, attention, "
-                                           "efficient, or a description"):
+                                           "efficient, capsnet-published, or a description"):
         pycapsnet.build("capsnett")
 
 
