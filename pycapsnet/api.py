@@ -290,7 +290,8 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
     """A new Model: ``network`` "capsnet" (the paper's, dynamic routing), "attention" or "em" --
     ``options`` then set its CapsNetConfig fields (routing_iters=1, share_spatial=True, ...) -- or a
     description (architecture.network(...), its JSON file, or one the package carries: "efficient",
-    Efficient-CapsNet; "capsnet-published", the paper's network as its published code builds it), whose input_shape and n_classes these set where it leaves
+    Efficient-CapsNet; "capsnet-published", the paper's network as its published code builds it),
+    whose input_shape and n_classes these set where it leaves
     them null.  ``classes``: names for the classes."""
     from pycapsnet import backends
 
