@@ -79,7 +79,7 @@ python -c "import sys, numpy, cupy, torch; print('python', sys.version.split()[0
 '| cupy', cupy.__version__, '| torch', torch.__version__, '| CUDA', torch.version.cuda)"
 
 if want tests; then
-    run tests_gpu 300 8 python -m pytest -q -rs -k "cupy or cuda" tests
+    run tests_gpu 300 8 python -m pytest -q -rs -n 0 -k "cupy or cuda" tests  # -n 0: one process, as measured on the H100
 fi
 if want gradcheck; then
     run gradcheck_cupy 300 12 python -m pycapsnet gradcheck --backend cupy --dtype float64

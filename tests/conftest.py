@@ -2,7 +2,16 @@
 
 CPU backends (numpy, torch on CPU) always run.  The GPU ones (cupy, torch:cuda) run when the library
 and a CUDA GPU are present, and are skipped otherwise with the reason the backend itself gives."""
-from pycapsnet import backends  # noqa: I001  (first, as in users' scripts: it sets NumPy's BLAS thread timeout)
+import os
+
+# The suite runs in parallel (pytest-xdist, ``-n auto`` in setup.cfg).  Each worker takes its share
+# of the cores for its BLAS and OpenMP threads, set before NumPy or PyTorch loads them: workers that
+# each spun a thread per core would wait on one another.  Subprocesses the tests start inherit it.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+
+from pycapsnet import backends  # noqa: E402,I001  (first, as in users' scripts: it sets NumPy's BLAS thread timeout)
 import numpy as np
 import pytest
 
