@@ -167,9 +167,10 @@ def test_errors_exit_2_without_traceback(tmp_path):
                       (["crosscheck", "--a", "jax"], "unknown backend 'jax'"),
                       (["crosscheck", "--perturb-grad", "nope=2"], "no parameter 'nope'"),
                       (["train", "--network", "efficeint"], "the name of one the package carries: efficient")]:
-        r = subprocess.run([sys.executable, "-m", "pycapsnet", *argv], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-m", "pycapsnet", *argv], capture_output=True, text=True, cwd=tmp_path)
         assert r.returncode == 2, (argv, r.stderr)
         assert msg in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+    assert not (tmp_path / "inspect").exists(), "the refused inspect left its default --out, ./inspect"
 
 
 @pytest.mark.parametrize("argv,message", [

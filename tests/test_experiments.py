@@ -165,8 +165,9 @@ def test_experiments_take_mnist_idx_files(tmp_path):
     (["affine", "--pairs", "3"], "experiment affine does not read --pairs (multimnist does): drop it"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
-    done, _ = _experiment(tmp_path, *flags, "--quick")
+    done, out = _experiment(tmp_path, *flags, "--quick")
     assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert not out.exists(), "a refused experiment left its --out directory behind"
 
 
 def _untimed(results):

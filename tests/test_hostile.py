@@ -102,6 +102,24 @@ def test_inspect_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
     _one_line_error(capsys, "cannot write into --out", "No space left on device")
 
 
+def test_a_refused_inspect_or_experiment_leaves_no_directory_behind(tmp_path, capsys):
+    """--out is made first, so that a bad one fails at once; a command refused after that (no such
+    checkpoint, no data) removes what it made, and nothing it did not make."""
+    out = tmp_path / "made" / "pngs"
+    assert cli.main(["inspect", str(tmp_path / "nope.npz"), "--out", str(out)]) == 2
+    _one_line_error(capsys, "checkpoint not found")
+    assert not (tmp_path / "made").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert cli.main(["inspect", str(tmp_path / "nope.npz"), "--out", str(mine)]) == 2
+    assert mine.is_dir()  # the user's own directory stays
+    capsys.readouterr()
+    assert cli.main(["experiment", "table1", "--quick", "--data-dir", str(tmp_path / "mine"), "--out",
+                     str(out)]) == 2
+    _one_line_error(capsys, "missing data file train-images-idx3-ubyte")
+    assert not (tmp_path / "made").exists()
+
+
 # ---- 5. the header is bound to the weights ---------------------------------------------------------
 @pytest.mark.parametrize("edit", ["iters 3 -> 1", "a relu removed", "a relu added", "a weight changed"])
 def test_a_header_edited_apart_from_its_weights_is_refused(tmp_path, capsys, edit):

@@ -22,6 +22,7 @@ from ..errors import CapsNetError
 from ..training.argtypes import nonnegative_int, positive_float, positive_int
 from ..training.files import atomic_write
 from ..training.log import say
+from ..training.run_dir import out_dir_for
 from .units import Units
 
 NAMES = ("table1", "affine", "multimnist")
@@ -79,11 +80,11 @@ def main(args) -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     out = args.out or os.path.join("experiments", args.name + ("-quick" if args.quick else ""))
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise CapsNetError(f"cannot make the output directory {out}: {e.strerror or e}") from None
-    B = backends.get(args.backend, dtype=args.dtype)
+    with out_dir_for(out):  # removed again if the data or the backend is refused before a unit is written
+        return _run(args, module, out, backends.get(args.backend, dtype=args.dtype))
+
+
+def _run(args, module, out, B) -> int:
     say(f"experiment {args.name}{' (quick)' if args.quick else ''} on {B.label}: {args.epochs} epoch(s), "
         f"{args.seeds} seed(s), results in {out}")
     t0 = time.perf_counter()

@@ -18,8 +18,11 @@ from ..errors import CapsNetError
 
 
 def inspect_run(args) -> int:
+    from ..training.run_dir import out_dir_for
+
     try:
-        return _inspect(args)
+        with out_dir_for(args.out):  # made before the loading, so that a bad --out fails at once
+            return _inspect(args)
     except OSError as e:  # writing the pictures: a full disk, a folder gone
         raise CapsNetError(f"cannot write into --out {args.out}: {e.strerror or e}; free some space or choose "
                            "another --out") from None
@@ -32,9 +35,8 @@ def _inspect(args) -> int:
     from ..training import data
     from ..training.preflight import checked_data
     from ..training.recipe import data_options, settle
-    from ..training.run_dir import prepare_out_dir, save_reconstructions
+    from ..training.run_dir import save_reconstructions
 
-    prepare_out_dir(args.out)  # before the loading, so that a bad --out fails at once
     B = backends.get(args.backend, device=args.device, dtype="float32")
     model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
     if not model.routing_layers():

@@ -301,6 +301,27 @@ def prepare_out_dir(path):
 
 
 @contextlib.contextmanager
+def out_dir_for(path):
+    """``prepare_out_dir(path)`` for a command that can still fail after it (a checkpoint or data
+    refused): the directories it made are removed again if the command fails before writing into
+    them, so that a refused command leaves nothing behind.  A directory that holds a file stays."""
+    made, parent = [], os.path.abspath(path)
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        made.append(parent)  # leaf first
+        parent = os.path.dirname(parent)
+    prepare_out_dir(path)
+    try:
+        yield path
+    except BaseException:
+        for d in made:
+            try:
+                os.rmdir(d)  # only an empty one
+            except OSError:
+                break
+        raise
+
+
+@contextlib.contextmanager
 def _ctrl_c_held():
     """A Ctrl-C inside the block is held until the block is done, then raised: the commit of an
     epoch is not cut short by one (a kill still can; ``_reconcile`` repairs that on --resume).
