@@ -255,6 +255,12 @@ def _positive(v, name):
     return int(v)
 
 
+def _seed(v):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise CapsNetError(f"seed must be a whole number of at least 0, got {v!r}")
+    return int(v)
+
+
 def _recipe_values(**values) -> dict:
     """fit's recipe keywords checked as the command line's flags check them."""
     from .training import data, optim
@@ -278,8 +284,7 @@ def _recipe_values(**values) -> dict:
         raise CapsNetError(f"shift must be a whole number of pixels, 0 or more, got {values['shift']!r}")
     if values["augment"] not in data.AUGMENTS:
         raise CapsNetError(f"augment must be {' or '.join(map(repr, data.AUGMENTS))}, got {values['augment']!r}")
-    if isinstance(values["seed"], bool) or not isinstance(values["seed"], (int, np.integer)) or values["seed"] < 0:
-        raise CapsNetError(f"seed must be a whole number of at least 0, got {values['seed']!r}")
+    _seed(values["seed"])
     if values["optimizer"] not in optim.NAMES:
         raise CapsNetError(f"optimizer must be one of {', '.join(optim.NAMES)}, got {values['optimizer']!r}")
     return values
@@ -298,6 +303,7 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
     from .core import architecture
     from .core.model import CapsNet
 
+    _seed(seed)
     B = backends.get(backend, device=device, dtype=dtype)
     if isinstance(network, str) and network in BUILT_IN:
         net = CapsNet(B, input_shape=tuple(input_shape), n_classes=n_classes, seed=seed, routing=BUILT_IN[network],

@@ -119,6 +119,12 @@ def test_bad_input_is_one_clear_error(digits, case):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("seed", [-1, 1.5, "0", True])
+def test_build_refuses_a_seed_that_is_not_a_whole_number(seed):
+    with pytest.raises(CapsNetError, match=r"^seed must be a whole number of at least 0, got "):
+        pycapsnet.build("capsnet", seed=seed, **SMALL)
+
+
 def test_a_misspelt_network_names_the_choices():
     with pytest.raises(CapsNetError, match="unknown network 'capsnett': give one of capsnet, em, attention, "
                                            "efficient, capsnet-published, or a description"):
