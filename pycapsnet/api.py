@@ -189,13 +189,13 @@ class Model(Run):
 
         xa = images(x, self.input_shape)
         split = Split(xa, labels(y, len(xa), self.network.n_classes), "arrays", self.classes)
-        acc, loss = evaluate(self.network, split, _positive(batch_size, "batch_size"))
+        acc, loss = evaluate(self.network, split, _whole(batch_size, "batch_size"))
         return {"loss": loss, "accuracy": acc}
 
     def predict_scores(self, x, *, batch_size: int = 100) -> np.ndarray:
         """(N, J) class scores: each class capsule's length |v_j| (EM: its activation a_j), in
         [0, 1] -- not probabilities: they need not sum to 1."""
-        return self.network.scores(images(x, self.input_shape), _positive(batch_size, "batch_size"))
+        return self.network.scores(images(x, self.input_shape), _whole(batch_size, "batch_size"))
 
     def predict(self, x, top: int | None = None, *, batch_size: int = 100):
         """Arrays: (N,) class indices (with ``top``, each image's ``top`` best as [(name, score)]).
@@ -206,7 +206,7 @@ class Model(Run):
             return super().predict([x] if isinstance(x, (str, os.PathLike)) else list(x), top or 1)
         xa = images(x, self.input_shape)
         if top is not None:
-            return self.best(xa, _positive(top, "top"), _positive(batch_size, "batch_size"))
+            return self.best(xa, _whole(top, "top"), _whole(batch_size, "batch_size"))
         return np.argmax(self.predict_scores(xa, batch_size=batch_size), axis=1).astype(np.int64)
 
     # ---- saving, describing -------------------------------------------------------------------------
@@ -249,15 +249,9 @@ def _pair(data):
     return data
 
 
-def _positive(v, name):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise CapsNetError(f"{name} must be a whole number of at least 1, got {v!r}")
-    return int(v)
-
-
-def _seed(v):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-        raise CapsNetError(f"seed must be a whole number of at least 0, got {v!r}")
+def _whole(v, name, least=1):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+        raise CapsNetError(f"{name} must be a whole number of at least {least}, got {v!r}")
     return int(v)
 
 
@@ -267,9 +261,9 @@ def _recipe_values(**values) -> dict:
     from .training.recipe import refuse_floor_above_lr
 
     for name in ("epochs", "batch_size"):
-        _positive(values[name], name)
+        _whole(values[name], name)
     if values["early_stop"] is not None:
-        _positive(values["early_stop"], "early_stop")
+        _whole(values["early_stop"], "early_stop")
     for name in ("lr", "lr_decay", "lr_min"):
         v = values[name]
         if name == "lr_min" and v is None:
@@ -284,7 +278,7 @@ def _recipe_values(**values) -> dict:
         raise CapsNetError(f"shift must be a whole number of pixels, 0 or more, got {values['shift']!r}")
     if values["augment"] not in data.AUGMENTS:
         raise CapsNetError(f"augment must be {' or '.join(map(repr, data.AUGMENTS))}, got {values['augment']!r}")
-    _seed(values["seed"])
+    _whole(values["seed"], "seed", least=0)
     if values["optimizer"] not in optim.NAMES:
         raise CapsNetError(f"optimizer must be one of {', '.join(optim.NAMES)}, got {values['optimizer']!r}")
     return values
@@ -303,7 +297,7 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
     from .core import architecture
     from .core.model import CapsNet
 
-    _seed(seed)
+    _whole(seed, "seed", least=0)
     B = backends.get(backend, device=device, dtype=dtype)
     if isinstance(network, str) and network in BUILT_IN:
         net = CapsNet(B, input_shape=tuple(input_shape), n_classes=n_classes, seed=seed, routing=BUILT_IN[network],
