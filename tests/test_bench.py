@@ -278,3 +278,30 @@ def test_pair_figure_chooses_each_records_epoch_on_validation(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(png)])
     assert stop.value.code == 2 and "no epoch from 1 on has a validation accuracy" in capsys.readouterr().err
+
+
+def test_readings_say_validations_epoch_and_the_best_test_epoch(tmp_path, capsys):
+    """benchmarks/readings.py: per record, the earliest best-validation epoch and its test error,
+    and the best test epoch (the earliest of equals); records one level down (a sweep's settings)
+    are found; a record without validation says so; a folder without records is one line (exit 2)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.readings import main
+
+    rows = {"run": [(0.99, 0.990), (0.995, 0.993), (0.995, 0.996), (0.994, 0.996)],
+            "sweep/a": [(0.9, 0.9), (0.991, 0.997)]}
+    for name, accs in rows.items():
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for epoch, (val, test) in enumerate(accs, 1):
+                f.write(json.dumps({"epoch": epoch, "val_acc": val, "test_acc": test}) + "\n")
+    os.makedirs(tmp_path / "noval")
+    (tmp_path / "noval" / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "test_acc": 0.9975}) + "\n")
+    assert main([str(tmp_path / "run"), str(tmp_path / "sweep"), str(tmp_path / "noval")]) == 0
+    said = capsys.readouterr().out
+    assert "| 4 | 2 | 0.70% | 3 | 0.40% |" in said  # validation ties at 2 and 3: the earliest
+    assert "| 2 | 2 | 0.30% | 2 | 0.30% |" in said and "a |" in said
+    assert "| 1 | none (no validation) |  | 1 | 0.25% |" in said
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "empty")])
+    assert stop.value.code == 2 and "no metrics.jsonl in" in capsys.readouterr().err
