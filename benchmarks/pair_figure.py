@@ -42,8 +42,9 @@ def pair_figure(runs: dict, first: int, path: str) -> dict:
             ax.plot(epochs, [100 * r[key] for r in rows], ".-", color=f"C{k}", lw=1, label=label)
             ax.plot([pick["epoch"]], [100 * pick[key]], "o", mfc="none", ms=9, color=f"C{k}")
         ax_test.annotate(f"{100 * pick['test_acc']:.2f}%", (pick["epoch"], 100 * pick["test_acc"]),
-                         textcoords="offset points", xytext=(-6, -12) if k else (6, 6),
-                         ha="right" if k else "left", fontsize=7, color=f"C{k}")
+                         textcoords="offset points", xytext=(-6, -16) if k else (6, 6),
+                         ha="right" if k else "left", fontsize=7, color=f"C{k}", zorder=5,
+                         bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
     for ax, what in ((ax_val, "validation"), (ax_test, "test")):
         ax.set_xlabel("epoch"), ax.set_ylabel(f"{what} accuracy (%)"), ax.grid(alpha=0.3)
     ax_val.set_title("circled: the epoch each chooses on validation", fontsize=8)
