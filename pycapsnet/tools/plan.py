@@ -98,26 +98,24 @@ def _walk(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
 
 
 def _walk_vector(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
-    """The vector-capsule networks (dynamic and attention routing).  Long on purpose:
-    it walks the step in the order the step allocates, forward then backward, one block per layer,
-    so that it reads against model.py and the layers side by side."""
+    """The vector-capsule networks (dynamic and attention routing).  It walks the step in the order
+    the step allocates, forward then backward, one block per layer, so that it reads against
+    model.py and the layers side by side; each layer's sizes come from a helper below."""
     shapes = param_shapes(cfg)
     count = {k: int(np.prod(s)) for k, s in shapes.items()}
     c, h, w = cfg.input_shape
     k1, s1, c1 = cfg.conv_kernel, cfg.conv_stride, cfg.conv_channels
     h1, w1 = (h - k1) // s1 + 1, (w - k1) // s1 + 1
     P, _ = _geometry(cfg)
-    T, K, J, D = cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim
-    caps = T * K
-    n_params = sum(count.values())
+    T = cfg.primary_types
+    caps = T * cfg.primary_dim
     L = Ledger()
     layers = []
 
     # ---- state: parameters, gradients, optimizer slots ---------------------------------------------
-    state = (2 + OPTIMIZER_SLOTS[optimizer]) * n_params * b
+    state = (2 + OPTIMIZER_SLOTS[optimizer]) * sum(count.values()) * b
     L.add(state)
-    image = c * h * w * b
-    L.add(n * image)                                       # the batch x
+    L.add(n * c * h * w * b)                               # the batch x
 
     # ---- conv1 (im2col) + ReLU -----------------------------------------------------------------------
     f1, b1, out1 = im2col_work(conv_shape(k1, s1, c), n, h, w, c, c1, b)
@@ -129,44 +127,17 @@ def _walk_vector(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     # ---- PrimaryCaps -----------------------------------------------------------------------------------
     s_bytes = n * P * caps * b                              # s_i (also u_i's size)
     squash_kept = s_bytes + n * P * T * b                   # s and |s|
-    k2, st = cfg.primary_kernel, cfg.primary_stride
     prim = LayerMemory("primary", count["primary.W"] + count["primary.b"])
     if cfg.primary_conv == "im2col":
-        fwd, bwd, out = im2col_work(conv_shape(k2, st, c1), n, h1, w1, c1, caps, b)
+        fwd, bwd, _ = im2col_work(conv_shape(cfg.primary_kernel, cfg.primary_stride, c1), n, h1, w1, c1, caps, b)
         kept_conv = 0                                       # keeps its input, ReLU's output
         bwd += out1                                         # dx, the size of its input
     else:
-        g = phase_grid(h1, w1, k2, st)
-        oh, ow, kq, n_h, n_w = g
-        grid = n_h * n_w
-        F = (grid + (2 - n_h % 2) * (2 - n_w % 2)) // 2     # one of each pair {f, -f}: fourier.half_spectrum
-        c_phase = st * st * c1
-        fit = (st * n_h, st * n_w) != (h1, w1)
-        x_grid = n * grid * c_phase * b                     # the phase grid xs, and X = Fx xs as large
-        fw = FourierConv2d
-        consts = (2 * F * grid + oh * ow * 2 * F + kq * kq * 2 * F) * b        # Fx, Fy, Fw^T
-        spectrum = 2 * F * c_phase * caps * b
-        keep_V = spectrum <= fw.keep_spectrum_mb * 2**20
-        kept_kernel = spectrum if keep_V else kq * kq * c_phase * caps * b    # V, or the kernel grid ws
-        chunk_V = 2 * min(fw.freq_chunk, F) * c_phase * caps * b
-        Y = 2 * F * n * caps * b
-        out = n * oh * ow * caps * b
+        fwd, bwd, kept_conv, consts, kept_kernel, angles = _primary_fourier(cfg, n, b, h1, w1, c1, caps)
         prim.state = consts + kept_kernel
         L.add(consts)
         state += consts
-        L.touch(2 * min(1024, F) * grid * 8, "primary transforms (first step)")   # float64 angles, by blocks
-        fwd = max((x_grid if fit else 0) + 2 * x_grid,      # the fitted input, xs and X
-                  # V kept: made whole (kept_kernel); else a chunk of it at a time
-                  x_grid + kept_kernel + Y + (0 if keep_V else chunk_V) + 2 * min(fw.freq_chunk, F) * 2 * n * caps * b,
-                  x_grid + kept_kernel + Y + 2 * out)       # y = Fy Y, then with the bias
-        kept_conv = x_grid + kept_kernel                    # X, and V or ws
-        dY = 2 * F * n * caps * b
-        block = min(conv_shape(k2, st, c1, caps, fw).weight_grad_block(F, b, n), c_phase)
-        bwd = max(out + 3 * dY + (F + kq * kq) * 2 * caps * block * b,   # dyg, dY, its block matrix M, a block of dV^T, dws
-                  # then X is freed, and dX made (in one product, or a chunk of V and its product at a
-                  # time), transformed back and cropped
-                  out + 2 * dY + (0 if keep_V else chunk_V + min(fw.freq_chunk, F) * 2 * n * c_phase * b),
-                  x_grid + (n * st * n_h * st * n_w * c1 * b if fit else 0))
+        L.touch(angles, "primary transforms (first step)")
     L.touch(fwd, "primary forward")
     L.add(kept_conv + squash_kept)
     L.touch(2 * s_bytes, "primary squash")                  # s*s, then u
@@ -175,33 +146,11 @@ def _walk_vector(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     layers.append(prim)
 
     # ---- ClassCaps -------------------------------------------------------------------------------------
-    cc = LayerMemory("classcaps", count["classcaps.W"] + count.get("classcaps.bias", 0))
-    attention = cfg.routing == "attention"  # one pass, û always formed (AttentionCaps)
-    iters = 1 if attention else cfg.routing_iters
-    if cfg.share_spatial and not attention:
-        chunk = min(P, ClassCaps.positions_per_chunk(ClassCaps.chunk_bytes, n, T, J, b))
-        c_chunk = n * T * chunk * J * b                     # coupling coefficients of a chunk of positions
-        trace = iters * (2 * n * T * J * K + 3 * n * J * D) * b   # A and z, s, |s|, v per iteration
-        kept_cc = s_bytes + trace                           # u transposed, contiguous
-        u_chunk = n * T * chunk * K * b
-        fwd_cc = 3 * c_chunk + u_chunk                      # a chunk's logits, their exponentials, c
-        bwd_cc = s_bytes + 3 * c_chunk + 2 * u_chunk        # du, and a chunk's c, dc, db (softmax backward)
-    else:
-        u_hat = n * P * T * J * D * b
-        c_all = n * J * P * T * b
-        trace = iters * (2 * c_all + 3 * n * J * D * b)    # c and b per iteration; attention: c and c + β
-        kept_cc = u_hat + trace
-        # routing runs on blocks of the batch, each read in place (NumPy stores û sample-major,
-        # B.predictions), and writes dû over û.  Attention's scores, their scaling and softmax; in
-        # backward dĉ, the softmax's backward and the ones that scale dS (attention_routing.py)
-        fwd_cc = (3 if attention else 2) * c_all
-        bwd_cc = (4 if attention else 3) * c_all + s_bytes
-        if cfg.share_spatial:  # attention: W shared, û formed all the same; dW per position, then summed
-            bwd_cc = max(bwd_cc, P * T * J * D * K * b)
+    kept_cc, fwd_cc, bwd_cc = _classcaps_work(cfg, n, b, P, s_bytes)
     L.add(kept_cc)
     L.touch(fwd_cc, "classcaps forward")
-    cc.kept, cc.work = kept_cc, max(fwd_cc, bwd_cc)
-    layers.append(cc)
+    layers.append(LayerMemory("classcaps", count["classcaps.W"] + count.get("classcaps.bias", 0),
+                              kept=kept_cc, work=max(fwd_cc, bwd_cc)))
 
     # ---- decoder, losses ---------------------------------------------------------------------------------
     decoder(L, cfg, n, b, count, layers, returned=s_bytes)  # u_i: the forward has returned
@@ -221,6 +170,66 @@ def _walk_vector(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     # a block's temporaries on each thread (B.over_blocks)
     L.touch(3 * NumpyBackend.elementwise_block * b * cpu_threads(), "optimizer")
     return L.peak, L.at, layers, state
+
+
+def _primary_fourier(cfg: CapsNetConfig, n: int, b: int, h1: int, w1: int, c1: int, caps: int):
+    """PrimaryCaps by the Fourier convolution (fourier.py): (forward work, backward work, kept,
+    per-shape constants, the kernel part of kept, the first step's float64 angles), in bytes."""
+    k2, st = cfg.primary_kernel, cfg.primary_stride
+    oh, ow, kq, n_h, n_w = phase_grid(h1, w1, k2, st)
+    grid = n_h * n_w
+    F = (grid + (2 - n_h % 2) * (2 - n_w % 2)) // 2     # one of each pair {f, -f}: fourier.half_spectrum
+    c_phase = st * st * c1
+    fit = (st * n_h, st * n_w) != (h1, w1)
+    x_grid = n * grid * c_phase * b                     # the phase grid xs, and X = Fx xs as large
+    fw = FourierConv2d
+    consts = (2 * F * grid + oh * ow * 2 * F + kq * kq * 2 * F) * b        # Fx, Fy, Fw^T
+    spectrum = 2 * F * c_phase * caps * b
+    keep_V = spectrum <= fw.keep_spectrum_mb * 2**20
+    kept_kernel = spectrum if keep_V else kq * kq * c_phase * caps * b    # V, or the kernel grid ws
+    chunk_V = 2 * min(fw.freq_chunk, F) * c_phase * caps * b
+    Y = 2 * F * n * caps * b
+    out = n * oh * ow * caps * b
+    fwd = max((x_grid if fit else 0) + 2 * x_grid,      # the fitted input, xs and X
+              # V kept: made whole (kept_kernel); else a chunk of it at a time
+              x_grid + kept_kernel + Y + (0 if keep_V else chunk_V) + 2 * min(fw.freq_chunk, F) * 2 * n * caps * b,
+              x_grid + kept_kernel + Y + 2 * out)       # y = Fy Y, then with the bias
+    dY = 2 * F * n * caps * b
+    block = min(conv_shape(k2, st, c1, caps, fw).weight_grad_block(F, b, n), c_phase)
+    bwd = max(out + 3 * dY + (F + kq * kq) * 2 * caps * block * b,   # dyg, dY, its block matrix M, a block of dV^T, dws
+              # then X is freed, and dX made (in one product, or a chunk of V and its product at a
+              # time), transformed back and cropped
+              out + 2 * dY + (0 if keep_V else chunk_V + min(fw.freq_chunk, F) * 2 * n * c_phase * b),
+              x_grid + (n * st * n_h * st * n_w * c1 * b if fit else 0))
+    angles = 2 * min(1024, F) * grid * 8                # float64 angles, made by blocks
+    return fwd, bwd, x_grid + kept_kernel, consts, kept_kernel, angles   # kept: X, and V or ws
+
+
+def _classcaps_work(cfg: CapsNetConfig, n: int, b: int, P: int, s_bytes: int):
+    """ClassCaps: (kept, forward work, backward work) in bytes, for dynamic or attention routing,
+    with or without share_spatial."""
+    T, K, J, D = cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim
+    attention = cfg.routing == "attention"  # one pass, û always formed (AttentionCaps)
+    iters = 1 if attention else cfg.routing_iters
+    if cfg.share_spatial and not attention:
+        chunk = min(P, ClassCaps.positions_per_chunk(ClassCaps.chunk_bytes, n, T, J, b))
+        c_chunk = n * T * chunk * J * b                     # coupling coefficients of a chunk of positions
+        trace = iters * (2 * n * T * J * K + 3 * n * J * D) * b   # A and z, s, |s|, v per iteration
+        u_chunk = n * T * chunk * K * b
+        return (s_bytes + trace,                            # u transposed, contiguous
+                3 * c_chunk + u_chunk,                      # a chunk's logits, their exponentials, c
+                s_bytes + 3 * c_chunk + 2 * u_chunk)        # du, and a chunk's c, dc, db (softmax backward)
+    u_hat = n * P * T * J * D * b
+    c_all = n * J * P * T * b
+    trace = iters * (2 * c_all + 3 * n * J * D * b)        # c and b per iteration; attention: c and c + β
+    # routing runs on blocks of the batch, each read in place (NumPy stores û sample-major,
+    # B.predictions), and writes dû over û.  Attention's scores, their scaling and softmax; in
+    # backward dĉ, the softmax's backward and the ones that scale dS (attention_routing.py)
+    fwd = (3 if attention else 2) * c_all
+    bwd = (4 if attention else 3) * c_all + s_bytes
+    if cfg.share_spatial:  # attention: W shared, û formed all the same; dW per position, then summed
+        bwd = max(bwd, P * T * J * D * K * b)
+    return u_hat + trace, fwd, bwd
 
 
 def measured_peak(config: CapsNetConfig, batch_size: int, dtype: str = "float32", optimizer: str = "adam",
