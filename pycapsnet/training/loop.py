@@ -249,27 +249,7 @@ class Training:
             distributed.share_rank0_state(group, model, opt)
         if start is None:
             return {}
-        # Where the backend can record a step and replay it (a CUDA graph), full batches go through
-        # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
-        # Evaluation likewise, in batches of EVAL_BATCH.  (Not in a data-parallel run: the gradients'
-        # sum across processes sits inside the step; nor through a Dropout, whose mask is new each step.)
-        # --compile: the step's kernels fused by the backend's compiler (torch.compile), then recorded
-        # the same way where the backend records (on the CPU, called directly).
-        captured = captured_eval = None
-        records = B.can_capture and run.graph and not group and model.capturable
-        if run.compile and (group or not model.capturable):
-            why = ("its gradients are summed across processes mid-step" if group
-                   else "a layer of this network (Dropout) draws anew on every step")
-            say(f"--compile: the step runs uncompiled ({why})")
-        elif run.compile and not B.compiles:
-            say(f"--compile: the {B.name} backend has no compiler (the torch backend has); the step runs as usual")
-        elif run.compile and len(self.train_set) >= run.batch_size:
-            captured = _compiled_step(model, opt, run.batch_size)
-        if records:
-            if captured is None and len(self.train_set) >= run.batch_size:
-                captured = CapturedStep(model, opt, run.batch_size)
-            if len(self.test_set or ()) >= EVAL_BATCH:
-                captured_eval = CapturedEval(model, EVAL_BATCH)
+        captured, captured_eval = self._captured_steps(opt)
         last = {}
         if self._stops_early(history, resuming=True):
             return last
@@ -308,6 +288,33 @@ class Training:
         if not run.scratch:  # fit() without out= keeps nothing: no directory to name
             say(f"done: checkpoint, metrics.jsonl, reconstructions.png and curves.png in {self.directory.path}")
         return last
+
+    def _captured_steps(self, opt):
+        """(the train step, the evaluation step) recorded or compiled where the backend and --compile
+        allow, else (None, None): each call then runs op by op."""
+        run, model, group, B = self.run, self.model, self.group, self.model.B
+        # Where the backend can record a step and replay it (a CUDA graph), full batches go through
+        # the recording; the last, smaller batch of an epoch runs op by op.  Same math either way.
+        # Evaluation likewise, in batches of EVAL_BATCH.  (Not in a data-parallel run: the gradients'
+        # sum across processes sits inside the step; nor through a Dropout, whose mask is new each step.)
+        # --compile: the step's kernels fused by the backend's compiler (torch.compile), then recorded
+        # the same way where the backend records (on the CPU, called directly).
+        captured = captured_eval = None
+        records = B.can_capture and run.graph and not group and model.capturable
+        if run.compile and (group or not model.capturable):
+            why = ("its gradients are summed across processes mid-step" if group
+                   else "a layer of this network (Dropout) draws anew on every step")
+            say(f"--compile: the step runs uncompiled ({why})")
+        elif run.compile and not B.compiles:
+            say(f"--compile: the {B.name} backend has no compiler (the torch backend has); the step runs as usual")
+        elif run.compile and len(self.train_set) >= run.batch_size:
+            captured = _compiled_step(model, opt, run.batch_size)
+        if records:
+            if captured is None and len(self.train_set) >= run.batch_size:
+                captured = CapturedStep(model, opt, run.batch_size)
+            if len(self.test_set or ()) >= EVAL_BATCH:
+                captured_eval = CapturedEval(model, EVAL_BATCH)
+        return captured, captured_eval
 
     def _scored(self, epoch, captured_eval) -> dict:
         """The epoch's test scores (and the collapse warning from its confusion) and validation
