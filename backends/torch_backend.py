@@ -336,6 +336,19 @@ class TorchBackend(Backend):
     def _element_blocks(self, sizes):
         return [(key, slice(None)) for key in sizes] if self._tracing() else super()._element_blocks(sizes)
 
+    def _as_caller(self, fn):
+        """PyTorch's grad and inference modes are per thread: a pool thread runs a part in the
+        caller's, so that a forward under ``torch.inference_mode()`` may write in place into the
+        inference tensors it made (elsewhere refused as an update outside inference mode)."""
+        torch = self.torch
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+        def run(part):
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return fn(part)
+
+        return run
+
     def split_batch(self, fn, n, sample_size=1):
         """Backend.split_batch's blocks one after another: PyTorch threads inside each op, and its
         ops called from several threads at once would compete for the same cores.  Where routing's

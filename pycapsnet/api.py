@@ -19,13 +19,14 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import os
 import tempfile
 
 import numpy as np
 
 from .core.checks import nearest
-from .errors import CapsNetError
+from .errors import CapsNetError, first_line
 from .tools.predict import Run
 
 BUILT_IN = {"capsnet": "dynamic", "em": "em", "attention": "attention"}
@@ -50,13 +51,32 @@ def _keywords(fn):
 def _host(x, what: str) -> np.ndarray:
     """A NumPy array of x, whichever library holds it (a torch tensor, a CuPy array, a list)."""
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch
-        x = x.detach().cpu().numpy()
+        x = _torch_host(x, what)
     elif type(x).__module__.split(".")[0] == "cupy":
         x = x.get()
     try:
         return np.asarray(x)
     except (TypeError, ValueError) as e:
         raise CapsNetError(f"{what} must be an array (NumPy, CuPy or torch), got {type(x).__name__}: {e}") from None
+
+
+def _torch_host(t, what: str) -> np.ndarray:
+    """A torch tensor's values on the host: half and bfloat16 widened to float32 (exactly), a sparse
+    tensor or one on the meta device (no values) refused."""
+    if getattr(t, "is_meta", False):
+        raise CapsNetError(f"{what} is a tensor on the meta device, which holds shapes but no values: give a tensor "
+                           "of real data")
+    if getattr(t, "layout", None) is not None and "strided" not in str(t.layout):
+        raise CapsNetError(f"{what} is a sparse tensor ({str(t.layout).replace('torch.', '')}): give a dense one, "
+                           f"{what}.to_dense()")
+    t = t.detach().cpu()
+    if str(t.dtype) in ("torch.bfloat16", "torch.float16"):  # NumPy has no bfloat16: widen, losing nothing
+        t = t.float()
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError) as e:
+        raise CapsNetError(f"{what} is a torch tensor of {str(t.dtype).replace('torch.', '')}, which pycapsnet "
+                           f"cannot read ({first_line(e)}): give float32 or float64") from None
 
 
 def images(x, input_shape, what: str = "x") -> np.ndarray:
@@ -103,7 +123,7 @@ class Model(Run):
 
     def __init__(self, network, classes=None, history=None, recipe=None):
         self.model = self.network = network
-        self.classes = tuple(classes or [str(k) for k in range(network.n_classes)])
+        self.classes = _class_names(classes, network.n_classes) or tuple(str(k) for k in range(network.n_classes))
         self.history = list(history or [])
         self.recipe = dict(recipe or {})
         self.path = None
@@ -140,7 +160,8 @@ class Model(Run):
         ends training after N epochs without a better score.  ``out``: a run directory to keep
         (checkpoints, metrics.jsonl, pictures; ``pycapsnet evaluate``/``predict``/``--resume``
         read it); by default nothing is kept.  ``progress`` False: nothing is printed.  Returns
-        the epochs' records, also in ``model.history``."""
+        the epochs' records, also in ``model.history``.  Raises CapsNetError for bad input,
+        TrainingDiverged when a loss becomes NaN or inf (lower ``lr``)."""
         from .training import trainer
         from .training.log import speaking
         from .training.recipe import Run as Recipe
@@ -213,8 +234,14 @@ class Model(Run):
     def save(self, path: str) -> str:
         """A checkpoint file (``.npz``; a directory: its checkpoint.npz) that ``pycapsnet.load``,
         ``pycapsnet evaluate``, ``predict``, ``inspect`` and ``--resume`` read; returns its path."""
-        from .training import checkpoint
+        from .training import checkpoint, run_dir
 
+        target = os.path.join(path, run_dir.CHECKPOINT) if os.path.isdir(path) else path
+        home = os.path.dirname(os.path.abspath(target))
+        if any(os.path.lexists(os.path.join(home, f)) for f in (run_dir.LOCK, run_dir.METRICS)):
+            raise CapsNetError(f"{home} is a run directory: its checkpoints are the record of the run trained there "
+                               "(--resume, evaluate and predict read them), and save does not replace them; save to "
+                               "a file elsewhere, such as model.save('mine.npz')")
         epoch = self.history[-1]["epoch"] if self.history else 0
         return checkpoint.save(path, self.network, epoch=epoch, recipe=self.recipe or None,
                                history=self.history or None, classes=list(self.classes))
@@ -249,39 +276,78 @@ def _pair(data):
     return data
 
 
-def _whole(v, name, least=1):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+def _whole(v, name, least=1) -> int:
+    """A whole number of at least ``least`` (a Python or NumPy integer) as an int."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < least:
         raise CapsNetError(f"{name} must be a whole number of at least {least}, got {v!r}")
     return int(v)
 
 
+def _positive(v, name) -> float:
+    """A finite number above 0 (any real type: int, float, NumPy's) as a float."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
+        raise CapsNetError(f"{name} must be a positive number, got {v!r}")
+    return float(v)
+
+
 def _recipe_values(**values) -> dict:
-    """fit's recipe keywords checked as the command line's flags check them."""
+    """fit's recipe keywords checked as the command line's flags check them, as plain Python
+    values (a NumPy scalar is taken, and recorded as the number it holds)."""
     from .training import data, optim
     from .training.recipe import refuse_floor_above_lr
 
     for name in ("epochs", "batch_size"):
-        _whole(values[name], name)
+        values[name] = _whole(values[name], name)
     if values["early_stop"] is not None:
-        _whole(values["early_stop"], "early_stop")
+        values["early_stop"] = _whole(values["early_stop"], "early_stop")
     for name in ("lr", "lr_decay", "lr_min"):
-        v = values[name]
-        if name == "lr_min" and v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise CapsNetError(f"{name} must be a positive number, got {v!r}")
+        if not (name == "lr_min" and values[name] is None):
+            values[name] = _positive(values[name], name)
     refuse_floor_above_lr(values["lr"], values["lr_min"], spell=str)
     ema = values["ema"]
-    if ema is not None and (isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 < ema < 1):
-        raise CapsNetError(f"ema must be a number between 0 and 1 (a decay such as 0.999), or None, got {ema!r}")
-    if isinstance(values["shift"], bool) or not isinstance(values["shift"], (int, np.integer)) or values["shift"] < 0:
+    if ema is not None:
+        if isinstance(ema, (bool, np.bool_)) or not isinstance(ema, numbers.Real) or not 0 < ema < 1:
+            raise CapsNetError(f"ema must be a number between 0 and 1 (a decay such as 0.999), or None, got {ema!r}")
+        values["ema"] = float(ema)
+    if isinstance(values["shift"], (bool, np.bool_)) or not isinstance(values["shift"], numbers.Integral) \
+            or values["shift"] < 0:
         raise CapsNetError(f"shift must be a whole number of pixels, 0 or more, got {values['shift']!r}")
-    if values["augment"] not in data.AUGMENTS:
+    values["shift"] = int(values["shift"])
+    if not isinstance(values["augment"], str) or values["augment"] not in data.AUGMENTS:
         raise CapsNetError(f"augment must be {' or '.join(map(repr, data.AUGMENTS))}, got {values['augment']!r}")
-    _whole(values["seed"], "seed", least=0)
-    if values["optimizer"] not in optim.NAMES:
+    values["seed"] = _whole(values["seed"], "seed", least=0)
+    if not isinstance(values["optimizer"], str) or values["optimizer"] not in optim.NAMES:
         raise CapsNetError(f"optimizer must be one of {', '.join(optim.NAMES)}, got {values['optimizer']!r}")
     return values
+
+
+def _input_shape(shape) -> tuple:
+    """(C, H, W) as three ints: a tuple, list or array of whole numbers of at least 1."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list, np.ndarray)) or len(shape) != 3 \
+            or any(isinstance(d, (bool, np.bool_)) or not isinstance(d, numbers.Integral) or d < 1 for d in shape):
+        raise CapsNetError(f"input_shape must be three whole numbers (channels, height, width) such as (1, 28, 28), "
+                           f"got {shape!r}")
+    return tuple(int(d) for d in shape)
+
+
+def _class_names(classes, n_classes) -> tuple | None:
+    """Names for the classes as strings, one per class (whole numbers are written as names: 3 -> "3")."""
+    if classes is None:
+        return None
+    if isinstance(classes, (str, bytes, dict)) or not isinstance(classes, (list, tuple, range, np.ndarray)):
+        raise CapsNetError(f"classes must be a list of names, one per class, got {type(classes).__name__}")
+    names = []
+    for k, c in enumerate(list(classes)):
+        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (str, numbers.Integral)):
+            raise CapsNetError(f"classes must name each class with a string (or a whole number), but class {k} "
+                               f"is {c!r}")
+        names.append(str(c) if isinstance(c, str) else str(int(c)))
+    if len(names) != n_classes:
+        raise CapsNetError(f"classes names {len(names)} classes, but the network has {n_classes}")
+    twice = next((c for k, c in enumerate(names) if c in names[:k]), None)
+    if twice is not None:
+        raise CapsNetError(f"classes names {twice!r} twice: give each class its own name")
+    return tuple(names)
 
 
 def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="numpy", device=None,
@@ -297,10 +363,15 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
     from .core import architecture
     from .core.model import CapsNet
 
-    _whole(seed, "seed", least=0)
+    seed = _whole(seed, "seed", least=0)
+    input_shape, n_classes = _input_shape(input_shape), _whole(n_classes, "n_classes", least=2)
+    if not isinstance(network, (str, os.PathLike, dict)):
+        raise CapsNetError(f"network must be the name of one ({', '.join([*BUILT_IN, *architecture.DESCRIBED])}), "
+                           f"a description (a dict: architecture.network(...)) or its JSON file, got "
+                           f"{type(network).__name__}")
     B = backends.get(backend, device=device, dtype=dtype)
     if isinstance(network, str) and network in BUILT_IN:
-        net = CapsNet(B, input_shape=tuple(input_shape), n_classes=n_classes, seed=seed, routing=BUILT_IN[network],
+        net = CapsNet(B, input_shape=input_shape, n_classes=n_classes, seed=seed, routing=BUILT_IN[network],
                       **options)
     else:
         if options:
@@ -314,9 +385,7 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
         arch["input_shape"] = list(input_shape) if arch.get("input_shape") is None else arch["input_shape"]
         arch["n_classes"] = n_classes if arch.get("n_classes") is None else arch["n_classes"]
         net = architecture.build(arch, B, seed=seed)
-    if classes is not None and len(classes) != net.n_classes:
-        raise CapsNetError(f"classes names {len(classes)} classes, but the network has {net.n_classes}")
-    return Model(net, classes)
+    return Model(net, _class_names(classes, net.n_classes))
 
 
 

@@ -50,15 +50,16 @@ def _objects(root) -> list:
     return list(found.values())
 
 
-def _slots(root) -> list:
-    """(dotted name, owning layer, key) of every parameter, in the order of ``root.params``."""
+def _slots(root, kind: str = "params") -> list:
+    """(dotted name, owning layer, key) of every parameter (``kind`` "buffers": every buffer, batch
+    norm's running statistics), in the order of ``root.params`` (``root.buffers``)."""
     if isinstance(root, _CoreNetwork):
         owners = list(root.layers())
     elif isinstance(root, Sequential):
         owners = list(root.named_layers())
     else:
         owners = [("", root)]
-    return [(f"{n}.{k}" if n else k, layer, k) for n, layer in owners for k in layer.params]
+    return [(f"{n}.{k}" if n else k, layer, k) for n, layer in owners for k in getattr(layer, kind)]
 
 
 class _Op:
@@ -67,7 +68,8 @@ class _Op:
     def __init__(self, root, like: "_Op | None" = None):
         self.root = root
         # the same layers as another op of this root (a network's outputs and its loss): found once
-        self.slots, self.objects = (like.slots, like.objects) if like else (_slots(root), _objects(root))
+        self.slots, self.buffer_slots, self.objects = (like.slots, like.buffer_slots, like.objects) if like else \
+            (_slots(root), _slots(root, "buffers"), _objects(root))
         # Where in the saved state a backward writes (dû over û, ...): learned from the tensors'
         # version counters, so that each backward copies those alone (and what it has not seen yet)
         self.written, self.unwritten = set(), set()
@@ -288,18 +290,26 @@ class _Module(torch.nn.Module):
             raise CapsNetError(f"{type(root).__name__} is built on the {root.B.name} backend; pycapsnet.torch wraps "
                                "layers built on the torch backend: build it with backends.get('torch', dtype=...)")
         self._op = op
-        self._names = {}  # pycapsnet's parameter name -> the module's (see _torch_name)
+        self._names = {}  # pycapsnet's parameter and buffer names -> the module's (see _torch_name)
         for name, layer, k in op.slots:
-            *path, leaf = name.split(".")
-            owner, parts = self, []
-            for part in path:
-                part = _torch_name(owner, part)
-                if part not in owner._modules:
-                    owner.add_module(part, torch.nn.Module())
-                owner = owner._modules[part]
-                parts.append(part)
-            self._names[name] = ".".join([*parts, leaf])
+            owner, leaf = self._owner(name)
             owner.register_parameter(leaf, torch.nn.Parameter(layer.params[k]))  # the same storage
+        for name, layer, k in op.buffer_slots:  # batch norm's running statistics: state_dict holds them
+            owner, leaf = self._owner(name)
+            owner.register_buffer(leaf, layer.buffers[k])  # the same storage: updated in place by forward
+
+    def _owner(self, name):
+        """(the submodule that holds pycapsnet's ``name``, its leaf name), made where missing."""
+        *path, leaf = name.split(".")
+        owner, parts = self, []
+        for part in path:
+            part = _torch_name(owner, part)
+            if part not in owner._modules:
+                owner.add_module(part, torch.nn.Module())
+            owner = owner._modules[part]
+            parts.append(part)
+        self._names[name] = ".".join([*parts, leaf])
+        return owner, leaf
 
     @property
     def wrapped(self):
@@ -314,14 +324,20 @@ class _Module(torch.nn.Module):
         moved to a backend of their device and dtype; where pycapsnet cannot compute in it
         (``.half()``), the module is left as it was and the error says why."""
         before = [p.data for p in self._params()]
+        buffers = {name: self.get_buffer(self._names[name]) for name, _, _ in self._op.buffer_slots}
         super()._apply(fn, *args, **kwargs)
         try:
             self._op.move(self._params())
         except (BackendError, CapsNetError) as e:
             for p, old in zip(self._params(), before):
                 p.data = old
+            for name, old in buffers.items():
+                owner, leaf = self._owner(name)
+                owner._buffers[leaf] = old
             raise CapsNetError(f"{type(self).__name__} left as it was ({self._op.B.dtype} on {self._op.B.device}): "
                                f"{e}") from None
+        for name, layer, k in self._op.buffer_slots:  # the layers update the module's buffers
+            layer.buffers[k] = self.get_buffer(self._names[name])
         return self
 
     def train(self, mode: bool = True):
@@ -333,6 +349,8 @@ class _Module(torch.nn.Module):
 
     def _call(self, op, xs):
         B = op.B
+        if getattr(op.root, "training", None) != self.training:  # the module's flag, however it was set (Lightning sets it directly)
+            op.root.train(self.training)
         for x in xs:
             if not isinstance(x, torch.Tensor):
                 raise CapsNetError(f"{type(self).__name__} takes torch tensors, got {type(x).__name__}: "

@@ -13,8 +13,12 @@ import os
 import random
 import sys
 
+import numpy as np
+
+import pycapsnet
+from pycapsnet import BackendError, CapsNetError, TrainingDiverged
 from pycapsnet.core import architecture as A
-from pycapsnet.training import trainer
+from pycapsnet.training import data, trainer
 from pycapsnet.tools import cli
 
 DATA = ["--limit", "8", "--limit-test", "4", "--batch-size", "4", "--no-progress", "--epochs", "1"]
@@ -62,8 +66,11 @@ def mutate(arch, rng):
 
 def mutate_header(header, rng):
     header = json.loads(json.dumps(header))
-    where = rng.choice(["architecture", "recipe", "epoch", "history", "classes", "top"])
-    if where == "architecture" and isinstance(header.get("architecture"), dict):
+    where = rng.choice(["architecture", "recipe", "epoch", "history", "record", "classes", "top"])
+    if where == "record" and header.get("history"):
+        record = header["history"][-1]
+        record[rng.choice(list(record))] = rng.choice(VALUES)
+    elif where == "architecture" and isinstance(header.get("architecture"), dict):
         header["architecture"] = mutate(header["architecture"], rng)
     elif where == "recipe" and isinstance(header.get("recipe"), dict):
         header["recipe"][rng.choice(list(header["recipe"]))] = rng.choice(VALUES)
@@ -72,6 +79,58 @@ def mutate_header(header, rng):
     else:
         header[where] = rng.choice(VALUES)
     return header
+
+
+# Python API arguments: what a notebook might pass -- NumPy scalars, arrays where scalars go, strings.
+API_VALUES = VALUES + [np.int64(3), np.int32(-2), np.float32(0.5), np.float64(2.0), np.array([1, 2]), np.array(3),
+                       np.array([1.0, 28.0, 28.0]), (1, 28, 28), [1, 28, 28], "1x28x28", b"3", object()]
+BUILD = {"input_shape": (1, 28, 28), "n_classes": 10, "seed": 0, "classes": None, "dtype": "float32"}
+FIT = {"epochs": 1, "batch_size": 4, "lr": 2e-3, "lr_decay": 0.85, "lr_min": None, "ema": None, "optimizer": "adam",
+       "shift": 2, "augment": "shift", "seed": 0, "early_stop": None}
+
+
+def api_case(rng, x, y):
+    """build and fit, one keyword of either set to a generated value: success, or CapsNetError."""
+    build, fit = dict(BUILD), dict(FIT)
+    target = rng.choice([build, fit])
+    key = rng.choice(list(target))
+    value = rng.choice(API_VALUES + [np.array(rng.choice(["a", "b"] * 5)) if key == "classes" else None])
+    if key == "epochs" and isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 2:
+        value = np.int64(2)  # a valid huge count would train for as long as it says
+    target[key] = value
+    model = pycapsnet.build(A.network([A.conv2d(4, 9), A.relu(), A.primary_caps(2, 4, kernel=9, stride=2),
+                                       A.dynamic_caps(10, 4)], decoder=None), **build)
+    model.fit(x, y, progress=False, **fit)
+    return f"{key}={value!r}"
+
+
+def torch_round_trip(rng):
+    """The torch wrapper's state_dict with batch norm: trained a few steps, saved, loaded into another
+    network of the same description, evaluated: the same scores."""
+    import io as _io
+
+    import torch
+
+    import pycapsnet.torch as pct
+
+    body = [A.conv2d(rng.choice([2, 4]), rng.choice([3, 5]), stride=2), A.batch_norm(momentum=rng.random()), A.relu()]
+    if rng.random() < 0.5:
+        body += [A.dropout(0.3)]
+    body += [A.primary_caps(2, 4, kernel=3, stride=2), A.dynamic_caps(10, 4)]
+    arch = A.network(body, decoder=None, input_shape=(1, 28, 28), n_classes=10)
+    net = pct.Network(pycapsnet.build(arch, backend="torch", seed=rng.randrange(100)))
+    x = torch.rand(8, 1, 28, 28)
+    net.train()
+    for _ in range(rng.randint(1, 3)):
+        net(x)
+    net.eval()
+    expected = net(x)[1]
+    blob = _io.BytesIO()
+    torch.save(net.state_dict(), blob)
+    other = pct.Network(pycapsnet.build(arch, backend="torch", seed=rng.randrange(100, 200)))
+    other.load_state_dict(torch.load(_io.BytesIO(blob.getvalue())))
+    other.eval()
+    return bool(torch.equal(other(x)[1], expected))
 
 
 def run(argv, call):
@@ -102,6 +161,9 @@ def main():
     assert trainer.main("numpy", [*DATA, "--network", os.path.join(work, "base.json"), "--out", base_run]) == 0
     from tests.test_faults import _rewrite_header
 
+    train, _ = data.load_embedded()
+    x, y = train.images(slice(0, 8)), train.y[:8]
+
     for k in range(cases):
         name = rng.choice(list(BASES))
         path = os.path.join(work, f"net{k}.json")
@@ -122,6 +184,21 @@ def main():
         except BaseException as e:  # noqa: BLE001
             code, err = f"{type(e).__name__}", str(e)
         ok &= judge(f"header {k}", code, err)
+        try:
+            api_case(rng, x, y)
+            OUTCOMES["trained or scored"] += 1
+        except (CapsNetError, BackendError, TrainingDiverged) as e:  # the documented exceptions, each one line
+            ok &= judge(f"API case {k}", 2, f"error: {e}\n")
+        except BaseException as e:  # noqa: BLE001
+            ok &= judge(f"API case {k}", type(e).__name__, str(e))
+        if k % 5 == 0:
+            try:
+                same = torch_round_trip(rng)
+            except ImportError:
+                same = True
+            if not same:
+                print(f"FAIL state_dict round trip {k}: evaluation scores changed", flush=True)
+                ok = False
     print(f"fuzz: {', '.join(f'{v} {k}' for k, v in OUTCOMES.items())}; "
           + ("no failure" if ok else "failures above"), flush=True)
     return 0 if ok else 1

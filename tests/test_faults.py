@@ -278,7 +278,8 @@ def test_an_unwritable_metrics_file_is_one_line(runs, tmp_path, capsys):
     (run / "metrics.jsonl").unlink()
     (run / "metrics.jsonl").mkdir()  # (a read-only file would do, but root writes those anyway)
     assert trainer.main("numpy", ["--resume", str(run), "--epochs", "2", "--no-progress"]) == 2
-    assert f"error: cannot read {run / 'metrics.jsonl'}: Is a directory; move it out of the way" in capsys.readouterr().err
+    assert f"error: cannot read the metrics {run / 'metrics.jsonl'}: it is a directory; move it out of the way" \
+        in capsys.readouterr().err
     fresh = tmp_path / "fresh"
     (fresh / "metrics.jsonl").mkdir(parents=True)
     assert trainer.main("numpy", [*TINY, "--epochs", "1", "--out", str(fresh)]) == 2

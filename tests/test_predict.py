@@ -219,7 +219,7 @@ def test_predict_trusts_nothing_it_is_given(run, tmp_path, capsys):
     err = captured.err
     assert "pipe.png" in err.splitlines()[0]  # skipped, not an image file
     assert f"error: cannot read the image {tmp_path / 'named.png'}: not a regular file" in err
-    assert f"error: cannot read the image {huge}: 2,147,483,648 bytes, more than an image" in err
+    assert f"error: cannot read the image {huge}: 2,147,483,648 bytes, more than the image may hold" in err
 
 
 def test_predict_escapes_class_names_with_tabs(run, tmp_path, capsys, monkeypatch):

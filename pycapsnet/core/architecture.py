@@ -32,6 +32,7 @@ from .batch_norm import BatchNorm
 from .capsules import AttentionCaps, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
 from ..errors import CapsNetError
+from ..userfiles import read_regular
 from .init import given, he_uniform, routed_std
 from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU, Sigmoid
 from .losses import MarginLoss, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
@@ -66,12 +67,14 @@ class Flow:
 
 # ---- building --------------------------------------------------------------------------------------
 def _conv2d(B, flow, rng, channels, kernel, stride=1, padding=0, init_std=None, bias=None):
-    layer = Conv2d(B, _need(flow, "image").types, channels, kernel, stride, padding, rng=rng,
-                   init=given(he_uniform, init_std, bias))
-    return layer, Flow("image", _fits(layer.output_hw(*flow.grid), kernel, stride), channels)
+    grid = _windows(_need(flow, "image"), kernel, stride, padding)  # checked before the weights are drawn
+    layer = Conv2d(B, flow.types, channels, kernel, stride, padding, rng=rng, init=given(he_uniform, init_std, bias))
+    return layer, Flow("image", grid, channels)
 
 
 def _relu(B, flow, rng):
+    if flow.kind == "matrix":
+        raise _Misfit("it takes an image, vector capsules or features, not (pose, activation) pairs")
     return ReLU(B), flow
 
 
@@ -105,9 +108,10 @@ def _batch_norm(B, flow, rng, momentum=0.1, eps=1e-5):
 
 def _primary_caps(B, flow, rng, types, dim, kernel=9, stride=2, conv="fourier", squash="sabour", init_std=None,
                   bias=None, scale=1.0):
-    layer = PrimaryCaps(B, _need(flow, "image").types, types, dim, kernel, stride, rng=rng, conv=conv, squash=squash,
+    grid = _windows(_need(flow, "image"), kernel, stride)
+    layer = PrimaryCaps(B, flow.types, types, dim, kernel, stride, rng=rng, conv=conv, squash=squash,
                         init_std=init_std, bias=bias, scale=scale)
-    return layer, Flow("vector", _fits(layer.conv.output_hw(*flow.grid), kernel, stride), types, dim)
+    return layer, Flow("vector", grid, types, dim)
 
 
 def _routed_from(flow, share_spatial, capsules, dim, init_std):
@@ -137,9 +141,10 @@ def _attention_caps(B, flow, rng, capsules, dim, share_spatial=False, init_std=N
 def _conv_caps(B, flow, rng, types, dim, kernel=3, stride=1, iters=3, routing_grad="full", init_std=None):
     if _need(flow, "vector").grid is None:
         raise _Misfit("convolutional capsules need a grid of capsules, and this input has none")
+    grid = _windows(flow, kernel, stride)
     layer = ConvCaps(B, flow.grid, flow.types, flow.dim, types, dim, kernel, stride, iters, routing_grad, rng=rng,
                      init_std=init_std)
-    return layer, Flow("vector", _fits((layer.oh, layer.ow), kernel, stride), types, dim)
+    return layer, Flow("vector", grid, types, dim)
 
 
 def _primary_matrix_caps(B, flow, rng, types):
@@ -149,9 +154,9 @@ def _primary_matrix_caps(B, flow, rng, types):
 def _conv_matrix_caps(B, flow, rng, types, kernel=3, stride=1, iters=2, routing_grad="full", em_lambda=1e-3):
     if _need(flow, "matrix").grid is None:
         raise _Misfit("convolutional capsules need a grid of capsules, and this input has none")
+    grid = _windows(flow, kernel, stride)
     layer = ConvMatrixCaps(B, flow.types, types, kernel, stride, iters, routing_grad, em_lambda, rng=rng)
-    h, w = flow.grid
-    return layer, Flow("matrix", _fits(((h - kernel) // stride + 1, (w - kernel) // stride + 1), kernel, stride), types)
+    return layer, Flow("matrix", grid, types)
 
 
 def _class_matrix_caps(B, flow, rng, capsules, iters=2, routing_grad="full", em_lambda=1e-3):
@@ -185,6 +190,12 @@ def _fits(grid, kernel, stride):
     return tuple(int(d) for d in grid)
 
 
+def _windows(flow, kernel, stride, padding=0):
+    """The grid of a layer's valid windows over ``flow``'s grid, from the sizes alone: a layer whose
+    windows do not fit is refused before its weights are allocated."""
+    return _fits(tuple((d + 2 * padding - kernel) // stride + 1 for d in flow.grid), kernel, stride)
+
+
 # Descriptions the package carries, by name (pycapsnet/networks/): ``--network efficient`` when no
 # file of that name is at hand.  Efficient-CapsNet (Mazzia et al. 2021), its MNIST form, set as the
 # paper's code sets it: batch norm with Keras' momentum (0.99 kept, 0.01 taken) and ε (1e-3), the
@@ -192,6 +203,7 @@ def _fits(grid, kernel, stride):
 # saturates the attention scores: the network stayed at chance on the embedded digits).
 # capsnet-published: the paper's CapsNet as its published code builds it (docs/published-code.md).
 DESCRIBED = {"efficient": "efficient.json", "capsnet-published": "capsnet-published.json"}
+DESCRIPTION_LIMIT = 16 << 20  # bytes: a description is a few KB; a larger file is not one (read no further)
 
 
 def load(path) -> dict:
@@ -201,14 +213,12 @@ def load(path) -> dict:
 
     if isinstance(path, str) and path in DESCRIBED and not os.path.exists(path):
         path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "networks", DESCRIBED[path])
+    if not os.path.exists(path):
+        raise CapsNetError(f"cannot read the network description {path}: no such file; give a JSON file or "
+                           f"the name of one the package carries: {', '.join(DESCRIBED)}")
+    text = read_regular(path, "the network description", DESCRIPTION_LIMIT, text=True)
     try:
-        with open(path) as f:
-            arch = json.load(f)
-    except FileNotFoundError as e:
-        raise CapsNetError(f"cannot read the network description {path}: {e.strerror or e}; give a JSON file or "
-                           f"the name of one the package carries: {', '.join(DESCRIBED)}") from None
-    except OSError as e:
-        raise CapsNetError(f"cannot read the network description {path}: {e.strerror or e}") from None
+        arch = json.loads(text)
     except ValueError as e:
         raise CapsNetError(f"the network description {path} is not JSON ({e})") from None
     except RecursionError:

@@ -27,6 +27,7 @@ class Sequential(Layer):
 
     def __init__(self, backend, layers):
         self.B, self.cache = backend, None  # no parameters of its own: ``params`` are the children's
+        self.training = all(getattr(layer, "training", True) for _, layer in layers)
         self.names, self.layers = [n for n, _ in layers], [l for _, l in layers]
         if len(set(self.names)) != len(self.names):
             raise CapsNetError(f"layer names must be unique, got {self.names}")
@@ -374,12 +375,21 @@ class Network:
         28x28 image (û alone is I x J x D floats), so a whole test set at once would hold gigabytes."""
         require_batch_size(batch_size)
         x = check_images(self.B, self.input_shape, x)
-        scores = []
         with self.evaluating():
-            for a in range(0, x.shape[0], batch_size):
-                scores.append(self.B.to_numpy(self._forward(x[a:a + batch_size], None, reconstruct=False).lengths))
-                self.release()
-        return np.concatenate(scores)
+            return np.concatenate([self._scores_of(x[a:a + batch_size]) for a in range(0, x.shape[0], batch_size)])
+
+    def _scores_of(self, x) -> np.ndarray:
+        """One batch's scores; a batch too large for the device's memory is scored in halves (each
+        image's scores are its own, whatever the batch)."""
+        try:
+            return self.B.to_numpy(self._forward(x, None, reconstruct=False).lengths)
+        except Exception as e:
+            if x.shape[0] < 2 or not self.B.out_of_memory(e):
+                raise
+        finally:
+            self.release()
+        h = x.shape[0] // 2
+        return np.concatenate([self._scores_of(x[:h]), self._scores_of(x[h:])])
 
     def predict(self, x, batch_size: int = 256):
         """Class indices (host int64 array) by the highest class score (``scores``)."""

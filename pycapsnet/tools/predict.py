@@ -47,10 +47,14 @@ class Run:
         return [[(self.classes[j], float(s[j])) for j in row] for s, row in zip(scores, order)]
 
     def predict(self, paths, top: int = 1) -> list:
-        """[(path, [(class name, score), ...]), ...]: the ``top`` best classes of each file, best first."""
-        if not paths:
+        """[(path, [(class name, score), ...]), ...]: the ``top`` best classes of each file, best
+        first; a directory stands for the image files in it (and below), in name order."""
+        files, _ = image_files(paths)
+        if not files:
+            if paths:
+                raise CapsNetError(f"no image files ({', '.join(folder.SUFFIXES)}) in {', '.join(map(str, paths))}")
             return []
-        return list(zip(paths, self.best(np.stack([self.read(p) for p in paths]), top)))
+        return list(zip(files, self.best(np.stack([self.read(p) for p in files]), top)))
 
 
 def load(path: str, backend: str = "numpy", device: str | None = None, dtype: str | None = None) -> Run:
@@ -62,7 +66,7 @@ def image_files(targets) -> tuple:
     """(image files, other files skipped): files as given (read_image refuses what is not a regular
     file), directories searched for regular files named as images (a pipe or a device is skipped)."""
     found, skipped = [], []
-    for t in targets:
+    for t in map(os.fspath, targets):
         if os.path.isdir(t):
             for root, dirs, names in os.walk(t):
                 dirs.sort()

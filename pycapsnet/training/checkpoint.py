@@ -11,7 +11,6 @@ import hashlib
 import json
 import math
 import os
-import stat
 import zipfile
 from dataclasses import fields
 
@@ -21,8 +20,10 @@ from ..core import architecture, description
 
 from . import files
 from ..errors import CapsNetError
+from ..userfiles import open_regular, refuse_special
 from ..core.model import CapsNet, CapsNetConfig
 from ..core.network import Network
+from .log import say
 from .optim import NAMES as optim_names
 
 FORMAT = "pycapsnet-checkpoint-1"
@@ -35,6 +36,7 @@ def save(path: str, model: Network, optimizer=None, **meta) -> str:
     or inf is refused: a checkpoint is something to go back to, and such a model is not one."""
     if os.path.isdir(path):
         path = os.path.join(path, "checkpoint.npz")
+    refuse_special(path, "the checkpoint")  # a FIFO or a device node is not replaced by a file
     arrays = {f"param/{k}": v for k, v in model.state_dict().items()}
     if optimizer is not None:
         arrays.update({f"optim/{k}": v for k, v in optimizer.state_dict().items()})
@@ -71,7 +73,7 @@ def load(path: str) -> dict:
     # loading it unsafely.  np.load gets the open file, not the path: on a damaged archive it would
     # leave its own handle open.
     try:
-        with _open_regular(path, unreadable) as f:
+        with open_regular(path, "the checkpoint") as f:
             if f.read(4) != b"PK\x03\x04":
                 raise CapsNetError(f"{unreadable}: it is not an .npz archive (training writes one to RUN/checkpoint.npz)")
             f.seek(0)
@@ -93,10 +95,14 @@ def load(path: str) -> dict:
             if not np.isfinite(v).all():
                 raise CapsNetError(f"{path}: {kind} {k} holds NaN or inf values (saved after its run "
                                    "diverged); use an earlier checkpoint, or train afresh")
-    if "digest" in header and header["digest"] != digest(header, params):
+    if "digest" not in header:
+        # Nothing binds this header to these weights: readable (evaluate, predict), never resumed.
+        say(f"warning: {path} carries no digest binding its header to its weights (edited, or written before "
+            "pycapsnet signed checkpoints): it is read unverified, and cannot be resumed")
+    elif header["digest"] != digest(header, params):
         raise CapsNetError(f"{path} is damaged: its header and its weights disagree (the network, the recipe or "
                            "the weights changed after it was written); use another checkpoint, or train afresh")
-    return {"header": header, "params": params, "optim": optim, "path": path}
+    return {"header": header, "params": params, "optim": optim, "path": path, "unverified": "digest" not in header}
 
 
 def digest(header: dict, params: dict) -> str:
@@ -111,16 +117,6 @@ def digest(header: dict, params: dict) -> str:
         h.update(f"{name} {a.dtype.str} {a.shape}".encode())
         h.update(memoryview(a).cast("B"))
     return h.hexdigest()
-
-
-def _open_regular(path, unreadable):
-    """``path`` opened for reading if it is a regular file: opened without blocking (a FIFO would
-    wait for a writer forever), then checked by its descriptor."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CapsNetError(f"{unreadable}: not a regular file (a pipe, a device or a socket)")
-    return os.fdopen(fd, "rb")
 
 
 HEADER_LIMIT = 2**30  # bytes a header may declare (it holds the run's records: metrics, the data's files)
@@ -237,6 +233,27 @@ def _header_problem(header) -> str | None:
     if not all(isinstance(r, dict) and r.get("epoch") == k + 1 for k, r in enumerate(history)) \
             or (history and len(history) != epoch):
         return f"its history does not hold one record for each of its {epoch} epochs"
+    return next(filter(None, (_record_problem(r) for r in history)), None)
+
+
+# What an epoch's record holds (loop.Training.train): numbers, the accuracies shares of 1.  The
+# history lies outside the digest (it grows, the weights' binding does not): each value is checked.
+RECORD_NUMBERS = ("lr", "train_loss", "test_loss", "val_loss", "train_seconds", "train_samples_per_s")
+RECORD_SHARES = ("train_acc", "test_acc", "val_acc")
+
+
+def _record_problem(record) -> str | None:
+    for key in (*RECORD_NUMBERS, *RECORD_SHARES):
+        if key not in record:
+            continue
+        v = record[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                (key in RECORD_SHARES and not 0 <= v <= 1):
+            what = "a share from 0 to 1" if key in RECORD_SHARES else "a finite number"
+            return f"its history's record of epoch {record['epoch']} holds {key} {v!r}, not {what}"
+    if "processes" in record and (isinstance(record["processes"], bool) or not isinstance(record["processes"], int)
+                                  or record["processes"] < 1):
+        return f"its history's record of epoch {record['epoch']} holds processes {record['processes']!r}"
     return None
 
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from pycapsnet.backends.host import machine_memory
+
 from ..errors import CapsNetError
+from ..userfiles import open_regular
 from . import augment as augmentation
 from . import folder
 
@@ -174,22 +178,52 @@ def _integer_csv(path: str):
 _IDX_KINDS = {1: "labels", 3: "images"}
 
 
+# What an IDX file may declare before a byte of its data is read: MNIST-format files hold small
+# images (a folder of images is the way for large ones), at most MAX_IDX_ITEMS of them or their labels.
+MAX_IDX_ITEMS = 1 << 27
+MAX_IDX_SIDE = 4096
+_CHUNK = 1 << 24
+
+
 def read_idx(path: str, ndim: int | None = None) -> np.ndarray:
     """Parse one IDX file (raw or .gz): magic 0x0000 | type | ndim, then ndim big-endian int32 sizes,
     then the data.  ``ndim``: the number of dimensions the caller expects (3 for images, 1 for
-    labels).  Raises CapsNetError naming the file on any inconsistency."""
-    opener = gzip.open if path.endswith(".gz") else open
+    labels).  The header is read and checked first (its counts against what such a file holds and
+    the machine's memory), then exactly the data it declares, a chunk at a time: a .gz that
+    inflates to more is refused once it passes that size, never inflated whole.  Raises
+    CapsNetError naming the file on any inconsistency."""
     try:
-        with opener(path, "rb") as f:
-            raw = f.read()
+        with open_regular(path, "the data file") as raw_file:
+            f = gzip.GzipFile(fileobj=raw_file, mode="rb") if str(path).endswith(".gz") else raw_file
+            dims, dtype = _idx_header(f, path, ndim)
+            expected = math.prod(dims) * dtype.itemsize
+            data = bytearray(expected)
+            view, got = memoryview(data), 0
+            while got < expected:
+                n = f.readinto(view[got:got + _CHUNK])
+                if not n:
+                    break
+                got += n
+            extra = len(f.read(1)) if got == expected else 0
     except FileNotFoundError:
         raise CapsNetError(f"data file not found: {path}") from None
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise CapsNetError(f"cannot read {path}: {e} (corrupt or truncated download?)") from None
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise CapsNetError(f"{path} is not an IDX file (bad magic number {raw[:4].hex() or 'empty file'}); "
+    if got != expected or extra:
+        held = f"{got} bytes" if got < expected else "more"
+        raise CapsNetError(f"{path}: header says {'x'.join(map(str, dims))} values ({expected} bytes) but the file "
+                           f"holds {held} of data (truncated or corrupt)")
+    return np.frombuffer(data, dtype).reshape(dims)
+
+
+def _idx_header(f, path, ndim):
+    """(dims, dtype) of an IDX file's header, read from ``f``; refused where the counts exceed what
+    an images or labels file holds, or what this machine's memory would take."""
+    head = f.read(4)
+    if len(head) < 4 or head[0] != 0 or head[1] != 0:
+        raise CapsNetError(f"{path} is not an IDX file (bad magic number {head[:4].hex() or 'empty file'}); "
                            "expected MNIST-format files such as train-images-idx3-ubyte[.gz]")
-    code, found = raw[2], raw[3]
+    code, found = head[2], head[3]
     if code not in _IDX_TYPES or found == 0:
         raise CapsNetError(f"{path}: unsupported IDX header (type 0x{code:02x}, {found} dimensions)")
     if ndim is not None and found != ndim:
@@ -198,17 +232,21 @@ def read_idx(path: str, ndim: int | None = None) -> np.ndarray:
         raise CapsNetError(f"{path} holds {what} (its magic number says {found} dimension{'s' if found > 1 else ''}), "
                            f"but the {_IDX_KINDS.get(ndim, 'data')} file belongs here; are two files swapped "
                            "or misnamed?")
-    ndim = found
-    header = 4 + 4 * ndim
-    if len(raw) < header:
+    sizes = f.read(4 * found)
+    if len(sizes) < 4 * found:
         raise CapsNetError(f"{path}: truncated header")
-    dims = tuple(int(d) for d in np.frombuffer(raw, ">i4", ndim, 4))
+    dims = tuple(int(d) for d in np.frombuffer(sizes, ">i4"))
     dtype = np.dtype(_IDX_TYPES[code])
-    expected = int(np.prod(dims)) * dtype.itemsize
-    if len(raw) - header != expected:
-        raise CapsNetError(f"{path}: header says {'x'.join(map(str, dims))} values ({expected} bytes) but the file "
-                           f"holds {len(raw) - header} bytes of data (truncated or corrupt)")
-    return np.frombuffer(raw, dtype, offset=header).reshape(dims)
+    shown = "x".join(map(str, dims))
+    if min(dims) < 0 or dims[0] > MAX_IDX_ITEMS or any(d > MAX_IDX_SIDE for d in dims[1:]):
+        raise CapsNetError(f"{path}: its header declares {shown} values, more than an IDX file of "
+                           f"{_IDX_KINDS.get(found, 'data')} holds here (at most {MAX_IDX_ITEMS:,} items of at most "
+                           f"{MAX_IDX_SIDE} per side): corrupt, or not an MNIST-format file")
+    need, have = math.prod(dims) * (dtype.itemsize + 4), machine_memory()  # the data, then as float32
+    if have and need > 0.8 * have:
+        raise CapsNetError(f"{path}: its header declares {shown} values, {need / 2**30:.1f} GiB to read and "
+                           f"convert, more than this machine's {have / 2**30:.1f} GiB of memory allow")
+    return dims, dtype
 
 
 def write_idx(path: str, array: np.ndarray) -> None:
@@ -243,7 +281,7 @@ def load_idx_dir(data_dir: str):
             raise CapsNetError(f"{part} set: {img_path} holds no images; it needs at least one to "
                                f"{'train on' if part == 'train' else 'score the model on'}")
         _check_labels(labels, lbl_path)
-        x = (images.astype(np.float32) / 255.0)[:, None]
+        x = _unit_images(images, img_path)[:, None]
         splits.append(Split(x, labels.astype(np.int64), img_path))
     train, test = splits
     if train.x.shape[1:] != test.x.shape[1:]:
@@ -251,6 +289,23 @@ def load_idx_dir(data_dir: str):
                            f"test images ({test.source}) are {'x'.join(map(str, test.x.shape[2:]))}: both splits "
                            "must hold images of one size")
     return train, test
+
+
+def _unit_images(images: np.ndarray, path: str) -> np.ndarray:
+    """An IDX file's pixels as float32 in [0, 1]: whole-number types hold 0..255 (divided by 255,
+    as MNIST's bytes are); float types hold values already in [0, 1] and are taken as they are.
+    Anything else is refused, never scaled by a guess."""
+    if images.dtype.kind == "f":
+        finite = np.isfinite(images).all()
+        lo, hi = (float(images.min()), float(images.max())) if finite else (None, None)
+        if not finite or lo < 0 or hi > 1:
+            found = "NaN or inf" if not finite else f"values {lo:g}..{hi:g}"
+            raise CapsNetError(f"{path}: float pixels must lie in [0, 1], found {found}; write 8-bit pixels "
+                               "(type 0x08), or floats divided by 255")
+        return images.astype(np.float32)
+    if images.dtype != np.uint8 and (images.min() < 0 or images.max() > 255):
+        raise CapsNetError(f"{path}: whole-number pixels must lie in 0..255, found {images.min()}..{images.max()}")
+    return images.astype(np.float32) / np.float32(255.0)
 
 
 def idx_fingerprint(data_dir: str) -> list:
@@ -261,7 +316,7 @@ def idx_fingerprint(data_dir: str) -> list:
         for stem in stems:
             path = _find(data_dir, stem)
             digest = hashlib.blake2b(digest_size=16)
-            with open(path, "rb") as f:
+            with open_regular(path, "the data file") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     digest.update(block)
             record.append([os.path.basename(path), "idx", os.path.getsize(path), digest.hexdigest(), part])

@@ -9,6 +9,7 @@ gone -- never the temporary of a writer still at work.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import tempfile
@@ -43,6 +44,8 @@ def _alive(pid: str) -> bool:
 def atomic_write(path: str, write, text: bool = False) -> str:
     """Call ``write(f)`` on a fresh temporary file beside ``path``, then make it ``path`` in one
     rename.  OSError (the caller names the file and the fix) leaves ``path`` as it was."""
+    if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):  # never replace a FIFO or a device
+        raise OSError(errno.EEXIST, "it exists and is not a regular file (a pipe, a device or a socket); name a file")
     directory, name = os.path.split(os.path.abspath(path))
     stem, suffix = os.path.splitext(name)
     for stale in temporaries(path, stale=True):  # from a writer killed before its rename

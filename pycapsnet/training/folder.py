@@ -13,13 +13,14 @@ import hashlib
 import io
 import os
 import re
-import stat
+import warnings
 
 import numpy as np
 
 from pycapsnet.backends.host import machine_memory
 
 from ..errors import CapsNetError
+from ..userfiles import read_regular
 from .log import say
 
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -77,12 +78,26 @@ def _pillow():
     return Image, ImageOps, UnidentifiedImageError
 
 
+# The largest image decoded here: Pillow's own warning threshold (about 89 megapixels, 268 MB in
+# RGB), and no side beyond 65,536 pixels (a 1 x 170,000,000 strip passes Pillow's bomb check, and
+# resizing it to a network's input takes gigabytes).
+MAX_PIXELS, MAX_SIDE = 89_478_485, 1 << 16
+
+
 def _open(path: str, raw: bytes | None = None):
     """The image, opened (not decoded); one Pillow refuses as too large to decode safely is
     refused here too, saying what decoding it would take."""
     Image, _, Unidentified = _pillow()
     try:
-        return Image.open(io.BytesIO(raw) if raw is not None else path)
+        with warnings.catch_warnings():  # Pillow's warning of a large image: MAX_PIXELS says it in one line
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(raw) if raw is not None else path)
+        w, h = im.size
+        if max(w, h) > MAX_SIDE or w * h > MAX_PIXELS:  # its header, before a pixel is decoded
+            im.close()
+            raise CapsNetError(f"{path} declares {w}x{h} pixels, more than an image read here may have (sides of at "
+                               f"most {MAX_SIDE:,}, {MAX_PIXELS / 1e6:,.0f} megapixels in all): shrink it or remove it")
+        return im
     except Image.DecompressionBombError as e:
         pixels = re.search(r"\((\d+) pixels\)", str(e))
         need = f" ({int(pixels[1]) / 1e6:,.0f} megapixels, {_bytes(3 * int(pixels[1]))} decoded in RGB)" if pixels else ""
@@ -169,24 +184,8 @@ MAX_IMAGE_BYTES = 256 << 20  # a larger file is refused before it is read: no im
 
 
 def _read(path: str) -> bytes:
-    """The file's bytes: a regular file only (a FIFO would block, a device never end), its size
-    checked before anything is read.  Opened without blocking, then checked by its descriptor, so
-    that the file checked is the file read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        raise CapsNetError(f"cannot read the image {path}: {e.strerror or e}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CapsNetError(f"cannot read the image {path}: not a regular file (a pipe, a device or a socket)")
-        if st.st_size > MAX_IMAGE_BYTES:
-            raise CapsNetError(f"cannot read the image {path}: {st.st_size:,} bytes, more than an image read here "
-                               f"may have ({MAX_IMAGE_BYTES >> 20} MiB); shrink it first")
-        try:
-            return f.read(MAX_IMAGE_BYTES)
-        except OSError as e:
-            raise CapsNetError(f"cannot read the image {path}: {e.strerror or e}") from None
+    """The file's bytes: a regular file of at most MAX_IMAGE_BYTES (userfiles.read_regular)."""
+    return read_regular(path, "the image", MAX_IMAGE_BYTES)
 
 
 def _channels_first(im, path: str, channels: int, size) -> np.ndarray:

@@ -22,7 +22,7 @@ from pycapsnet.backends.base import CompileWarning
 
 from ..core import architecture
 from ..core.model import CapsNet, CapsNetConfig
-from ..errors import CapsNetError
+from ..errors import CapsNetError, NotFinite, TrainingDiverged  # noqa: F401 (NotFinite: the trainer's)
 from . import augment, checkpoint, data, distributed, optim, report
 from .graph import CapturedEval, CapturedStep
 from .log import progress, say, speaking
@@ -30,14 +30,6 @@ from .preflight import check_parameters_fit, checked_data
 from .recipe import Run, data_options
 from .run_dir import RunDir, best_epoch
 from .scalars import Scalars, Steps
-
-
-class NotFinite(RuntimeError):
-    """The model's numbers are no longer finite: exit 3."""
-
-
-class TrainingDiverged(NotFinite):
-    pass
 
 
 EVAL_BATCH = 100  # images per evaluation batch

@@ -148,6 +148,10 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     # a network from a description (or built in Python): its layers say how they route
     described = model is not None or network is not None or (ckpt is not None and cfg is None)
     _refuse_architecture_flags(given, ckpt, cfg, network, described, values, evaluating)
+    if ckpt and ckpt.get("unverified") and not evaluating:
+        raise CapsNetError(f"--resume {ckpt['path']}: the checkpoint carries no digest binding its header to its "
+                           "weights (edited, or written before pycapsnet signed checkpoints), so it is read only, "
+                           "never continued and signed afresh; evaluate or predict with it, or train afresh")
     if ckpt:
         _take_from_checkpoint(values, given, ckpt, cfg, evaluating)
         if values["epochs"] is None and not evaluating:

@@ -25,6 +25,7 @@ import zipfile
 import numpy as np
 
 from ..errors import CapsNetError
+from ..userfiles import open_regular
 from ..tools import plots
 from . import checkpoint, files
 from .argtypes import make_writable_dir
@@ -231,8 +232,10 @@ def _older(paths) -> int:
 def read_metrics(path) -> list:
     """The records of a metrics.jsonl ([] if there is none), up to a line that is not a record."""
     records = []
+    if not os.path.lexists(path):
+        return records
     try:
-        with open(path) as f:
+        with open_regular(path, "the metrics", mode="r", fix="move it out of the way") as f:
             for line in f:
                 try:
                     record = json.loads(line)
@@ -241,10 +244,8 @@ def read_metrics(path) -> list:
                 if not isinstance(record, dict):
                     break
                 records.append(record)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise CapsNetError(f"cannot read {path}: {e.strerror or e}; move it out of the way") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CapsNetError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}; move it out of the way") from None
     return records
 
 

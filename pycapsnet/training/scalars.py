@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import csv
 import os
+import threading
 import time
 
 from ..errors import CapsNetError
+from ..userfiles import open_regular, refuse_special
 from .log import say
 
 COLUMNS = ("kind", "epoch", "step", "loss", "margin", "spread", "reconstruction", "acc", "lr", "samples_per_s",
@@ -32,6 +34,7 @@ class Scalars:
                                    'package: pip install -e ".[tensorboard]" (or pip install tensorboard)') from None
             self._writer = SummaryWriter(tensorboard)
             self._tensorboard = tensorboard
+            self._hook = _quiet_event_writer()
         if csv_path:
             fresh = _check_csv(csv_path)
             try:
@@ -80,6 +83,9 @@ class Scalars:
                 writer.close()
         except OSError:
             pass
+        finally:
+            if which != "csv" and threading.excepthook is self._hook:
+                threading.excepthook = self._hook.previous
 
     def close(self) -> None:
         for which, open_ in (("csv", self._csv), ("tensorboard", self._writer)):
@@ -87,15 +93,33 @@ class Scalars:
                 self._stop(which)
 
 
+def _quiet_event_writer():
+    """TensorBoard writes its events from a thread of its own, which dies of a write error (a full
+    disk) with a whole traceback on stderr, then hands the same error to the writer's next call,
+    where ``_guarded`` says it in one line.  This hook keeps that thread's OSError to that line;
+    any other thread's exception is passed on as before."""
+    previous = threading.excepthook
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.previous = previous
+    threading.excepthook = hook
+    return hook
+
+
 def _check_csv(path) -> bool:
     """Whether ``path`` is a fresh --log-csv (absent or empty); an existing one must be a log this
     option wrote (its header), never another file that rows would be appended to."""
     if os.path.isdir(path):
         raise CapsNetError(f"--log-csv {path} is a directory; name a file (a new one, or an earlier run's log)")
+    refuse_special(path, "--log-csv")  # appending to a FIFO would block, to a device write nowhere
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return True
     try:
-        with open(path, newline="") as f:
+        with open_regular(path, "--log-csv", mode="r") as f:
             first = f.readline(4096)
     except (OSError, UnicodeDecodeError) as e:
         raise CapsNetError(f"cannot read --log-csv {path}: {getattr(e, 'strerror', None) or e}") from None
