@@ -216,6 +216,29 @@ class Backend(abc.ABC):
             du = term if du is None else du + term
         return self._into(du, out)
 
+    # ---- special functions ----------------------------------------------------------------------------
+    # Variational Bayes routing's expectations under a Dirichlet and a Wishart need the digamma
+    # function ψ = (ln Γ)' in its forward and the trigamma ψ' in its backward: SciPy, CuPy and
+    # PyTorch each have them, under other names.
+    def digamma(self, x):
+        """ψ(x), elementwise."""
+        raise NotImplementedError(f"the {self.name} backend has no digamma")
+
+    def trigamma(self, x):
+        """ψ'(x) for x > 0, elementwise, to float64's precision: ψ'(x) = ψ'(x + 1) + 1/x² lifts x
+        to 10 or more (ten steps, each where x is still below 10: no data-dependent loop), where
+        the asymptotic series 1/y + 1/2y² + Σ_k B_2k / y^(2k+1) has converged.  (PyTorch's
+        polygamma(1, x) is off by up to 5e-10 relatively, which VB routing's backward would carry.)"""
+        xp = self.xp
+        y, acc = x, xp.zeros_like(x)
+        for _ in range(10):
+            small = y < 10
+            acc = acc + xp.where(small, 1 / (y * y), 0.0)
+            y = xp.where(small, y + 1, y)
+        z = 1 / (y * y)
+        tail = z * (1 / 6 + z * (-1 / 30 + z * (1 / 42 + z * (-1 / 30 + z * (5 / 66 + z * (-691 / 2730 + z * 7 / 6))))))
+        return acc + (1 + z / 2 * y + tail) / y
+
     def _into(self, result, out=None):
         """``result`` C-ordered (the layers reshape it), or copied into ``out`` when given."""
         if out is None:

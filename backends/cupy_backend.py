@@ -126,6 +126,13 @@ class CupyBackend(NumpyBackend):
 
         return DirectCublas(self.lib, stream)
 
+    def digamma(self, x):
+        from cupyx.scipy import special
+
+        return special.digamma(x)
+
+    trigamma = Backend.trigamma  # the series to float64's precision, not SciPy's (which CuPy lacks on the device)
+
     def to_numpy(self, x) -> np.ndarray:
         self._check_host_transfer("a device-to-host copy")
         return self.lib.asnumpy(x)

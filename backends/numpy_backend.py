@@ -63,6 +63,16 @@ class NumpyBackend(Backend):
         self._check_host_transfer("reading an array on the host")
         return np.asarray(x)
 
+    def digamma(self, x):
+        from scipy import special
+
+        return special.digamma(x)
+
+    def trigamma(self, x):
+        from scipy import special
+
+        return special.polygamma(1, x)
+
     def quiet_float_errors(self):
         return np.errstate(over="ignore", invalid="ignore", divide="ignore")
 

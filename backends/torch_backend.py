@@ -336,6 +336,9 @@ class TorchBackend(Backend):
     def _element_blocks(self, sizes):
         return [(key, slice(None)) for key in sizes] if self._tracing() else super()._element_blocks(sizes)
 
+    def digamma(self, x):
+        return self.torch.special.digamma(x)
+
     def _as_caller(self, fn):
         """PyTorch's grad and inference modes are per thread: a pool thread runs a part in the
         caller's, so that a forward under ``torch.inference_mode()`` may write in place into the

@@ -55,7 +55,7 @@ from benchmarks.provenance import code_version
 from pycapsnet.training.argtypes import nonnegative_int, positive_int, writable_file
 from pycapsnet.core.capsules import PrimaryCaps
 from pycapsnet.tools.cli import format_table
-from pycapsnet.core.model import ROUTINGS
+from pycapsnet.core.model import ROUTED, ROUTINGS
 
 QUICK = dict(conv_channels=16, primary_types=4)
 
@@ -164,7 +164,7 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     host = _network("numpy", cfg)  # pycapsnet's initialisation, copied over
-    if "network" in cfg:
+    if "network" in cfg or cfg.get("routing") in ROUTED:  # a description, or a built-in one written as one
         ref = AutogradNetwork.from_model(host, device=device, dtype=getattr(torch, dtype))
     else:
         ref = AutogradCapsNet(host.config, host.state_dict(), device=device, dtype=getattr(torch, dtype))

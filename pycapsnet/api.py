@@ -29,7 +29,8 @@ from .core.checks import nearest
 from .errors import CapsNetError, first_line
 from .tools.predict import Run
 
-BUILT_IN = {"capsnet": "dynamic", "em": "em", "attention": "attention"}
+BUILT_IN = {"capsnet": "dynamic", "em": "em", "attention": "attention", "uniform": "uniform", "random": "random",
+            "inverted": "inverted", "self": "self", "vb": "vb"}
 
 
 def _keywords(fn):
@@ -352,7 +353,8 @@ def _class_names(classes, n_classes) -> tuple | None:
 
 def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="numpy", device=None,
           dtype="float32", seed=0, classes=None, **options) -> Model:
-    """A new Model: ``network`` "capsnet" (the paper's, dynamic routing), "attention" or "em" --
+    """A new Model: ``network`` "capsnet" (the paper's, dynamic routing), "attention", "em", or the
+    paper's network with its class layer routed by "uniform", "random", "inverted", "self" or "vb" --
     ``options`` then set its CapsNetConfig fields (routing_iters=1, share_spatial=True, ...) -- or a
     description (architecture.network(...), its JSON file, or one the package carries: "efficient",
     Efficient-CapsNet; "capsnet-published", the paper's network as its published code builds it),

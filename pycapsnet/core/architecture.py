@@ -29,19 +29,20 @@ import numpy as np
 
 from . import description
 from .batch_norm import BatchNorm
-from .capsules import AttentionCaps, ClassCaps, PrimaryCaps
+from .capsules import AttentionCaps, CapsuleLogits, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
 from ..errors import CapsNetError
 from ..userfiles import read_regular
 from .init import given, he_uniform, routed_std
 from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU, Sigmoid
-from .losses import MarginLoss, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
+from .layer_norm import LayerNorm
+from .losses import MarginLoss, NegativeLogLikelihood, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 from .network import ActivationHead, LengthHead, LogitsHead, MaskedDecoder, Network, Sequential
 from .parts import (  # noqa: F401 -- the parts of a description, re-exported: architecture.conv2d(...)
-    DEFAULT_LOSS, attention_caps, batch_norm, class_matrix_caps, conv2d, conv_caps, conv_matrix_caps, cross_entropy,
-    decoder, dropout, dynamic_caps, flatten, linear, margin_loss, max_pool, network, primary_caps,
-    primary_matrix_caps, relu, spread_loss)
+    DEFAULT_LOSS, attention_caps, batch_norm, capsule_logits, class_matrix_caps, conv2d, conv_caps, conv_matrix_caps,
+    cross_entropy, decoder, dropout, dynamic_caps, flatten, layer_norm, linear, margin_loss, max_pool, network, nll_loss,
+    primary_caps, primary_matrix_caps, relu, spread_loss)
 
 
 @dataclass(frozen=True)
@@ -124,11 +125,15 @@ def _routed_from(flow, share_spatial, capsules, dim, init_std):
     return (positions, flow.types, flow.dim), std
 
 
-def _dynamic_caps(B, flow, rng, capsules, dim, iters=3, routing_grad="full", share_spatial=False, init_std=None,
-                  bias=None):
+def _dynamic_caps(B, flow, rng, capsules, dim, iters=None, routing_grad="full", share_spatial=False, init_std=None,
+                  bias=None, routing="dynamic", scaled=None, alpha0=None, kappa0=None, psi0=None, nu0=None,
+                  vb_lambda=None):
     children, std = _routed_from(flow, share_spatial, capsules, dim, init_std)
+    if bias is not None and routing not in ("dynamic", "uniform", "random"):
+        raise ValueError(f"bias is dynamic routing's β_j on s_j; routing '{routing}' takes none")
     layer = ClassCaps(B, *children, capsules, dim, iters, routing_grad, share_spatial, rng=rng, init_std=std,
-                      bias=bias)
+                      bias=bias, routing=routing, scaled=scaled, alpha0=alpha0, kappa0=kappa0, psi0=psi0, nu0=nu0,
+                      vb_lambda=vb_lambda)
     return layer, Flow("vector", None, capsules, dim)
 
 
@@ -138,13 +143,27 @@ def _attention_caps(B, flow, rng, capsules, dim, share_spatial=False, init_std=N
     return layer, Flow("vector", None, capsules, dim)
 
 
-def _conv_caps(B, flow, rng, types, dim, kernel=3, stride=1, iters=3, routing_grad="full", init_std=None):
+def _conv_caps(B, flow, rng, types, dim, kernel=3, stride=1, iters=None, routing_grad="full", init_std=None,
+               routing="dynamic", scaled=None, alpha0=None, kappa0=None, psi0=None, nu0=None, vb_lambda=None):
     if _need(flow, "vector").grid is None:
         raise _Misfit("convolutional capsules need a grid of capsules, and this input has none")
     grid = _windows(flow, kernel, stride)
     layer = ConvCaps(B, flow.grid, flow.types, flow.dim, types, dim, kernel, stride, iters, routing_grad, rng=rng,
-                     init_std=init_std)
+                     init_std=init_std, routing=routing, scaled=scaled, alpha0=alpha0, kappa0=kappa0, psi0=psi0,
+                     nu0=nu0, vb_lambda=vb_lambda)
     return layer, Flow("vector", grid, types, dim)
+
+
+def _capsule_logits(B, flow, rng):
+    if _need(flow, "vector").grid is not None:
+        raise _Misfit("it takes class capsules without a grid (after a routing layer)")
+    return CapsuleLogits(B, flow.dim, rng=rng), Flow("flat", None, flow.types, 1)
+
+
+def _layer_norm(B, flow, rng, eps=1e-5):
+    if flow.kind == "matrix":
+        raise _Misfit("it takes an image, vector capsules or features, not (pose, activation) pairs")
+    return LayerNorm(B, flow.dim if flow.kind == "vector" else flow.types, eps), flow
 
 
 def _primary_matrix_caps(B, flow, rng, types):
@@ -169,9 +188,10 @@ def _class_matrix_caps(B, flow, rng, capsules, iters=2, routing_grad="full", em_
 LAYERS = {"conv2d": _conv2d, "relu": _relu, "max_pool": _max_pool, "flatten": _flatten, "linear": _linear,
           "dropout": _dropout, "batch_norm": _batch_norm, "primary_caps": _primary_caps, "dynamic_caps": _dynamic_caps,
           "attention_caps": _attention_caps, "conv_caps": _conv_caps, "primary_matrix_caps": _primary_matrix_caps,
-          "conv_matrix_caps": _conv_matrix_caps, "class_matrix_caps": _class_matrix_caps}
+          "conv_matrix_caps": _conv_matrix_caps, "class_matrix_caps": _class_matrix_caps,
+          "capsule_logits": _capsule_logits, "layer_norm": _layer_norm}
 HEADS = {"lengths": ("vector", LengthHead), "activations": ("matrix", ActivationHead), "logits": ("flat", LogitsHead)}
-LOSSES = {"margin": MarginLoss, "spread": SpreadLoss, "cross_entropy": SoftmaxCrossEntropy}
+LOSSES = {"margin": MarginLoss, "spread": SpreadLoss, "cross_entropy": SoftmaxCrossEntropy, "nll": NegativeLogLikelihood}
 
 
 class _Misfit(Exception):

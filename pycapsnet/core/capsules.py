@@ -8,7 +8,7 @@ from . import init as initializers
 from .depthwise import DepthwiseConv2d
 from .fourier import FourierConv2d
 from .layers import Conv2d, Layer, check_images, check_input
-from . import shared_routing
+from . import routings, shared_routing
 from .attention_routing import attention_backward_factors, attention_forward
 from .routing import MODES, routing_backward_factors, routing_forward
 from .squash import squash, squash_backward, squash_exp, squash_exp_backward
@@ -16,6 +16,41 @@ from .squash import squash, squash_backward, squash_exp, squash_exp_backward
 # The squash of a capsule layer's output: Sabour et al.'s |s|²/(1 + |s|²) s/|s|, or Efficient-CapsNet's
 # (1 - e^-|s|) s/|s| (squash.py derives both backward passes).
 SQUASHES = {"sabour": (squash, squash_backward), "efficient": (squash_exp, squash_exp_backward)}
+
+
+def _set_routing(layer, routing, iters, routing_grad, options, rng, lead):
+    """A routed layer's routing (routings.py): its name, iterations, gradient mode, the Algorithm and
+    its parameters (``lead``: the leading axes of its per-child parameters), or for "random" its own
+    seeded generator.  ValueError (which the description names the layer in) for what it cannot run."""
+    if routing not in routings.ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}: use one of {', '.join(routings.ROUTINGS)}")
+    if routing_grad not in MODES:
+        raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
+    if routing_grad not in routings.GRADIENT_MODES[routing]:
+        raise ValueError(f"routing '{routing}' has no gradient mode {routing_grad!r}: its coefficients are "
+                         "learned from the child alone, so holding them constant would stop that; use 'full'")
+    if iters is None:
+        iters = routings.DEFAULT_ITERS if routing in routings.ITERATED else 1
+    if iters < 1:
+        raise ValueError(f"routing needs at least one iteration, got {iters}")
+    if routing not in routings.ITERATED and iters != 1:
+        raise ValueError(f"routing '{routing}' routes in one pass; it takes no iters (got {iters})")
+    layer.routing, layer.iters, layer.routing_grad = routing, iters, routing_grad
+    layer.algo = routings.algorithm(routing, iters, routing_grad, routings.options_for(routing, options, layer.D))
+    if layer.algo is not None:
+        for k, v in layer.algo.params(lead, layer.J, layer.D, layer.K).items():
+            layer._add_param(k, v)
+    if routing == "random":
+        layer.rng, layer.hold, layer.drawn = np.random.default_rng(int(rng.integers(2**63))), False, None
+        layer.capturable = False  # new coefficients every step: a recorded step would replay the old
+
+
+def draw_coupling(layer, n, children):
+    """The coefficients of "random" routing for a batch: drawn anew, or the last ones where the layer
+    holds them (a gradient check perturbs the input under one draw, as Dropout's mask)."""
+    if layer.hold and layer.drawn is not None and tuple(layer.drawn.shape) == (n, layer.J, children):
+        return layer.drawn
+    return routings.random_coupling(layer.B, layer.rng, n, layer.J, children)
 
 
 class PrimaryCaps(Layer):
@@ -88,15 +123,12 @@ class ClassCaps(Layer):
     chunk_bytes = 64 * 2**20
     routes_shared = True  # with share_spatial, route u and W without forming û (shared_routing.py)
 
-    def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, iters=3,
-                 routing_grad="full", share_spatial=False, rng=None, init_std=0.01, bias=None):
+    def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, iters=None,
+                 routing_grad="full", share_spatial=False, rng=None, init_std=0.01, bias=None, routing="dynamic",
+                 **routing_options):
         super().__init__(backend)
-        if routing_grad not in MODES:
-            raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
-        if iters < 1:
-            raise ValueError(f"routing needs at least one iteration, got {iters}")
         self.P, self.T, self.K, self.J, self.D = positions, types, in_dim, n_classes, out_dim
-        self.iters, self.routing_grad, self.share_spatial = iters, routing_grad, share_spatial
+        self.share_spatial = share_spatial
         rng = rng if rng is not None else np.random.default_rng(0)
         shape = (1 if share_spatial else positions, types, n_classes, out_dim, in_dim)
         self._add_param("W", initializers.capsule_transform(rng, shape, init_std))
@@ -104,6 +136,9 @@ class ClassCaps(Layer):
         if self.s_bias:
             self._add_param("bias", np.full((n_classes, out_dim), float(bias)))   # β_j (J, D)
         self.trace = None
+        _set_routing(self, routing, iters, routing_grad, routing_options, rng, lead=shape[:2])
+        if self.routing not in ("dynamic", "uniform"):
+            self.routes_shared = False  # share_spatial shares W (and a routing's own parameters), û is formed
 
     def forward(self, u):
         # u: (N, P, T, K), or (N, T, K) from another routing layer (P = 1) -> v: (N, J, D)
@@ -124,9 +159,31 @@ class ClassCaps(Layer):
         # P*T small products (N x K) @ (K x J*D), laid out as the backend wants (B.predictions)
         u_hat = self.B.predictions(ut, self.B.contiguous(xp.matrix_transpose(Wm)))  # (P, T, N, J*D)
         u_hat = xp.reshape(u_hat, (self.P * self.T, n, self.J, self.D))          # û_j|i (I, N, J, D)
+        if self.algo is not None:  # routings.py's: the whole batch at once
+            kids = xp.reshape(ut, (self.P * self.T, n, self.K)) if self.algo.reads_children else None
+            v, self.trace = self.route_algo(u_hat, kids)
+            self.cache = (ut, u_hat, kids)
+            return v
+        if self.routing == "random":
+            self.drawn = draw_coupling(self, n, self.P * self.T)
         v, self.trace = self._route_blocks(u_hat)
-        self.cache = (ut, u_hat)
+        self.cache = (ut, u_hat, None)
         return v
+
+    def route_algo(self, u_hat, kids, fixed=None):
+        """A routing of routings.py on û (I, N, J, D) (and the child capsules u (I, N, K)): (v, trace)."""
+        return self.algo.forward(self.B, u_hat, self._algo_params(), kids, fixed)
+
+    def _algo_params(self):
+        """The routing's own parameters, those with an entry per child laid out as (I, ...)."""
+        xp = self.B.xp
+        out = {}
+        for k in self.algo.params((1, 1), 1, 1, 1):
+            p = self.params[k]
+            if k in self.algo.per_child:
+                p = xp.reshape(xp.broadcast_to(p, (self.P, self.T, *p.shape[2:])), (self.P * self.T, *p.shape[2:]))
+            out[k] = p
+        return out
 
     # Every sample routes on its own.  So routing runs on blocks of the batch (B.split_batch): on the
     # CPU each block of û is one contiguous piece (B.route_block), small enough to stay in cache through
@@ -166,15 +223,19 @@ class ClassCaps(Layer):
 
     def route(self, u_hat, sl):
         """Dynamic routing of û (I, n, J, D), the samples ``sl`` of the batch: (v_j, the trace of
-        every iteration) (routing.py)."""
-        return routing_forward(self.B, u_hat, self.iters, bias=self.bias_j)
+        every iteration) (routing.py); "uniform" is its first pass, "random" that pass with the
+        coefficients drawn."""
+        fixed = self.drawn[sl] if self.routing == "random" else None
+        return routing_forward(self.B, u_hat, self.iters, fixed_coupling=fixed, bias=self.bias_j)
 
     def route_backward(self, u_hat, trace, dv):
         """dL/dv and the trace of ``route`` -> (the factors of dL/dû (routing.py's
-        routing_backward_factors), the gradients of routing's own parameters: β_j's, if it has one)."""
+        routing_backward_factors), the gradients of routing's own parameters: β_j's, if it has one).
+        Drawn coefficients are constants: "random" differentiates as "final" does."""
+        mode = "final" if self.routing == "random" else self.routing_grad
         if not self.s_bias:
-            return routing_backward_factors(self.B, u_hat, trace, dv, self.routing_grad), {}
-        coeffs, vecs, dbias = routing_backward_factors(self.B, u_hat, trace, dv, self.routing_grad, bias_grad=True)
+            return routing_backward_factors(self.B, u_hat, trace, dv, mode), {}
+        coeffs, vecs, dbias = routing_backward_factors(self.B, u_hat, trace, dv, mode, bias_grad=True)
         return (coeffs, vecs), {"bias": dbias}
 
     @property
@@ -212,7 +273,8 @@ class ClassCaps(Layer):
         if self.share_spatial and self.routes_shared:
             return [xp.reshape(xp.permute_dims(self.shared_coupling(r), (0, 2, 1, 3)), (-1, self.P * self.T, self.J))
                     for r in range(len(self.trace))]
-        return [xp.permute_dims(c, (0, 2, 1)) for c in self.traced(0)]  # c_ij (N, J, I), Layer.traced
+        coefficients = self.algo.coupling(self.trace) if self.algo is not None else self.traced(0)  # (N, J, I)
+        return [xp.permute_dims(c, (0, 2, 1)) for c in coefficients]
 
     def backward(self, dv, input_grad=True):
         xp = self.B.xp
@@ -224,9 +286,15 @@ class ClassCaps(Layer):
             if self.s_bias:
                 self.grads["bias"] += dbias
             return self._as_input(xp.permute_dims(du, (0, 2, 1, 3))) if input_grad else None
-        ut, u_hat = self.cache
+        ut, u_hat, kids = self.cache
         self.cache = None
-        d_u_hat = self._route_blocks_backward(u_hat, dv)                          # dû (I, N, J, D)
+        du_kids = None
+        if self.algo is not None:
+            d_u_hat, grads, du_kids = self.algo.backward(self.B, u_hat, kids, self.trace, dv, self._algo_params())
+            for k, g in grads.items():
+                self.grads[k] += self._per_slot(k, g)
+        else:
+            d_u_hat = self._route_blocks_backward(u_hat, dv)                     # dû (I, N, J, D)
         del u_hat
         dh = xp.reshape(d_u_hat, (self.P, self.T, -1, self.J * self.D))          # (P, T, N, J*D)
         dW = self.B.matmul(xp.matrix_transpose(dh), ut)                           # (P, T, J*D, K)
@@ -237,7 +305,18 @@ class ClassCaps(Layer):
             return None
         Wm = xp.reshape(self.params["W"], (-1, self.T, self.J * self.D, self.K))
         du = self.B.matmul(dh, Wm)                                                # (P, T, N, K)
+        if du_kids is not None:  # what the routing read of the child capsules themselves
+            du = du + xp.reshape(du_kids, du.shape)
         return self._as_input(xp.permute_dims(du, (2, 0, 1, 3)))
+
+    def _per_slot(self, k, g):
+        """A routing parameter's gradient in the parameter's shape: per child (I, ...) summed over
+        the positions where the parameter is shared (share_spatial)."""
+        if k not in self.algo.per_child:
+            return g
+        xp = self.B.xp
+        g = xp.reshape(g, (self.P, self.T, *g.shape[1:]))
+        return xp.sum(g, axis=0, keepdims=True) if self.params[k].shape[0] == 1 < self.P else g
 
     def _as_input(self, du):
         """du (N, P, T, K) in the shape forward was given."""
@@ -280,6 +359,35 @@ class AttentionCaps(ClassCaps):
     def coupling(self):
         """The coupling coefficients with the bias, c_ij + β_ij, of the last forward: [(N, I, J)]."""
         return [self.B.xp.permute_dims(self.traced(2)[0], (0, 2, 1))]
+
+
+class CapsuleLogits(Layer):
+    """A class logit from each class capsule by one linear map shared by every class (the head of
+    Tsai et al. 2020, for capsules whose length is no probability): v (N, J, D) -> z (N, J),
+
+        z_j = w . v_j + b;      dv_j = dz_j w,   dw = Σ_n Σ_j dz_j v_j,   db = Σ_n Σ_j dz_j
+
+    followed by the head "logits" and cross-entropy."""
+
+    def __init__(self, backend, dim, rng=None):
+        super().__init__(backend)
+        rng = rng if rng is not None else np.random.default_rng(0)
+        bound = 1 / np.sqrt(dim)  # PyTorch's nn.Linear initialisation
+        self._add_param("W", rng.uniform(-bound, bound, dim))
+        self._add_param("b", rng.uniform(-bound, bound, 1))
+
+    def forward(self, v):
+        check_input("CapsuleLogits", v, f"class capsules v (N, J, {self.params['W'].shape[0]})",
+                    self.params["W"].shape[0], ndim=3)
+        self.cache = v
+        return self.B.xp.sum(v * self.params["W"], axis=-1) + self.params["b"]
+
+    def backward(self, dz, input_grad=True):
+        xp = self.B.xp
+        v, self.cache = self.cache, None
+        self.grads["W"] += xp.sum(dz[..., None] * v, axis=(0, 1))
+        self.grads["b"] += xp.reshape(xp.sum(dz), (1,))
+        return dz[..., None] * self.params["W"] if input_grad else None
 
 
 class CapsuleLength(Layer):

@@ -27,21 +27,19 @@ import numpy as np
 
 from . import init as initializers
 from .layers import Layer, check_input
-from .routing import MODES, routing_backward_factors, routing_forward
+from .capsules import _set_routing, draw_coupling
+from .routing import routing_backward_factors, routing_forward
 
 
 class ConvCaps(Layer):
     """u (N, H*W, T, K) on an (H, W) grid -> v (N, OH*OW, C, D) on the (OH, OW) grid of windows."""
 
-    def __init__(self, backend, grid, in_types, in_dim, out_types, out_dim, kernel=3, stride=1, iters=3,
-                 routing_grad="full", rng=None, init_std=None):
+    def __init__(self, backend, grid, in_types, in_dim, out_types, out_dim, kernel=3, stride=1, iters=None,
+                 routing_grad="full", rng=None, init_std=None, routing="dynamic", **routing_options):
         super().__init__(backend)
-        if routing_grad not in MODES:
-            raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
-        if iters < 1:
-            raise ValueError(f"routing needs at least one iteration, got {iters}")
         self.grid, self.T, self.K, self.C, self.D = tuple(grid), in_types, in_dim, out_types, out_dim
-        self.k, self.stride, self.iters, self.routing_grad = kernel, stride, iters, routing_grad
+        self.J = out_types  # the parents a child's coefficients range over: the C types at its window
+        self.k, self.stride = kernel, stride
         h, w = self.grid
         self.oh, self.ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
         self.I = kernel * kernel * in_types
@@ -49,6 +47,7 @@ class ConvCaps(Layer):
         std = initializers.routed_std(self.I, out_types, out_dim) if init_std is None else init_std
         self._add_param("W", initializers.capsule_transform(rng, (self.I, out_types, out_dim, in_dim), std))
         self.trace = None
+        _set_routing(self, routing, iters, routing_grad, routing_options, rng, lead=(self.I,))
 
     def forward(self, u):
         xp, B = self.B.xp, self.B
@@ -60,34 +59,54 @@ class ConvCaps(Layer):
         Wm = xp.reshape(self.params["W"], (self.I, self.C * self.D, self.K))
         u_hat = B.matmul(ut, xp.matrix_transpose(Wm))                                            # (I, N*P, C*D)
         u_hat = B.contiguous(xp.reshape(u_hat, (self.I, n * P, self.C, self.D)))                 # û (I, N*P, C, D)
-        v, self.trace = self.route(u_hat)                                                        # v (N*P, C, D)
+        if self.algo is not None:  # routings.py's, on every window at once
+            v, self.trace = self.route_algo(u_hat, ut if self.algo.reads_children else None)
+        else:
+            if self.routing == "random":
+                self.drawn = draw_coupling(self, n * P, self.I)
+            v, self.trace = self.route(u_hat)                                                    # v (N*P, C, D)
         self.cache = (ut, u_hat, n)
         return xp.reshape(v, (n, P, self.C, self.D))
 
     def route(self, u_hat):
-        """Dynamic routing of û (I, N*P, C, D), one routing per window: (v_j, the trace) (routing.py)."""
-        return routing_forward(self.B, u_hat, self.iters)
+        """Dynamic routing of û (I, N*P, C, D), one routing per window: (v_j, the trace) (routing.py);
+        "uniform" is its first pass, "random" that pass with the coefficients drawn."""
+        return routing_forward(self.B, u_hat, self.iters, fixed_coupling=self.drawn if self.routing == "random" else None)
+
+    def route_algo(self, u_hat, kids, fixed=None):
+        """A routing of routings.py on û (I, N*P, C, D) (and the window's children u (I, N*P, K))."""
+        return self.algo.forward(self.B, u_hat, self.params, kids, fixed)
 
     @property
     def coupling(self):
         """c_ij of each routing iteration of the last forward, (N, P, I, C) arrays."""
         xp = self.B.xp
+        coefficients = self.algo.coupling(self.trace) if self.algo is not None else [c for c, *_ in self.trace]
         return [xp.reshape(xp.permute_dims(c, (0, 2, 1)), (-1, self.oh * self.ow, self.I, self.C))
-                for c, *_ in self.trace]
+                for c in coefficients]
 
     def backward(self, dv, input_grad=True):
         xp, B = self.B.xp, self.B
         ut, u_hat, n = self.cache
         self.cache = None
         P = self.oh * self.ow
-        coeffs, vecs = routing_backward_factors(B, u_hat, self.trace, xp.reshape(dv, (n * P, self.C, self.D)),
-                                                self.routing_grad)
-        d_u_hat = xp.reshape(B.outer_sum(coeffs, vecs), (self.I, n * P, self.C * self.D))       # dû
+        dv = xp.reshape(dv, (n * P, self.C, self.D))
+        du_kids = None
+        if self.algo is not None:
+            d_u_hat, grads, du_kids = self.algo.backward(B, u_hat, ut, self.trace, dv, self.params)
+            for k, g in grads.items():
+                self.grads[k] += g
+        else:
+            mode = "final" if self.routing == "random" else self.routing_grad
+            d_u_hat = B.outer_sum(*routing_backward_factors(B, u_hat, self.trace, dv, mode))
+        d_u_hat = xp.reshape(d_u_hat, (self.I, n * P, self.C * self.D))                        # dû
         self.grads["W"] += xp.reshape(B.matmul(xp.matrix_transpose(d_u_hat), ut), self.params["W"].shape)
         if not input_grad:
             return None
         Wm = xp.reshape(self.params["W"], (self.I, self.C * self.D, self.K))
         dut = B.matmul(d_u_hat, Wm)                                                              # (I, N*P, K)
+        if du_kids is not None:  # what the routing read of the window's children themselves
+            dut = dut + du_kids
         dcols = xp.reshape(xp.permute_dims(dut, (1, 0, 2)), (n * P, self.I * self.K))
         h, w = self.grid
         du = B.col2im(dcols, (n, h, w, self.T * self.K), self.k, self.k, self.stride)

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import CapsNetError
 from .checks import MAX_ROUTING_ITERS
+from .routings import ROUTINGS
 
 
 def _int(lo, hi=None):
@@ -56,11 +57,14 @@ OPTIONS = {
     "em_lambda": _number(0, open_lo=True), "rate": _number(0, 1, open_hi=True),
     "momentum": _number(0, 1), "eps": _number(0, 1, open_lo=True), "bias": _number(-10, 10, none=True),
     "scale": _number(0, 1000, open_lo=True),
+    "routing": _choice(*ROUTINGS), "scaled": _boolean, "alpha0": _number(0, 1e6, open_lo=True),
+    "kappa0": _number(0, 1e6, open_lo=True), "psi0": _number(0, 1e6, open_lo=True),
+    "nu0": _number(0, 1e6, open_lo=True), "vb_lambda": _number(0, 1e6, open_lo=True),
 }
 STRIDE_OF = {"max_pool": _size_or_null}  # max_pool's stride may be null: its kernel
 TOP = {"input_shape", "n_classes", "body", "head", "loss", "decoder"}
 LOSS_OPTIONS = {"margin": {"m_plus": _number(0, 1), "m_minus": _number(0, 1), "lam": _number(0)},
-                "spread": {}, "cross_entropy": {}}
+                "spread": {}, "cross_entropy": {}, "nll": {}}
 DECODER = {"hidden": None, "weight": _number(0)}
 
 
@@ -237,13 +241,32 @@ def _routed(o, kind, grid, t, d, attention=False):
         params["bias"] = (p, t, o["capsules"])
     elif o["bias"] is not None:  # β_j on s_j
         params["bias"] = (o["capsules"], o["dim"])
+    params.update(_routing_params(o.get("routing", "dynamic"), (p, t), o["capsules"], o["dim"], d))
     return params, ("vector", None, o["capsules"], o["dim"])
+
+
+def _routing_params(routing, lead, J, D, K):
+    """A routing's own parameters (routings.py): the layer norm's, the routing map's, VB's β."""
+    return {"inverted": {"gamma": (D,), "beta": (D,)}, "self": {"W_route": (*lead, J, K), "b_route": (*lead, J)},
+            "vb": {"beta_a": (J,), "beta_u": (J,)}}.get(routing, {})
 
 
 def _conv_caps(o, kind, grid, t, d):
     k = o["kernel"]
-    return ({"W": (k * k * t, o["types"], o["dim"], d)}, ("vector", _out(grid, k, o["stride"]), o["types"], o["dim"])) \
-        if kind == "vector" and grid is not None else None
+    if kind != "vector" or grid is None:
+        return None
+    params = {"W": (k * k * t, o["types"], o["dim"], d),
+              **_routing_params(o.get("routing", "dynamic"), (k * k * t,), o["types"], o["dim"], d)}
+    return params, ("vector", _out(grid, k, o["stride"]), o["types"], o["dim"])
+
+
+def _capsule_logits(o, kind, grid, t, d):
+    return ({"W": (d,), "b": (1,)}, ("flat", None, t, 1)) if kind == "vector" and grid is None else None
+
+
+def _layer_norm(o, kind, grid, t, d):
+    size = d if kind == "vector" else t
+    return ({"gamma": (size,), "beta": (size,)}, (kind, grid, t, d)) if kind in ("vector", "image", "flat") else None
 
 
 def _primary_matrix_caps(o, kind, grid, t, d):
@@ -269,4 +292,4 @@ _STEPS = {"conv2d": _conv2d, "max_pool": _max_pool, "batch_norm": _batch_norm, "
           "primary_caps": _primary_caps, "dynamic_caps": _routed,
           "attention_caps": lambda o, *flow: _routed(o, *flow, attention=True), "conv_caps": _conv_caps,
           "primary_matrix_caps": _primary_matrix_caps, "conv_matrix_caps": _conv_matrix_caps,
-          "class_matrix_caps": _class_matrix_caps}
+          "class_matrix_caps": _class_matrix_caps, "capsule_logits": _capsule_logits, "layer_norm": _layer_norm}

@@ -129,3 +129,31 @@ class SoftmaxCrossEntropy:
         p, onehot, n = self.cache
         self.cache = None
         return (p * self.B.xp.sum(onehot, axis=1, keepdims=True) - onehot) / n
+
+
+class NegativeLogLikelihood:
+    """Self-routing's class loss (Hahn et al. 2019) on class scores that form a distribution over the
+    classes (its parents' activations a_j, which sum to 1):
+
+        L = mean_n -log a_nt,        t the label;        dL/da_nt = -1 / (N a_nt), 0 elsewhere
+
+    A score of 0 for the target gives an infinite loss, which the trainer stops on."""
+
+    name = "nll"
+
+    def __init__(self, backend):
+        self.B, self.cache = backend, None
+
+    def set_epoch(self, epoch: int):
+        """The negative log-likelihood has no schedule."""
+
+    def forward(self, a, onehot):
+        xp = self.B.xp
+        a_t = xp.sum(a * onehot, axis=1)
+        self.cache = (a_t, onehot, a.shape[0])
+        return -xp.sum(xp.log(a_t)) / a.shape[0]
+
+    def backward(self):
+        a_t, onehot, n = self.cache
+        self.cache = None
+        return -onehot / (n * a_t[:, None])

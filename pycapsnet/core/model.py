@@ -33,7 +33,12 @@ from .network import Network, Outputs  # noqa: F401  (Outputs: part of this modu
 from .routing import MODES as ROUTING_MODES
 
 
-ROUTINGS = ("dynamic", "em", "attention")
+ROUTINGS = ("dynamic", "em", "attention", "uniform", "random", "inverted", "self", "vb")
+# The class layer's routing of the vector networks beyond dynamic routing (routings.py); their heads
+# and losses, where a routing's paper has its own (the rest keep the lengths and the margin loss).
+ROUTED = ("uniform", "random", "inverted", "self", "vb")
+PAPER_HEADS = {"inverted": ("logits", "cross_entropy"),  # Tsai et al.: a shared linear map to logits, no decoder
+               "self": ("lengths", "nll")}               # Hahn et al.: -log of the class activation
 # Defaults that depend on the routing (a field left None takes its routing's): the EM column is the
 # paper's matrix-capsule network (32 channels of 5x5/2, 8 primary capsule types).
 _VECTOR_CAPSULES = dict(conv_channels=256, conv_kernel=9, conv_stride=1, primary_types=32,  # Sabour et al.'s
@@ -44,6 +49,7 @@ ROUTING_DEFAULTS = {
     # The paper routes 3 times; 2 is the default here because the 3-iteration network learns far
     # more slowly on the embedded digits (docs/performance.md, "The three routings").
     "em": dict(conv_channels=32, conv_kernel=5, conv_stride=2, primary_types=8, routing_iters=2),
+    **{r: dict(_VECTOR_CAPSULES, routing_iters=3 if r in ("inverted", "vb") else 1) for r in ROUTED},
 }
 EM_KERNELS = ((3, 2), (3, 1))  # (kernel, stride) of the two ConvMatrixCaps, the paper's
 
@@ -52,7 +58,7 @@ EM_KERNELS = ((3, 2), (3, 1))  # (kernel, stride) of the two ConvMatrixCaps, the
 class CapsNetConfig:
     input_shape: tuple = (1, 28, 28)      # (C, H, W)
     n_classes: int = 10
-    routing: str = "dynamic"              # "dynamic" | "em" | "attention" (ROUTINGS)
+    routing: str = "dynamic"              # "dynamic" | "em" | "attention" | a routing of ROUTED (ROUTINGS)
     conv_channels: int = None             # None: the routing's default (ROUTING_DEFAULTS)
     conv_kernel: int = None
     conv_stride: int = None
@@ -166,6 +172,10 @@ def param_shapes(cfg: CapsNetConfig) -> dict:
     positions, _ = _geometry(cfg)
     if cfg.routing == "em":
         return _em_param_shapes(cfg)
+    if cfg.routing in ROUTED:
+        from .description import param_shapes as described
+
+        return described(builtin_architecture(cfg))
     c, h, w = cfg.input_shape
     caps = cfg.primary_types * cfg.primary_dim
     shapes = {
@@ -224,9 +234,18 @@ def builtin_architecture(cfg: CapsNetConfig) -> dict:
                                    cfg.primary_conv, name="primary")]
         caps = (cfg.n_classes, cfg.class_dim)
         shared = dict(share_spatial=cfg.share_spatial, init_std=0.01)  # the paper's init for its one routing layer
+        if cfg.routing in ROUTED:
+            iterated = cfg.routing in ("inverted", "vb")
+            routed = dict(iters=cfg.routing_iters if iterated else None, routing=cfg.routing,
+                          routing_grad=cfg.routing_grad if iterated else "full")
         body += [arch.attention_caps(*caps, **shared, name="classcaps") if cfg.routing == "attention" else
                  arch.dynamic_caps(*caps, **routed, **shared, name="classcaps")]
         head, loss = "lengths", arch.margin_loss(cfg.m_plus, cfg.m_minus, cfg.lam)
+        if cfg.routing in PAPER_HEADS:
+            head, loss = PAPER_HEADS[cfg.routing][0], {"loss": PAPER_HEADS[cfg.routing][1]}
+            if head == "logits":
+                body += [arch.capsule_logits(name="logits")]
+                return arch.network(body, head, loss, None, cfg.input_shape, cfg.n_classes)
     return arch.network(body, head, loss, arch.decoder(cfg.decoder_hidden, cfg.recon_weight),
                         cfg.input_shape, cfg.n_classes)
 

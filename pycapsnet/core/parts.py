@@ -62,19 +62,46 @@ def _set(**options):
 
 # Routing layers' transforms start at init_std, or, left None, at init.routed_std: capsules keep
 # their length from layer to layer, so that stacks of routing layers learn.
-def dynamic_caps(capsules, dim, iters=3, routing_grad="full", share_spatial=False, init_std=None, bias=None,
-                 name=None):
-    return _part("dynamic_caps", name, capsules=capsules, dim=dim, iters=iters, routing_grad=routing_grad,
-                 share_spatial=share_spatial, init_std=init_std, bias=bias)
+#
+# ``routing`` (routings.py): "dynamic" (the default), "uniform", "random", "inverted", "self" or "vb";
+# ``iters`` left None is the routing's default (3 for those that iterate); ``scaled`` is inverted
+# routing's 1/√D on its agreements, alpha0 ... vb_lambda are VB routing's priors and temperature.
+def dynamic_caps(capsules, dim, iters=None, routing_grad="full", share_spatial=False, init_std=None, bias=None,
+                 routing="dynamic", name=None, **routing_options):
+    return _part("dynamic_caps", name, capsules=capsules, dim=dim, **_iters(iters, routing),
+                 routing_grad=routing_grad, share_spatial=share_spatial, init_std=init_std, bias=bias,
+                 **_routing(routing, routing_options))
+
+
+def _iters(iters, routing):
+    """Dynamic routing's descriptions have always held their iterations (3 by default)."""
+    if iters is None and routing == "dynamic":
+        iters = 3
+    return {} if iters is None else {"iters": iters}
+
+
+def _routing(routing, options):
+    return {**({} if routing == "dynamic" else {"routing": routing}), **_set(**options)}
 
 
 def attention_caps(capsules, dim, share_spatial=False, init_std=None, name=None):
     return _part("attention_caps", name, capsules=capsules, dim=dim, share_spatial=share_spatial, init_std=init_std)
 
 
-def conv_caps(types, dim, kernel=3, stride=1, iters=3, routing_grad="full", init_std=None, name=None):
-    return _part("conv_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, iters=iters,
-                 routing_grad=routing_grad, init_std=init_std)
+def conv_caps(types, dim, kernel=3, stride=1, iters=None, routing_grad="full", init_std=None, routing="dynamic",
+              name=None, **routing_options):
+    return _part("conv_caps", name, types=types, dim=dim, kernel=kernel, stride=stride, **_iters(iters, routing),
+                 routing_grad=routing_grad, init_std=init_std, **_routing(routing, routing_options))
+
+
+def capsule_logits(name=None):
+    """Class capsules (J, D) -> J logits by one linear map shared over the classes (then head "logits")."""
+    return _part("capsule_logits", name)
+
+
+def layer_norm(eps=1e-5, name=None):
+    """Layer normalisation over the last axis: a capsule's components, an image's channels, features."""
+    return _part("layer_norm", name, eps=eps)
 
 
 def primary_matrix_caps(types, name=None):
@@ -101,6 +128,11 @@ def spread_loss():
 
 def cross_entropy():
     return {"loss": "cross_entropy"}
+
+
+def nll_loss():
+    """-log of the label's score: for class scores that sum to 1 (self-routing's activations)."""
+    return {"loss": "nll"}
 
 
 def decoder(hidden=(512, 1024), weight=0.0005):

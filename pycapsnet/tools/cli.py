@@ -160,7 +160,7 @@ def cmd_plan(args):
 
 def _plan_builtin(args):
     """(plan, flags that would shrink the step, the measurement) of a built-in network."""
-    from ..core.model import CapsNetConfig
+    from ..core.model import ROUTED, CapsNetConfig, builtin_architecture
     from ..training.recipe import ARCHITECTURE, refuse_ignored_flags
     from .plan import measured_peak, plan
 
@@ -169,6 +169,8 @@ def _plan_builtin(args):
     refuse_ignored_flags(given, routing)   # e.g. --share-spatial with --routing em: one line, as train says
     cfg = CapsNetConfig(input_shape=tuple(args.input_shape or (1, 28, 28)), n_classes=args.classes or 10,
                         routing=routing, **given)
+    if routing in ROUTED:  # no ledger of their own: their described form, measured (plan_measured.py)
+        return _plan_arch(builtin_architecture(cfg), f"CapsNet routed by {routing}", args)
     p = plan(cfg, args.batch_size, args.dtype, args.optimizer)
     c, h, w = cfg.input_shape
     how = "matrix capsules, EM routing" if cfg.routing == "em" else (
@@ -184,7 +186,6 @@ def _plan_described(args):
     """(plan, [], the measurement) of a described network: its step run at small batches (plan_measured.py)."""
     from ..core import architecture
     from ..training.recipe import ARCHITECTURE
-    from .plan_measured import measure_step, measured_batches, plan_network
 
     flags = sorted("--" + k.replace("_", "-") for k in ARCHITECTURE if getattr(args, k, None) is not None)
     if flags:
@@ -194,10 +195,17 @@ def _plan_described(args):
     arch = dict(architecture.load(args.network))
     arch["input_shape"] = tuple(args.input_shape or arch.get("input_shape") or (1, 28, 28))
     arch["n_classes"] = args.classes or arch.get("n_classes") or 10
+    return _plan_arch(arch, args.network, args)
+
+
+def _plan_arch(arch, what, args):
+    """(plan, [], the measurement) of the network ``arch`` describes, measured at small batches."""
+    from .plan_measured import measure_step, measured_batches, plan_network
+
     c, h, w = arch["input_shape"]
     a, b = measured_batches()
     how = "measured" if args.batch_size <= b else f"measured at batches {a} and {b}, extrapolated"
-    print(f"a train step of {args.network} on {c}x{h}x{w} images, {arch['n_classes']} classes, {args.dtype}, "
+    print(f"a train step of {what} on {c}x{h}x{w} images, {arch['n_classes']} classes, {args.dtype}, "
           f"{args.optimizer}, batch {args.batch_size} ({how} on the NumPy backend)", flush=True)
     p = plan_network(arch, args.batch_size, args.dtype, args.optimizer)
     return p, [], lambda: measure_step(arch, args.batch_size, args.dtype, args.optimizer)["peak"]
@@ -310,7 +318,7 @@ def build_parser():
                     help="image channels, height, width (default: a description's own, else 1 28 28)")
     pl.add_argument("--classes", type=positive_int, default=None,
                     help="number of classes (default: a description's own, else 10)")
-    pl.add_argument("--routing", choices=("dynamic", "attention", "em"), default=None,
+    pl.add_argument("--routing", choices=ROUTINGS, default=None,
                     help="the built-in network to plan (default: dynamic)")
     pl.add_argument("--share-spatial", action="store_true", default=None,
                     help="one ClassCaps transform per capsule type (dynamic and attention routing)")

@@ -127,10 +127,13 @@ def _freeze_final_coupling(layer):
     this instance's routing method is replaced by one that routes with c^{R-1} given (the
     routings' ``fixed_coupling`` / ``fixed_assignments``), the function whose exact gradient that
     mode computes.  The layer classes themselves know nothing of it."""
-    if getattr(layer, "routing_grad", None) != "final":
-        return
+    if getattr(layer, "routing_grad", None) != "final" or getattr(layer, "routing", None) == "random":
+        return  # random coupling: its drawn coefficients are held as Dropout's mask is (_hold_mask)
     B = layer.B
-    if isinstance(layer, ClassCaps) and layer.share_spatial:
+    if getattr(layer, "algo", None) is not None:  # a routing of routings.py: it takes the last coefficients given
+        c = layer.algo.final(layer.trace)
+        layer.route_algo = lambda u_hat, kids: type(layer).route_algo(layer, u_hat, kids, fixed=c)
+    elif isinstance(layer, ClassCaps) and layer.share_spatial and layer.routes_shared:
         c = layer.shared_coupling(-1)
         layer.route_shared = lambda ut, W: shared_routing.forward(B, ut, W, layer.iters, ut.shape[2],
                                                                   fixed_coupling=c, bias=layer.bias_j)

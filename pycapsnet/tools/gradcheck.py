@@ -4,6 +4,8 @@ checked (fourth-order central differences, kinks, the quotients' own rounding) i
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from pycapsnet import backends as _backends
@@ -19,9 +21,11 @@ from ..core.losses import MarginLoss, ReconstructionLoss, SpreadLoss
 from ..core.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 from ..core.model import CapsNet
 from ..core.routing import softmax, softmax_backward
+from ..core.routings import GRADIENT_MODES
 from ..core.squash import squash, squash_backward, squash_exp, squash_exp_backward
 from ..errors import CapsNetError
 from .finite_diff import _freeze_final_coupling, _hold_mask, _LossLayer, _FunctionLayer, check_layer, check_tensors
+from .gradcheck_routings import ROUTED, routing_compositions, routing_layer_checks
 
 
 def layer_checks(B, samples=20, eps=1e-5, tol=1e-6, seed=0):
@@ -169,7 +173,8 @@ SMALL = dict(input_shape=(1, 14, 14), conv_channels=8, conv_kernel=3, primary_ty
 SMALL_EM = dict(input_shape=(1, 12, 12), conv_channels=4, conv_kernel=3, conv_stride=1, primary_types=2,
                 matrix_types=(3, 3), n_classes=3, decoder_hidden=(8, 12), routing="em", em_lambda=0.05,
                 routing_iters=3)  # the paper's 3 iterations (two E-steps to differentiate through), not the default 2
-SMALL_BY_ROUTING = {"dynamic": SMALL, "attention": {**SMALL, "routing": "attention"}, "em": SMALL_EM}
+SMALL_BY_ROUTING = {"dynamic": SMALL, "attention": {**SMALL, "routing": "attention"}, "em": SMALL_EM,
+                    **{r: {**SMALL, "routing": r} for r in ROUTED}}
 
 
 def model_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3, **config):
@@ -289,7 +294,10 @@ MODEL_CHECKS = {
     "em": [dict(routing="em", routing_grad="full"), dict(routing="em", routing_grad="final")],
     "attention": [dict(routing="attention"), dict(routing="attention", share_spatial=True),
                   dict(routing="attention", conv_stride=2)],
+    **{r: [dict(routing=r, routing_grad=mode) for mode in GRADIENT_MODES[r] if r in ("inverted", "vb") or mode == "full"]
+       for r in ROUTED},
 }
+LAYER_CHECKS.update({r: functools.partial(routing_layer_checks, r) for r in ROUTED})
 
 
 def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6, seed=0, routing=None,
@@ -311,7 +319,21 @@ def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6,
     if routing in (None, "attention"):
         model = away_from_init(arch.build(efficient_architecture(), B, seed=seed), seed)
         results += network_checks(B, model, "Efficient-CapsNet's structure", samples, eps, tol, seed=seed)
+    if routing is None or routing in ROUTED:
+        results += routing_composed_checks(B, samples, eps, tol, seed=seed)
     return list(results)
+
+
+def routing_composed_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3):
+    """network_checks of gradcheck_routings' compositions, in both routing-gradient modes."""
+    results = []
+    for mode in ("full", "final"):
+        for label, description in routing_compositions(mode).items():
+            if mode == "final" and "routing=" not in label:
+                continue  # nothing in it iterates: the same network as in "full"
+            model = away_from_init(arch.build(description, B, seed=seed), seed)
+            results += network_checks(B, model, label, samples, eps, tol, floor, seed, batch)
+    return results
 
 
 class _Reported(list):

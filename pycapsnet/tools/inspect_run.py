@@ -117,7 +117,8 @@ def coupling_pictures(routed, out, about, names, pred, em=False) -> list:
     for k, (name, layer, couplings) in enumerate(routed):
         last = k == len(routed) - 1
         attention = isinstance(layer, AttentionCaps)  # its coupling coefficients carry the learned bias
-        symbol = "R_ij" if em else "c_ij + β_ij" if attention else "c_ij"
+        symbol = "R_ij" if em else "c_ij + β_ij" if attention else \
+            {"vb": "R_ij", "inverted": "r_ij", "self": "r_ij"}.get(getattr(layer, "routing", None), "c_ij")
         stem = "coupling" if last else f"coupling_{name}"
         children = layer.in_flow
         if couplings[0].ndim == 3:  # a convolutional layer's (P, I, C): averaged over the window positions

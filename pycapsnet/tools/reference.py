@@ -223,10 +223,12 @@ class AutogradNetwork(AutogradCapsNet):
     by layer name (channels-last, as the layer drew it), or the model's last ones (``from_model``)."""
 
     def __init__(self, description, params, device="cpu", dtype=torch.float32, masks=None, buffers=None,
-                 training=True):
+                 training=True, drawn=None):
         super().__init__(None, params, device, dtype)
         self.arch = description
         self.masks = {k: torch.as_tensor(np.asarray(m), dtype=dtype, device=device) for k, m in (masks or {}).items()}
+        # random routing's coefficients by layer name, (n, J, I) as the layer drew them
+        self.drawn = {k: torch.as_tensor(np.asarray(c), dtype=dtype, device=device) for k, c in (drawn or {}).items()}
         # batch norm's running statistics (not learned); training: normalise by the batch's statistics
         self.buffers = {k: torch.as_tensor(np.asarray(b), dtype=dtype, device=device) for k, b in (buffers or {}).items()}
         self.training = training
@@ -237,7 +239,9 @@ class AutogradNetwork(AutogradCapsNet):
                  if getattr(layer, "mask", None) is not None and layer.training}
         state = model.state_dict()
         buffers = {k: state.pop(k) for k in model.buffers}
-        return cls(model.architecture, state, device, dtype, masks, buffers, model.training)
+        drawn = {name: model.B.to_numpy(layer.drawn) for name, layer in model.body
+                 if getattr(layer, "drawn", None) is not None}
+        return cls(model.architecture, state, device, dtype, masks, buffers, model.training, drawn)
 
     def forward(self, x, y=None):
         p, names, h, grid, image = self.params, {}, x, None, True  # image: h is (N, C, H, W)
@@ -274,12 +278,19 @@ class AutogradNetwork(AutogradCapsNet):
             elif kind == "dynamic_caps":
                 W = p[name + ".W"]                                                   # (P|1, T, J, D, K)
                 u = h.reshape(h.shape[0], -1, W.shape[1], W.shape[4])                # (N, P, T, K)
-                W = W.expand(u.shape[1], -1, -1, -1, -1)
-                u_hat = torch.einsum("ptjdk,nptk->nptjd", W, u).reshape(u.shape[0], -1, W.shape[2], W.shape[3])
-                h, grid = dynamic_route(u_hat, spec.get("iters", 3), spec.get("routing_grad") == "final",
-                                        p.get(name + ".bias", 0)), None
+                P = u.shape[1]
+                u_hat = torch.einsum("ptjdk,nptk->nptjd", W.expand(P, -1, -1, -1, -1), u)
+                u_hat = u_hat.reshape(u.shape[0], -1, W.shape[2], W.shape[3])
+                per_child = lambda t: t.expand(P, *t.shape[1:]).reshape(-1, *t.shape[2:])
+                h, grid = self.route(name, spec, u_hat, u.reshape(u.shape[0], -1, W.shape[4]), per_child), None
             elif kind == "conv_caps":
                 h, grid = self.conv_capsules(h, grid, name, spec)
+            elif kind == "capsule_logits":
+                h = (h * p[name + ".W"]).sum(-1) + p[name + ".b"]
+            elif kind == "layer_norm":
+                size = h.shape[1] if image else h.shape[-1]
+                normed = lambda t: F.layer_norm(t, (size,), p[name + ".gamma"], p[name + ".beta"], spec.get("eps", 1e-5))
+                h = normed(h.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) if image else normed(h)
             else:
                 raise ValueError(f"the autograd reference has no {kind}")
         if self.arch.get("head") == "logits":
@@ -314,14 +325,37 @@ class AutogradNetwork(AutogradCapsNet):
         oh, ow = uw.shape[1:3]
         uw = uw.permute(0, 1, 2, 5, 6, 3, 4).reshape(n * oh * ow, -1, K)             # (N*P, I, K)
         u_hat = torch.einsum("mik,icdk->micd", uw, W)
-        v = dynamic_route(u_hat, spec.get("iters", 3), spec.get("routing_grad") == "final")
+        v = self.route(name, spec, u_hat, uw, lambda t: t)
         return v.reshape(n, oh * ow, W.shape[1], W.shape[2]), (oh, ow)
+
+    def route(self, name, spec, u_hat, u, per_child):
+        """The layer's routing on û (N, I, J, D), from the child poses u (N, I, K) where it reads them;
+        ``per_child`` lays a routing map (P|1, T, ...) out as (I, ...)."""
+        from . import reference_routings as routings
+
+        routing, final = spec.get("routing", "dynamic"), spec.get("routing_grad") == "final"
+        if routing == "dynamic":
+            return dynamic_route(u_hat, spec.get("iters", 3), final, self.params.get(name + ".bias", 0))
+        own = {k: self.params[f"{name}.{k}"] for k in ("gamma", "beta", "beta_a", "beta_u") if f"{name}.{k}" in self.params}
+        own.update({k: per_child(self.params[f"{name}.{k}"]) for k in ("W_route", "b_route")
+                    if f"{name}.{k}" in self.params})
+        options = {k: spec[k] for k in ("scaled", "alpha0", "kappa0", "psi0", "nu0", "vb_lambda") if k in spec}
+        fixed = self.drawn[name].permute(0, 2, 1) if name in self.drawn else None
+        v = routings.route(routing, u_hat, u, own, spec.get("iters", 3), options, fixed, final)
+        bias = self.params.get(name + ".bias")
+        if bias is not None:  # uniform and random coupling take dynamic routing's β_j on s_j
+            c = fixed if fixed is not None else torch.full(u_hat.shape[:3], 1 / u_hat.shape[2], dtype=u_hat.dtype)
+            v = squash(torch.einsum("nij,nijd->njd", c, u_hat) + bias)
+        return v
 
     def loss(self, x, y):
         v, scores, recon = self.forward(x, y)
         loss = self.arch.get("loss") or {}
-        if loss.get("loss", "cross_entropy" if self.arch.get("head") == "logits" else "margin") == "cross_entropy":
+        kind = loss.get("loss", "cross_entropy" if self.arch.get("head") == "logits" else "margin")
+        if kind == "cross_entropy":
             class_loss = F.cross_entropy(scores, y)
+        elif kind == "nll":
+            class_loss = -torch.log(scores.gather(1, y[:, None])).mean()
         else:
             t = F.one_hot(y, scores.shape[1]).to(scores.dtype)
             class_loss = (t * F.relu(loss.get("m_plus", 0.9) - scores) ** 2

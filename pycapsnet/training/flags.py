@@ -45,8 +45,11 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help=f"adam or sgd with momentum 0.9 (default: {d['optimizer']})")
     p.add_argument("--routing", choices=ROUTINGS,
                    help="the network: dynamic (Sabour et al. 2017, margin loss), em (matrix capsules with EM "
-                        "routing, Hinton et al. 2018, spread loss) or attention (self-attention routing, "
-                        f"Efficient-CapsNet) (default: {d['routing']})")
+                        "routing, Hinton et al. 2018, spread loss), attention (self-attention routing, "
+                        "Efficient-CapsNet), or the paper's network with its class layer routed by uniform or "
+                        "random coupling (no routing), inverted (inverted dot-product attention, Tsai et al. "
+                        "2020, logits and cross-entropy), self (self-routing, Hahn et al. 2019, -log a_j) or vb "
+                        f"(variational Bayes, Ribeiro et al. 2020) (default: {d['routing']})")
     p.add_argument("--routing-iters", type=positive_int,
                    help="dynamic or EM routing iterations (default: "
                         f"{ROUTING_DEFAULTS['dynamic']['routing_iters']}; --routing em: "

@@ -215,6 +215,13 @@ IGNORED_BY = {
                   "routing_grad": "self-attention routing has no iterations whose coupling could be held constant",
                   "em_lambda": "it is EM routing's inverse temperature"},
     "dynamic": {"em_lambda": "it is EM routing's inverse temperature"},
+    **{r: {"routing_iters": f"{r} routing routes in one pass", "routing_grad": f"{r} routing has no iterations whose "
+           "coupling could be held constant", "em_lambda": "it is EM routing's inverse temperature"}
+       for r in ("uniform", "random", "self")},
+    "inverted": {"em_lambda": "it is EM routing's inverse temperature",
+                 "recon_weight": "the inverted-attention network has its paper's head (logits, cross-entropy) and "
+                                 "no decoder", "decoder_hidden": "the inverted-attention network has no decoder"},
+    "vb": {"em_lambda": "it is EM routing's inverse temperature"},
     "em": {"share_spatial": "the EM network's convolutional capsule layers share their transforms over "
                             "positions already",
            "primary_conv": "the EM network's primary capsules are a 1x1 layer, not a convolution",
