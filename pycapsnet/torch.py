@@ -18,11 +18,14 @@ grad.  The parameters are ``nn.Parameter``s over the layer's own tensors (no cop
 
 Torch's rules hold: what a forward saved is set aside with its graph, so another forward before the
 backward changes nothing; a graph is backpropagated once (pycapsnet's backward consumes what its
-forward saved, so each backward works on copies of what it writes over: ``retain_graph`` works); double backward is
-refused (``once_differentiable``: only first derivatives are written).
+forward saved, so each backward works on copies of what it writes over: ``retain_graph`` works); a second
+derivative (create_graph=True, hessian, gradgradcheck) is refused in one line: only first derivatives are
+written.  Under torch.compile, autocast, torch.func, jit, export: torch_support.py.
 This module imports torch; ``import pycapsnet`` does not import it.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -31,6 +34,7 @@ from pycapsnet import backends
 from .core.layers import Layer as _CoreLayer
 from .core.network import Network as _CoreNetwork, Sequential
 from .core.checks import check_labels
+from . import torch_support as support
 from .errors import BackendError, CapsNetError
 
 # What a forward leaves on a layer for its backward
@@ -262,8 +266,14 @@ class _Capsule(torch.autograd.Function):
         return tuple(y.clone() for y in ys)  # the backward may write over arrays the forward returned
 
     @staticmethod
-    @once_differentiable  # first derivatives only: differentiating the gradient is refused, saying so
     def backward(ctx, *dys):
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative is wanted (hessian, gradgradcheck)
+            raise RuntimeError(support.ONCE)
+        return _Capsule._backward(ctx, *dys)
+
+    @staticmethod
+    @once_differentiable  # first derivatives only: differentiating the gradient is refused, saying so
+    def _backward(ctx, *dys):
         op, n = ctx.op, ctx.n_inputs
         if ctx.spoiled:
             raise RuntimeError("this graph's first backward wrote over what a pycapsnet layer's forward saved, so it "
@@ -317,13 +327,21 @@ class _Module(torch.nn.Module):
         return self._op.root
 
     def _params(self) -> list:
-        return [self.get_parameter(self._names[name]) for name, _, _ in self._op.slots]
+        """The tensors the layers compute with: the parameters, or what torch.func.functional_call
+        put in their place."""
+        return [functools.reduce(getattr, self._names[name].split("."), self) for name, _, _ in self._op.slots]
+
+    def __prepare_scriptable__(self):
+        support.refuse_scripting(self)
 
     def _apply(self, fn, *args, **kwargs):
         """``.to()``, ``.double()``, ``.cuda()``, ...: the parameters converted, then the layers
         moved to a backend of their device and dtype; where pycapsnet cannot compute in it
         (``.half()``), the module is left as it was and the error says why."""
         before = [p.data for p in self._params()]
+        if before and getattr(fn(torch.empty(0, dtype=before[0].dtype, device=before[0].device)), "is_meta", False):
+            raise CapsNetError(f"{type(self).__name__} left as it was: the meta device holds no values for "
+                               "pycapsnet's kernels to compute on; keep the module on cpu or cuda")
         buffers = {name: self.get_buffer(self._names[name]) for name, _, _ in self._op.buffer_slots}
         super()._apply(fn, *args, **kwargs)
         try:
@@ -347,7 +365,15 @@ class _Module(torch.nn.Module):
         self._op.root.train(mode)
         return self
 
+    @torch.compiler.disable  # torch.compile: the rest of the model compiles, this call runs as it does eagerly
     def _call(self, op, xs):
+        params = self._params()
+        support.refuse_tracing(self, [*[x for x in xs if torch.is_tensor(x)], *params])
+        xs = support.autocast_inputs(xs, op.B.dtype, op.B.device)
+        with support.without_autocast(op.B.device):
+            return self._apply_op(op, xs, params)
+
+    def _apply_op(self, op, xs, params):
         B = op.B
         if getattr(op.root, "training", None) != self.training:  # the module's flag, however it was set (Lightning sets it directly)
             op.root.train(self.training)
@@ -365,7 +391,7 @@ class _Module(torch.nn.Module):
                 raise CapsNetError(f"an input is {str(x.dtype)[6:]} on {x.device}, but the module computes in "
                                    f"{B.dtype} on {B.device}: x.to({B.device!r}, torch.{B.dtype}), or move the "
                                    "module with .to()")
-        return _Capsule.apply(op, len(xs), *xs, *self._params())
+        return _Capsule.apply(op, len(xs), *xs, *params)
 
 
 class Layer(_Module):

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="pycapsnet.torch wraps layers for Py
 
 import pycapsnet  # noqa: E402
 import pycapsnet.torch as pct  # noqa: E402
-from pycapsnet import backends  # noqa: E402
+from pycapsnet import CapsNetError, backends  # noqa: E402
 from pycapsnet.core import architecture as A  # noqa: E402
 
 BN_NET = A.network([A.conv2d(8, 5, stride=2), A.batch_norm(), A.relu(), A.dropout(0.3),
@@ -143,3 +143,101 @@ def test_inside_lightning_the_running_statistics_move_and_validate_and_predict_w
     assert 0 <= scores[0]["val_acc"] <= 1 and sum(len(p) for p in predicted) == 48
     torch.testing.assert_close(_bn(model.caps).buffers["running_mean"], stats)  # evaluation left them be
     assert np.isfinite(torch.cat(predicted).numpy()).all()
+
+
+# ---- 87.3-7: torch.compile, second derivatives, torch.func, autocast, export, jit, meta ------------
+def _caps64():
+    B = backends.get("torch", dtype="float64")
+    body, _, _ = A.build_body(B, [A.primary_caps(3, 4, kernel=3, stride=2), A.dynamic_caps(4, 5)], (6, 9, 9))
+    return pct.Layer(body)
+
+
+class _Stemmed(torch.nn.Module):
+    def __init__(self, caps, dtype=torch.float64):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(1, 6, 3).to(dtype)
+        self.caps = caps
+
+    def forward(self, x):
+        return self.caps(torch.relu(self.stem(x)).permute(0, 2, 3, 1).contiguous()).norm(dim=-1)
+
+
+def test_torch_compile_compiles_around_the_wrapped_layer_and_its_backward_is_the_eager_one():
+    torch.manual_seed(0)
+    model = _Stemmed(_caps64())
+    x = torch.rand(3, 1, 11, 11, dtype=torch.float64)
+    eager = model(x)
+    eager.sum().backward()
+    expected = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager")
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k], msg=k)
+
+
+def test_every_route_to_a_second_derivative_raises_the_one_message():
+    caps = _caps64()
+    u = torch.rand(2, 9, 9, 6, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="differentiate once"):
+        torch.autograd.grad(caps(u).sum(), u, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate once"):
+        torch.autograd.functional.hessian(lambda t: caps(t).sum(), u)
+    with pytest.raises(RuntimeError, match="differentiate once"):
+        torch.autograd.gradgradcheck(lambda t: caps(t), (u,))
+    (g,) = torch.autograd.grad(caps(u).sum(), u)  # first derivatives as before
+    assert torch.isfinite(g).all()
+
+
+def test_functional_call_runs_with_the_given_tensors_and_torch_func_transforms_are_refused():
+    caps = _caps64()
+    u = torch.rand(2, 9, 9, 6, dtype=torch.float64)
+    params = {k: v.detach().clone() for k, v in caps.named_parameters()}
+    torch.testing.assert_close(torch.func.functional_call(caps, params, (u,)), caps(u))
+    doubled = {k: 2 * v for k, v in params.items()}
+    assert not torch.allclose(torch.func.functional_call(caps, doubled, (u,)), caps(u))
+    with pytest.raises(CapsNetError, match="torch.func"):
+        torch.func.grad(lambda p: torch.func.functional_call(caps, p, (u,)).sum())(params)
+    with pytest.raises(CapsNetError, match="torch.func"):
+        torch.func.vmap(caps)(u[:, None])
+
+
+def test_under_autocast_the_layer_computes_in_its_own_dtype():
+    net = pct.Network(pycapsnet.build(BN_NET, backend="torch", seed=0))
+    net.eval()
+    x = torch.rand(4, 1, 28, 28)
+    expected = net(x)[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stem = torch.nn.Conv2d(1, 1, 1)
+        with torch.no_grad():
+            stem.weight.fill_(1.0), stem.bias.zero_()
+        v, scores, _ = net(stem(x))           # the stem hands on bfloat16
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, net(x.to(torch.bfloat16).float())[1], rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        same = net(x)[1]
+    torch.testing.assert_close(same, expected, rtol=0, atol=0)
+    net.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = net.loss(x, torch.tensor([1, 2, 3, 4]))
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+def test_export_jit_and_the_meta_device_are_refused_and_leave_the_module_working():
+    caps = _caps64()
+    u = torch.rand(2, 9, 9, 6, dtype=torch.float64)
+    expected = caps(u)
+    with pytest.raises(CapsNetError, match="torch.export"):
+        torch.export.export(_caps64(), (u,))  # one that never ran eagerly
+    with pytest.raises(CapsNetError, match="torch.export"):
+        torch.export.export(caps, (u,))
+    with pytest.raises(CapsNetError, match="torch.jit.script"):
+        torch.jit.script(caps)
+    with pytest.raises(CapsNetError, match="torch.jit.trace"):
+        torch.jit.trace(caps, (u,))
+    with pytest.raises(CapsNetError, match="meta device"):
+        caps.to("meta")
+    torch.testing.assert_close(caps(u), expected)

@@ -159,20 +159,19 @@ class ClassCaps(Layer):
         # P*T small products (N x K) @ (K x J*D), laid out as the backend wants (B.predictions)
         u_hat = self.B.predictions(ut, self.B.contiguous(xp.matrix_transpose(Wm)))  # (P, T, N, J*D)
         u_hat = xp.reshape(u_hat, (self.P * self.T, n, self.J, self.D))          # û_j|i (I, N, J, D)
-        if self.algo is not None:  # routings.py's: the whole batch at once
-            kids = xp.reshape(ut, (self.P * self.T, n, self.K)) if self.algo.reads_children else None
-            v, self.trace = self.route_algo(u_hat, kids)
-            self.cache = (ut, u_hat, kids)
-            return v
+        kids = None  # the child capsules (I, N, K), for a routing that reads them
+        if self.algo is not None and self.algo.reads_children:
+            kids = self.B.contiguous(xp.reshape(ut, (self.P * self.T, n, self.K)))
         if self.routing == "random":
             self.drawn = draw_coupling(self, n, self.P * self.T)
+        self.cache = (ut, u_hat, kids)
         v, self.trace = self._route_blocks(u_hat)
-        self.cache = (ut, u_hat, None)
         return v
 
-    def route_algo(self, u_hat, kids, fixed=None):
-        """A routing of routings.py on û (I, N, J, D) (and the child capsules u (I, N, K)): (v, trace)."""
-        return self.algo.forward(self.B, u_hat, self._algo_params(), kids, fixed)
+    def route_algo(self, u_hat, kids, sl, fixed=None):
+        """A routing of routings.py on û (I, n, J, D), the samples ``sl`` (and their child capsules
+        u (I, n, K)): (v, trace).  ``fixed``: the whole batch's last coefficients, given ("final")."""
+        return self.algo.forward(self.B, u_hat, self._algo_params(), kids, None if fixed is None else fixed[sl])
 
     def _algo_params(self):
         """The routing's own parameters, those with an entry per child laid out as (I, ...)."""
@@ -211,20 +210,31 @@ class ClassCaps(Layer):
 
         def run(sl):
             trace = next(t for s, t in self.trace if s == sl)  # the same blocks as forward's
-            factors, g = self.route_backward(B.route_block(u_hat, sl), trace, dv[sl])
-            B.outer_sum(*factors, out=u_hat[:, sl])  # the factors do not read û
+            if self.algo is not None:
+                kids = self.cache[2]
+                du, g, dkids = self.algo.backward(B, B.route_block(u_hat, sl), None if kids is None else kids[:, sl],
+                                                  trace, dv[sl], self._algo_params())
+                u_hat[:, sl] = du
+                if dkids is not None:
+                    self._du_kids[:, sl] = dkids
+            else:
+                factors, g = self.route_backward(B.route_block(u_hat, sl), trace, dv[sl])
+                B.outer_sum(*factors, out=u_hat[:, sl])  # the factors do not read û
             grads.append((sl.start or 0, g))
 
         B.split_batch(run, n, self.P * self.T * self.J * self.D)
         for _, g in sorted(grads, key=lambda part: part[0]):
             for k, d in g.items():
-                self.grads[k] += d
+                self.grads[k] += self._per_slot(k, d) if self.algo is not None else d
         return u_hat
 
     def route(self, u_hat, sl):
         """Dynamic routing of û (I, n, J, D), the samples ``sl`` of the batch: (v_j, the trace of
         every iteration) (routing.py); "uniform" is its first pass, "random" that pass with the
-        coefficients drawn."""
+        coefficients drawn; routings.py's others by ``route_algo``."""
+        if self.algo is not None:
+            kids = self.cache[2]
+            return self.route_algo(u_hat, None if kids is None else kids[:, sl], sl)
         fixed = self.drawn[sl] if self.routing == "random" else None
         return routing_forward(self.B, u_hat, self.iters, fixed_coupling=fixed, bias=self.bias_j)
 
@@ -273,8 +283,18 @@ class ClassCaps(Layer):
         if self.share_spatial and self.routes_shared:
             return [xp.reshape(xp.permute_dims(self.shared_coupling(r), (0, 2, 1, 3)), (-1, self.P * self.T, self.J))
                     for r in range(len(self.trace))]
-        coefficients = self.algo.coupling(self.trace) if self.algo is not None else self.traced(0)  # (N, J, I)
-        return [xp.permute_dims(c, (0, 2, 1)) for c in coefficients]
+        return [xp.permute_dims(c, (0, 2, 1)) for c in self.coefficients()]
+
+    def last_coefficients(self):
+        """The last iteration's coefficients (N, J, I): what "final" holds constant."""
+        return self.coefficients()[-1]
+
+    def coefficients(self) -> list:
+        """The routing's coefficients of each iteration of the last forward, the blocks joined: (N, J, I)."""
+        if self.algo is None:
+            return self.traced(0)
+        per_block = [self.algo.coupling(trace) for _, trace in self.trace]
+        return [self.B.xp.concat([block[r] for block in per_block]) for r in range(len(per_block[0]))]
 
     def backward(self, dv, input_grad=True):
         xp = self.B.xp
@@ -287,14 +307,9 @@ class ClassCaps(Layer):
                 self.grads["bias"] += dbias
             return self._as_input(xp.permute_dims(du, (0, 2, 1, 3))) if input_grad else None
         ut, u_hat, kids = self.cache
-        self.cache = None
-        du_kids = None
-        if self.algo is not None:
-            d_u_hat, grads, du_kids = self.algo.backward(self.B, u_hat, kids, self.trace, dv, self._algo_params())
-            for k, g in grads.items():
-                self.grads[k] += self._per_slot(k, g)
-        else:
-            d_u_hat = self._route_blocks_backward(u_hat, dv)                     # dû (I, N, J, D)
+        du_kids = self._du_kids = None if kids is None else self.B.empty(tuple(kids.shape))
+        d_u_hat = self._route_blocks_backward(u_hat, dv)                         # dû (I, N, J, D)
+        self.cache = self._du_kids = None
         del u_hat
         dh = xp.reshape(d_u_hat, (self.P, self.T, -1, self.J * self.D))          # (P, T, N, J*D)
         dW = self.B.matmul(xp.matrix_transpose(dh), ut)                           # (P, T, J*D, K)

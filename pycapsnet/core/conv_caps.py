@@ -60,7 +60,7 @@ class ConvCaps(Layer):
         u_hat = B.matmul(ut, xp.matrix_transpose(Wm))                                            # (I, N*P, C*D)
         u_hat = B.contiguous(xp.reshape(u_hat, (self.I, n * P, self.C, self.D)))                 # û (I, N*P, C, D)
         if self.algo is not None:  # routings.py's, on every window at once
-            v, self.trace = self.route_algo(u_hat, ut if self.algo.reads_children else None)
+            v, self.trace = self.route_algo(u_hat, ut if self.algo.reads_children else None, slice(None))
         else:
             if self.routing == "random":
                 self.drawn = draw_coupling(self, n * P, self.I)
@@ -73,17 +73,24 @@ class ConvCaps(Layer):
         "uniform" is its first pass, "random" that pass with the coefficients drawn."""
         return routing_forward(self.B, u_hat, self.iters, fixed_coupling=self.drawn if self.routing == "random" else None)
 
-    def route_algo(self, u_hat, kids, fixed=None):
-        """A routing of routings.py on û (I, N*P, C, D) (and the window's children u (I, N*P, K))."""
-        return self.algo.forward(self.B, u_hat, self.params, kids, fixed)
+    def route_algo(self, u_hat, kids, sl, fixed=None):
+        """A routing of routings.py on û (I, N*P, C, D) (and the windows' children u (I, N*P, K)),
+        every window at once (``sl``: all of them); ``fixed``: the last coefficients, given ("final")."""
+        return self.algo.forward(self.B, u_hat, self.params, kids, None if fixed is None else fixed[sl])
+
+    def coefficients(self) -> list:
+        """The routing's coefficients of each iteration of the last forward: (N*P, C, I)."""
+        return self.algo.coupling(self.trace) if self.algo is not None else [c for c, *_ in self.trace]
+
+    def last_coefficients(self):
+        return self.coefficients()[-1]
 
     @property
     def coupling(self):
         """c_ij of each routing iteration of the last forward, (N, P, I, C) arrays."""
         xp = self.B.xp
-        coefficients = self.algo.coupling(self.trace) if self.algo is not None else [c for c, *_ in self.trace]
         return [xp.reshape(xp.permute_dims(c, (0, 2, 1)), (-1, self.oh * self.ow, self.I, self.C))
-                for c in coefficients]
+                for c in self.coefficients()]
 
     def backward(self, dv, input_grad=True):
         xp, B = self.B.xp, self.B

@@ -77,9 +77,6 @@ class Inverted(Algorithm):
     def coupling(self, trace):
         return inverted_routing.inverted_coupling(trace)
 
-    def final(self, trace):
-        return trace[-1][0]
-
 
 class SelfRouting(Algorithm):
     reads_children = True
@@ -119,9 +116,6 @@ class VB(Algorithm):
 
     def coupling(self, trace):
         return vb_routing.vb_coupling(trace)
-
-    def final(self, trace):
-        return trace[0][-1]["R"]
 
 
 ALGORITHMS = {"inverted": Inverted, "self": SelfRouting, "vb": VB}

@@ -112,8 +112,8 @@ def _expectations_backward(B, M, d_eln_pi, d_eln_lam, D, grads):
     grads["P"] = grads["P"] - d_eln_lam[..., None] / M["P"]
 
 
-def _e_step_backward(B, u_hat, M, saved, R_next, dR, D, grads):
-    """Adds the adjoint of ``e_step`` into ``grads`` (of the M-step it read) and returns its dû."""
+def _e_step_backward(B, u_hat, M, saved, R_next, dR, D, grads, du_hat):
+    """Adds the adjoint of ``e_step`` into ``grads`` (of the M-step it read) and its dû into ``du_hat``."""
     xp = B.xp
     dev, Z = saved
     dl = softmax_backward(xp, R_next, dR, axis=1)              # d ln ρ (N, J, I)
@@ -124,14 +124,16 @@ def _e_step_backward(B, u_hat, M, saved, R_next, dR, D, grads):
     G = -dl * M["nu"][..., None] / 2                           # dL/dZ_ij (N, J, I)
     inv_P = 1 / M["P"]
     # Z = Σ_d dev² / P:  d dev = 2 G dev / P (per i, j, d),  dP = -Σ_i G dev² / P²
-    g_dev = dev * xp.permute_dims(G, (2, 0, 1))[..., None] * (2 * inv_P)[None]
+    g_dev = dev * (2 * inv_P)[None]
+    g_dev *= xp.permute_dims(G, (2, 0, 1))[..., None]
+    du_hat += g_dev
     grads["m"] = grads["m"] - xp.sum(g_dev, axis=0)
     grads["P"] = grads["P"] - B.weighted_sum(G, dev * dev) * inv_P * inv_P
-    return g_dev
 
 
-def _m_step_backward(B, u_hat, a_in, M, grads, prior):
-    """The adjoint of ``m_step`` from ``grads`` (dm, dP, dN, dκ, dν, dα): (dR, dû, da_in).  With
+def _m_step_backward(B, u_hat, a_in, M, grads, prior, du_hat):
+    """The adjoint of ``m_step`` from ``grads`` (dm, dP, dN, dκ, dν, dα): (dR, da_in), its dû added
+    into ``du_hat``.  With
     T = Σ_i R̃ û:  μ̄ = T/N,  m = T/κ,  κ, ν, α = prior + N,  P's last term c μ̄² with c = κ0 N/κ."""
     xp = B.xp
     Nj, kappa, mean, Rt, diff = M["N"], M["kappa"], M["mean"], M["Rt"], M["diff"]
@@ -144,12 +146,15 @@ def _m_step_backward(B, u_hat, a_in, M, grads, prior):
         + xp.sum(dP * mean * mean, axis=-1) * (k0 * k0) / (kappa * kappa)       # dc/dN = κ0²/κ²
     # S = Σ_i R̃ (û - μ̄)²; its dμ̄ is 0, since Σ_i R̃ (û - μ̄) = 0
     dRt = B.agreement(diff * diff, dP)
-    du_hat = diff * xp.permute_dims(Rt, (2, 0, 1))[..., None] * (2 * dP)[None]
     dT = dT + dmean / Nj[..., None]                                           # μ̄ = T/N
     dN = dN - xp.sum(dmean * mean, axis=-1) / Nj
     dRt = dRt + B.agreement(u_hat, dT) + dN[..., None]                        # T = Σ R̃ û,  N = Σ R̃
-    du_hat = du_hat + B.outer_sum([Rt], [dT])
-    return dRt * a_in[:, None, :], du_hat, xp.sum(dRt * M["R"], axis=1)
+    # dû_ij = R̃_ij (2 dP_j (û_ij - μ̄_j) + dT_j): from S, then from T
+    term = diff * (2 * dP)[None]
+    term += dT[None]
+    term *= xp.permute_dims(Rt, (2, 0, 1))[..., None]
+    du_hat += term
+    return dRt * a_in[:, None, :], xp.sum(dRt * M["R"], axis=1)
 
 
 def _zero_grads(B, M):
@@ -171,14 +176,14 @@ def vb_backward(B, u_hat, a_in, trace, dv, beta_a, beta_u, prior, mode="full"):
     dz = da * a * (1 - a) * lam
     dpi, dH = -dz * H, -dz * pi
     _expectations_backward(B, Ms[-1], dpi * pi, -dH / 2, D, grads)
-    du_hat, da_in = 0, 0
+    du_hat, da_in = B.zeros(tuple(u_hat.shape)), 0
     for t in reversed(range(len(Ms))):
-        dR, du, da_t = _m_step_backward(B, u_hat, a_in, Ms[t], grads, prior)
-        du_hat, da_in = du_hat + du, da_in + da_t
+        dR, da_t = _m_step_backward(B, u_hat, a_in, Ms[t], grads, prior, du_hat)
+        da_in = da_in + da_t
         if t == 0 or mode == "final":
             break
         grads = _zero_grads(B, Ms[t - 1])
-        du_hat = du_hat + _e_step_backward(B, u_hat, Ms[t - 1], Es[t - 1], Ms[t]["R"], dR, D, grads)
+        _e_step_backward(B, u_hat, Ms[t - 1], Es[t - 1], Ms[t]["R"], dR, D, grads, du_hat)
     return du_hat, {"beta_a": xp.sum(dz, axis=0), "beta_u": -xp.sum(dz, axis=0)}, da_in
 
 

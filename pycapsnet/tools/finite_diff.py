@@ -131,8 +131,8 @@ def _freeze_final_coupling(layer):
         return  # random coupling: its drawn coefficients are held as Dropout's mask is (_hold_mask)
     B = layer.B
     if getattr(layer, "algo", None) is not None:  # a routing of routings.py: it takes the last coefficients given
-        c = layer.algo.final(layer.trace)
-        layer.route_algo = lambda u_hat, kids: type(layer).route_algo(layer, u_hat, kids, fixed=c)
+        c = layer.last_coefficients()
+        layer.route_algo = lambda u_hat, kids, sl: type(layer).route_algo(layer, u_hat, kids, sl, fixed=c)
     elif isinstance(layer, ClassCaps) and layer.share_spatial and layer.routes_shared:
         c = layer.shared_coupling(-1)
         layer.route_shared = lambda ut, W: shared_routing.forward(B, ut, W, layer.iters, ut.shape[2],

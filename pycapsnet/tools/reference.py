@@ -341,6 +341,8 @@ class AutogradNetwork(AutogradCapsNet):
                     if f"{name}.{k}" in self.params})
         options = {k: spec[k] for k in ("scaled", "alpha0", "kappa0", "psi0", "nu0", "vb_lambda") if k in spec}
         fixed = self.drawn[name].permute(0, 2, 1) if name in self.drawn else None
+        if routing == "random" and fixed is None:  # none drawn by a model (a benchmark): draw as the layer does
+            fixed = torch.softmax(torch.randn(u_hat.shape[:3], dtype=u_hat.dtype, device=u_hat.device), dim=2)
         v = routings.route(routing, u_hat, u, own, spec.get("iters", 3), options, fixed, final)
         bias = self.params.get(name + ".bias")
         if bias is not None:  # uniform and random coupling take dynamic routing's β_j on s_j

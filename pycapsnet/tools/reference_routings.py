@@ -57,7 +57,7 @@ def inverted_route(u_hat, gamma, beta, iters, scaled=True, eps=1e-5, final=False
     p = LayerNorm(Σ_i r û) per pass.  ``final``: the last pass's coefficients detached."""
     n, i, j, d = u_hat.shape
     k = 1 / math.sqrt(d) if scaled else 1.0
-    r = torch.full((n, i, j), 1.0 / j, dtype=u_hat.dtype)
+    r, p = torch.full((n, i, j), 1.0 / j, dtype=u_hat.dtype), None
     for t in range(iters):
         if t > 0:
             r = torch.softmax(k * torch.einsum("njd,nijd->nij", p, u_hat), dim=2)
