@@ -42,6 +42,10 @@ def get(name: str, device: str | None = None, dtype: str = "float32") -> Backend
     dtype other than float32/float64."""
     if isinstance(name, Backend):
         return name
+    if hasattr(name, "xp") and type(name).__name__.endswith("Backend"):
+        # a backend of another copy of this package (``import backends`` from the repository's root
+        # loads the folder a second time, beside pycapsnet.backends): the same backend of this copy
+        return get(name.name, device=None if name.device == "cpu" else name.device, dtype=name.dtype)
     name = str(name)
     if ":" in name and device is None:
         name, device = name.split(":", 1)

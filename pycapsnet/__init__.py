@@ -5,11 +5,16 @@ from .core.model import CapsNet, CapsNetConfig, Outputs
 
 __version__ = "0.1.0"
 __all__ = ["CapsNet", "CapsNetConfig", "Outputs", "CapsNetError", "BackendError", "TrainingDiverged", "Model", "build", "load",
-           "load_digits", "__version__"]
+           "load_digits", "datasets", "study", "optim", "__version__"]
 
 
 def build(network="capsnet", **options):
-    """A new ``Model`` (pycapsnet.api.build): the paper's CapsNet, "attention", "em", or a description."""
+    """A new ``Model``: ``network`` "capsnet" (the paper's, dynamic routing), "attention", "em", the paper's
+    network routed by "uniform", "random", "inverted", "self" or "vb", a description the package
+    carries ("efficient": Efficient-CapsNet; "capsnet-published": the paper's network as its code
+    builds it), or your own (architecture.network(...) or its JSON file).  Keywords: input_shape
+    (C, H, W), n_classes, backend ("numpy", "torch", "cupy"), device, dtype, seed, classes (names),
+    and a built-in network's CapsNetConfig fields (routing_iters=1, ...).  pycapsnet.api.build."""
     from .api import build as _build
 
     return _build(network, **options)
@@ -23,9 +28,19 @@ def load(path: str, backend: str = "numpy", device: str | None = None, dtype: st
     return Model.from_checkpoint(path, backend, device, dtype)
 
 
-def __getattr__(name):
-    if name in ("Model", "load_digits"):  # imported when asked for: pycapsnet.api reads the training package
-        from . import api
+_LAZY = {"Model": "api", "load_digits": "api", "datasets": None, "study": None, "optim": None}
 
-        return getattr(api, name)
+
+def __getattr__(name):
+    """What is imported when first asked for: pycapsnet.api reads the training package, and study
+    imports PyTorch only for its autograd twin."""
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+        return module if _LAZY[name] is None else getattr(module, name)
     raise AttributeError(f"module 'pycapsnet' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})

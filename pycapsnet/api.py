@@ -26,7 +26,8 @@ import tempfile
 import numpy as np
 
 from .core.checks import nearest
-from .errors import CapsNetError, first_line
+from .arrays import images, labels  # noqa: F401  (images, labels: part of this module's names)
+from .errors import CapsNetError
 from .tools.predict import Run
 
 BUILT_IN = {"capsnet": "dynamic", "em": "em", "attention": "attention", "uniform": "uniform", "random": "random",
@@ -49,78 +50,10 @@ def _keywords(fn):
     return checked
 
 
-def _host(x, what: str) -> np.ndarray:
-    """A NumPy array of x, whichever library holds it (a torch tensor, a CuPy array, a list)."""
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch
-        x = _torch_host(x, what)
-    elif type(x).__module__.split(".")[0] == "cupy":
-        x = x.get()
-    try:
-        return np.asarray(x)
-    except (TypeError, ValueError) as e:
-        raise CapsNetError(f"{what} must be an array (NumPy, CuPy or torch), got {type(x).__name__}: {e}") from None
-
-
-def _torch_host(t, what: str) -> np.ndarray:
-    """A torch tensor's values on the host: half and bfloat16 widened to float32 (exactly), a sparse
-    tensor or one on the meta device (no values) refused."""
-    if getattr(t, "is_meta", False):
-        raise CapsNetError(f"{what} is a tensor on the meta device, which holds shapes but no values: give a tensor "
-                           "of real data")
-    if getattr(t, "layout", None) is not None and "strided" not in str(t.layout):
-        raise CapsNetError(f"{what} is a sparse tensor ({str(t.layout).replace('torch.', '')}): give a dense one, "
-                           f"{what}.to_dense()")
-    t = t.detach().cpu()
-    if str(t.dtype) in ("torch.bfloat16", "torch.float16"):  # NumPy has no bfloat16: widen, losing nothing
-        t = t.float()
-    try:
-        return t.numpy()
-    except (TypeError, RuntimeError) as e:
-        raise CapsNetError(f"{what} is a torch tensor of {str(t.dtype).replace('torch.', '')}, which pycapsnet "
-                           f"cannot read ({first_line(e)}): give float32 or float64") from None
-
-
-def images(x, input_shape, what: str = "x") -> np.ndarray:
-    """x as float32 (N, C, H, W) for a network of ``input_shape``; (N, H, W) when C is 1."""
-    a = _host(x, what)
-    c, h, w = input_shape
-    if a.ndim == 3 and c == 1:
-        a = a[:, None]
-    if a.ndim != 4 or tuple(a.shape[1:]) != (c, h, w):
-        raise CapsNetError(f"{what} has shape {tuple(a.shape)}, but the network takes images of {(c, h, w)}: "
-                           f"give (N, {c}, {h}, {w})" + (f" or (N, {h}, {w})" if c == 1 else ""))
-    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
-        raise CapsNetError(f"{what} holds {a.dtype} values; give numbers (floats in [0, 1])")
-    if a.dtype.kind in "iu":
-        raise CapsNetError(f"{what} holds integers ({a.dtype}); give floats in [0, 1] (x / 255 for 8-bit pixels)")
-    if len(a) == 0:
-        raise CapsNetError(f"{what} holds no images")
-    if not np.isfinite(a).all():
-        raise CapsNetError(f"{what} holds NaN or inf values (image {int(np.flatnonzero(~np.isfinite(a).reshape(len(a), -1).all(1))[0])})")
-    return np.ascontiguousarray(a, dtype=np.float32)
-
-
-def labels(y, n: int, n_classes: int, what: str = "y") -> np.ndarray:
-    """y as int64 class indices, one per image, each in [0, n_classes)."""
-    a = _host(y, what)
-    if a.ndim != 1 or len(a) != n:
-        raise CapsNetError(f"{what} has shape {tuple(a.shape)}, but there are {n} images: give one class index each")
-    if a.dtype.kind == "f":
-        if not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
-            raise CapsNetError(f"{what} must hold whole class indices, not fractions or NaN")
-    elif a.dtype.kind not in "iu" or a.dtype == np.bool_:
-        raise CapsNetError(f"{what} holds {a.dtype} values; give class indices 0..{n_classes - 1} (one-hot rows: "
-                           "y.argmax(1))")
-    if len(a) and (a.min() < 0 or a.max() >= n_classes):
-        raise CapsNetError(f"{what} holds classes {int(a.min())}..{int(a.max())}, but the network has {n_classes}: "
-                           f"give indices 0..{n_classes - 1}")
-    return a.astype(np.int64)
-
-
 class Model(Run):
     """A network ready to train, score, predict, save and summarise (``network``: the
-    pycapsnet.core Network; ``classes``: class names by index; ``history``: the records of the
-    epochs ``fit`` trained)."""
+    pycapsnet.core Network -- ``model`` is the same object, the name predict's Run gives it;
+    ``classes``: class names by index; ``history``: the records of the epochs ``fit`` trained)."""
 
     def __init__(self, network, classes=None, history=None, recipe=None):
         self.model = self.network = network
@@ -128,6 +61,7 @@ class Model(Run):
         self.history = list(history or [])
         self.recipe = dict(recipe or {})
         self.path = None
+        self._last = self._scratch = None  # the checkpoint training goes on from; fit's own directory
 
     # ---- building, loading --------------------------------------------------------------------------
     @classmethod
@@ -149,22 +83,29 @@ class Model(Run):
     # ---- training ----------------------------------------------------------------------------------
     @_keywords
     def fit(self, x, y, *, epochs: int = 12, batch_size: int = 32, lr: float = 2e-3, lr_decay: float = 0.85,
-            lr_min: float | None = None, ema: float | None = None, optimizer: str = "adam", shift: int = 2, augment: str = "shift", seed: int = 0,
-            validation_data=None, early_stop=None, out: str | None = None, overwrite: bool = False, progress: bool = True) -> list:
-        """Train on (x, y) for ``epochs`` from the weights the model has now, with a fresh
-        optimizer, as ``pycapsnet train`` would (its recipe's meanings and defaults; ``shift``:
-        random shifts of up to that many pixels; ``augment`` "efficient": Efficient-CapsNet's
-        rotation, shift within the margins, squeeze and erasure instead; ``lr_min``: the floor the
-        decay stops at; ``ema``: a decay such as 0.999, with which the model keeps an exponential
-        moving average of its weights, and holds the average when fit returns).  ``validation_data``
-        (x, y) is scored after each epoch (``val_acc``, ``val_loss``) and, with ``early_stop`` N,
-        ends training after N epochs without a better score.  ``out``: a run directory to keep
-        (checkpoints, metrics.jsonl, pictures; ``pycapsnet evaluate``/``predict``/``--resume``
-        read it); by default nothing is kept.  ``progress`` False: nothing is printed.  Returns
-        the epochs' records, also in ``model.history``.  Raises CapsNetError for bad input,
-        TrainingDiverged when a loss becomes NaN or inf (lower ``lr``)."""
+            lr_min: float | None = None, ema: float | None = None, optimizer: str = "adam", shift: int = 2,
+            augment: str = "shift", seed: int = 0, validation_data=None, early_stop=None, out: str | None = None,
+            overwrite: bool = False, reset: bool = False, progress: bool = True) -> list:
+        """Train on (x, y) for ``epochs`` more epochs (default 12; batch 32, Adam at lr 2e-3 times
+        0.85 after each epoch, random shifts of up to 2 pixels: the command line's recipe).  Called
+        again, fit continues as Keras' does: the optimizer's state, the learning-rate schedule, the
+        epoch count and ``history`` go on from where the last call (or the run a loaded model came
+        from) stopped, bit for bit as one longer call; ``reset=True`` starts over from the weights
+        the model has now (a fresh optimizer, epoch 1, history cleared).
+
+        ``shift``: random shifts of up to that many pixels; ``augment`` "efficient":
+        Efficient-CapsNet's rotation, shift within the margins, squeeze and erasure instead;
+        ``lr_min``: the floor the decay stops at; ``ema``: a decay such as 0.999, with which the
+        model keeps an exponential moving average of its weights, and holds the average when fit
+        returns.  ``validation_data`` (x, y) is scored after each epoch (``val_acc``, ``val_loss``)
+        and, with ``early_stop`` N, ends training after N epochs without a better score.  ``out``: a
+        run directory to keep (checkpoints, metrics.jsonl, pictures; ``pycapsnet evaluate``,
+        ``predict`` and ``--resume`` read it); by default the model keeps its run in a temporary
+        directory of its own.  ``progress`` False: nothing is printed.  Returns every epoch's
+        record, also in ``model.history``.  Raises CapsNetError for bad input, TrainingDiverged when
+        a loss becomes NaN or inf (lower ``lr``)."""
         from .training import trainer
-        from .training.log import speaking
+        from .training.log import say, speaking
         from .training.recipe import Run as Recipe
         from .training.run_dir import read_header
 
@@ -175,25 +116,58 @@ class Model(Run):
         recipe = _recipe_values(epochs=epochs, batch_size=batch_size, lr=lr, lr_decay=lr_decay, lr_min=lr_min,
                                 ema=ema, optimizer=optimizer,
                                 shift=shift, augment=augment, seed=seed, early_stop=early_stop)
-        temporary = tempfile.TemporaryDirectory(prefix="pycapsnet-fit-") if out is None else None
+        if not isinstance(reset, (bool, np.bool_)):
+            raise CapsNetError(f"reset must be True or False, got {reset!r}")
+        ckpt = None if reset or not self.history else self._continued()
+        done = ckpt["header"].get("epoch", 0) if ckpt else 0
+        recipe["epochs"] += done
+        if ckpt and out is None:
+            here = self._scratch_dir()
+            same = os.path.dirname(os.path.abspath(ckpt["path"])) == os.path.abspath(here)
+            out_dir = here if same else self._scratch_dir(fresh=True)
+        else:
+            out_dir = out or self._scratch_dir(fresh=True)
         run = Recipe(backend=self.B.name, device=None, dtype=self.B.dtype, dataset="arrays", data_dir=None,
                      limit=None, limit_test=None, image_size=None, channels=None, test_fraction=0.2,
                      val_fraction=None, architecture={}, model=self.network, arrays=(train, val),
-                     out=out or temporary.name, overwrite=overwrite or out is None, progress=progress,
-                     scratch=out is None, **recipe)
+                     out=out_dir, overwrite=overwrite or out is None, progress=progress, scratch=out is None,
+                     checkpoint=ckpt, resume=ckpt["path"] if ckpt else None, **recipe)
         was = speaking()
         try:
             speaking(was and progress)  # progress=False: nothing printed
+            if ckpt and (ckpt["header"].get("recipe") or {}).get("dtype", self.B.dtype) != self.B.dtype:
+                say(f"continuing in {self.B.dtype}, the model's dtype (the run so far trained in "
+                    f"{ckpt['header']['recipe']['dtype']})")
             trainer.train(run, spell=str)
-            path = os.path.join(run.out, "checkpoint.npz")
-            self.history = list(read_header(path).get("history") or [])
         finally:
             speaking(was)
-            if temporary is not None:
-                temporary.cleanup()
-        self.recipe = run.recipe
+        path = os.path.join(run.out, "checkpoint.npz")
+        self.history = list(read_header(path).get("history") or [])
+        self.recipe, self._last = run.recipe, path
         self.path = None if out is None else path
         return self.history
+
+    def _continued(self) -> dict:
+        """The checkpoint this model's training goes on from: its last fit's, or the one it was loaded
+        from (its optimizer's state and epoch), checked to hold the model's own epochs."""
+        from .training import checkpoint
+
+        path = getattr(self, "_last", None) or self.path
+        if path is None:
+            raise CapsNetError("this model's history has no checkpoint to continue from (its training state was not "
+                               "kept): fit(..., reset=True) starts over from its weights")
+        ckpt = checkpoint.load(path)
+        if ckpt["header"].get("epoch", 0) != self.history[-1]["epoch"]:
+            raise CapsNetError(f"{path} holds epoch {ckpt['header'].get('epoch', 0)}, but this model's history ends "
+                               f"at epoch {self.history[-1]['epoch']}: fit(..., reset=True) starts over")
+        return ckpt
+
+    def _scratch_dir(self, fresh: bool = False) -> str:
+        """The temporary directory where fit keeps this model's run when not told where (removed
+        with the model); ``fresh``: a new one, the old removed."""
+        if fresh or getattr(self, "_scratch", None) is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="pycapsnet-fit-")
+        return self._scratch.name
 
     def _split(self, x, y, xname, yname):
         from .training.data import Split
@@ -244,11 +218,28 @@ class Model(Run):
                                "(--resume, evaluate and predict read them), and save does not replace them; save to "
                                "a file elsewhere, such as model.save('mine.npz')")
         epoch = self.history[-1]["epoch"] if self.history else 0
-        return checkpoint.save(path, self.network, epoch=epoch, recipe=self.recipe or None,
-                               history=self.history or None, classes=list(self.classes))
+        return checkpoint.save(path, self.network, optimizer=self._optimizer_state(), epoch=epoch,
+                               recipe=self.recipe or None, history=self.history or None, classes=list(self.classes))
 
-    def summary(self) -> str:
-        """A table: each layer, what flows out of it, its parameters; then the totals."""
+    def _optimizer_state(self):
+        """The optimizer as the model's last training left it (so that a saved model's fit goes on
+        as the model's own would), or None where none was kept."""
+        from .training import checkpoint, optim
+
+        path = self._last or self.path
+        if not self.history or path is None:
+            return None
+        ckpt = checkpoint.load(path)
+        name = ckpt["header"].get("optimizer")
+        if name is None or ckpt["header"].get("epoch") != self.history[-1]["epoch"]:
+            return None
+        opt = optim.make(name, self.network, self.recipe.get("lr", 2e-3), self.recipe.get("ema"))
+        checkpoint.restore_optimizer(ckpt, opt)
+        return opt
+
+    def summary(self) -> "Summary":
+        """A table: each layer, what flows out of it, its parameters; then the totals.  A string that
+        shows as the table where it is the value of a notebook cell (and prints as it)."""
         rows = [(name, type(layer).__name__, str(getattr(layer, "out_flow", "")), _count(layer))
                 for name, layer in self.network.body.named_layers()]
         if self.network.decoder is not None:
@@ -259,12 +250,20 @@ class Model(Run):
         lines += [f"{n:{widths[0]}}  {k:{widths[1]}}  {o:{widths[2]}}  {p:>10,}" for n, k, o, p in rows]
         lines.append(f"total: {self.network.n_params():,} parameters on {self.B.label}; input "
                      f"{'x'.join(map(str, self.input_shape))}, {self.network.n_classes} classes")
-        return "\n".join(lines)
+        return Summary("\n".join(lines))
 
     def __repr__(self):
         layers = ", ".join(name for name, _ in self.network.body.named_layers())
         return (f"pycapsnet.Model({layers}; {self.network.n_params():,} parameters, "
                 f"{'x'.join(map(str, self.input_shape))} -> {self.network.n_classes} classes, {self.B.label})")
+
+
+class Summary(str):
+    """Model.summary's table: a str whose repr is the table itself, so that a notebook shows it as a
+    table rather than as an escaped string."""
+
+    def __repr__(self):
+        return str(self)
 
 
 def _count(layer) -> int:

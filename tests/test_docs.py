@@ -44,8 +44,6 @@ LONG = {
     "bash benchmarks/gpu_check.sh": (None, "needs a CUDA GPU; benchmarks/gpu_check.sh is run on one"),
     "torchrun --standalone --nproc_per_node 2 train_numpy.py --out runs/parallel":
         f"torchrun --standalone --nproc_per_node 2 train_numpy.py --out runs/parallel {QUICK_MODEL}",
-    "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 train_torch.py --device cuda":
-        (None, "needs two machines with 8 GPUs each; tests/test_distributed.py runs two processes here"),
 }
 
 
@@ -116,3 +114,36 @@ def test_readme_is_short():
 def test_shell_form_names_scripts_by_path():
     assert _shell_form("python train_numpy.py --x") == f"python {os.path.join(ROOT, 'train_numpy.py')} --x"
     assert shlex.split(_shell_form("python benchmarks/bench.py"))[1] == os.path.join(ROOT, "benchmarks/bench.py")
+
+
+def test_the_defaults_and_parameter_counts_the_docs_quote_are_the_codes():
+    """What can be checked of docs' numbers: the trainer's defaults in README's table, and the
+    parameter counts README, architecture.md and performance.md quote."""
+    from pycapsnet.core.model import CapsNet
+    from pycapsnet.training.recipe import EPOCHS, RECIPE, ROUTING_RECIPE
+
+    import numpy as np
+
+    import pycapsnet
+
+    root = Path(ROOT)
+    readme = README.read_text(encoding="utf-8")
+    em = ROUTING_RECIPE["em"]
+    assert f"| `--epochs`, `--batch-size` | {EPOCHS} (em: {em['epochs']}), {RECIPE['batch_size']} (em: {em['batch_size']}) |" \
+        in readme
+    lr, em_lr, decay = re.search(r"\| ([\de.-]+) \(em: ([\de.-]+)\), ([\d.]+), none, adam, off \|", readme).groups()
+    assert (float(lr), float(em_lr), float(decay)) == (RECIPE["lr"], em["lr"], RECIPE["lr_decay"])
+    efficient = pycapsnet.build("efficient").network
+    body = sum(int(np.prod(p.shape)) for k, p in efficient.params.items() if not k.startswith("decoder"))
+    assert f"{body:,} parameters, decoder apart" in readme
+    assert f"{body:,} parameters without the decoder" in (root / "docs" / "architecture.md").read_text()
+    performance = (root / "docs" / "performance.md").read_text()
+    assert f"paper's CapsNet (dynamic, {CapsNet('numpy').n_params() / 1e6:.1f} M parameters)" in performance
+    sys.path.insert(0, str(root / "examples"))
+    try:
+        import build_your_own
+    finally:
+        sys.path.pop(0)
+    counts = {k: pycapsnet.build(a).network.n_params() for k, a in build_your_own.NETWORKS.items()}
+    assert f"two routing layers ({counts['two-routing'] / 1e6:.1f} M parameters)" in performance
+    assert f"ConvCaps ({counts['convcaps'] / 1e6:.1f} M parameters)" in performance

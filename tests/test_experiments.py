@@ -233,3 +233,22 @@ def test_a_damaged_units_file_is_one_line(tmp_path):
     done, _ = _experiment(tmp_path, "table1", "--quick")
     assert done.returncode == 2 and "units.json" in done.stderr and "delete it" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_routing_study_runs_every_routing_on_one_backbone(tmp_path):
+    """Issue 90: every routing and baseline as the class layer of one backbone, seeds, the coupling
+    entropy per iteration; from Python, its quick form without the affine training."""
+    from pycapsnet import experiments
+
+    results = experiments.routings(out=str(tmp_path / "r"), quick=True, affine=False, limit=60)
+    rows = results["mnist"]
+    assert set(rows) >= {"dynamic-1", "dynamic-3", "attention", "inverted", "self", "vb", "em", "uniform", "random",
+                         "inverted, its head", "self, its head"}
+    assert all(len(r["errors"]) == 2 and r["std"] is not None for r in rows.values())
+    # one pass of uniform coefficients: the entropy of ln J exactly, as is dynamic routing's first iteration
+    assert rows["uniform"]["entropy"] == [pytest.approx(1.0)] and rows["dynamic-1"]["entropy"] == [pytest.approx(1.0)]
+    assert len(rows["dynamic-3"]["entropy"]) == 3 and rows["dynamic-3"]["entropy"][0] == pytest.approx(1.0)
+    assert rows["random"]["entropy"][0] < 0.99 and results["affine"] is None
+    table = (tmp_path / "r" / "results.md").read_text()
+    assert table.startswith("| routing | parameters") and "within the best's spread" in table
+    assert (tmp_path / "r" / "routings.png").stat().st_size > 5000

@@ -271,6 +271,9 @@ def build_body(B, body, input_shape, rng=None):
     (``in_flow``, ``out_flow``)."""
     rng = np.random.default_rng(0) if rng is None else rng
     c, h, w = input_shape
+    if c == h != w:  # (20, 20, 64): a square image's height, width and channels, in that order
+        raise CapsNetError(f"input_shape is (channels, height, width); {tuple(input_shape)} reads as a {h}x{w} "
+                           f"image of {c} channels -- if it is a {c}x{h} image of {w} channels, give ({w}, {c}, {h})")
     flow, prev, layers, counts = Flow("image", (h, w), c), "the input", [], {}
     for k, spec in enumerate(body):
         kind = spec.get("layer") if isinstance(spec, dict) else None

@@ -10,47 +10,12 @@ from .fourier import FourierConv2d
 from .layers import Conv2d, Layer, check_images, check_input
 from . import routings, shared_routing
 from .attention_routing import attention_backward_factors, attention_forward
-from .routing import MODES, routing_backward_factors, routing_forward
+from .routing import routing_backward_factors, routing_forward
 from .squash import squash, squash_backward, squash_exp, squash_exp_backward
 
 # The squash of a capsule layer's output: Sabour et al.'s |s|²/(1 + |s|²) s/|s|, or Efficient-CapsNet's
 # (1 - e^-|s|) s/|s| (squash.py derives both backward passes).
 SQUASHES = {"sabour": (squash, squash_backward), "efficient": (squash_exp, squash_exp_backward)}
-
-
-def _set_routing(layer, routing, iters, routing_grad, options, rng, lead):
-    """A routed layer's routing (routings.py): its name, iterations, gradient mode, the Algorithm and
-    its parameters (``lead``: the leading axes of its per-child parameters), or for "random" its own
-    seeded generator.  ValueError (which the description names the layer in) for what it cannot run."""
-    if routing not in routings.ROUTINGS:
-        raise ValueError(f"unknown routing {routing!r}: use one of {', '.join(routings.ROUTINGS)}")
-    if routing_grad not in MODES:
-        raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
-    if routing_grad not in routings.GRADIENT_MODES[routing]:
-        raise ValueError(f"routing '{routing}' has no gradient mode {routing_grad!r}: its coefficients are "
-                         "learned from the child alone, so holding them constant would stop that; use 'full'")
-    if iters is None:
-        iters = routings.DEFAULT_ITERS if routing in routings.ITERATED else 1
-    if iters < 1:
-        raise ValueError(f"routing needs at least one iteration, got {iters}")
-    if routing not in routings.ITERATED and iters != 1:
-        raise ValueError(f"routing '{routing}' routes in one pass; it takes no iters (got {iters})")
-    layer.routing, layer.iters, layer.routing_grad = routing, iters, routing_grad
-    layer.algo = routings.algorithm(routing, iters, routing_grad, routings.options_for(routing, options, layer.D))
-    if layer.algo is not None:
-        for k, v in layer.algo.params(lead, layer.J, layer.D, layer.K).items():
-            layer._add_param(k, v)
-    if routing == "random":
-        layer.rng, layer.hold, layer.drawn = np.random.default_rng(int(rng.integers(2**63))), False, None
-        layer.capturable = False  # new coefficients every step: a recorded step would replay the old
-
-
-def draw_coupling(layer, n, children):
-    """The coefficients of "random" routing for a batch: drawn anew, or the last ones where the layer
-    holds them (a gradient check perturbs the input under one draw, as Dropout's mask)."""
-    if layer.hold and layer.drawn is not None and tuple(layer.drawn.shape) == (n, layer.J, children):
-        return layer.drawn
-    return routings.random_coupling(layer.B, layer.rng, n, layer.J, children)
 
 
 class PrimaryCaps(Layer):
@@ -136,7 +101,7 @@ class ClassCaps(Layer):
         if self.s_bias:
             self._add_param("bias", np.full((n_classes, out_dim), float(bias)))   # β_j (J, D)
         self.trace = None
-        _set_routing(self, routing, iters, routing_grad, routing_options, rng, lead=shape[:2])
+        routings.set_routing(self, routing, iters, routing_grad, routing_options, rng, lead=shape[:2])
         if self.routing not in ("dynamic", "uniform"):
             self.routes_shared = False  # share_spatial shares W (and a routing's own parameters), û is formed
 
@@ -163,7 +128,7 @@ class ClassCaps(Layer):
         if self.algo is not None and self.algo.reads_children:
             kids = self.B.contiguous(xp.reshape(ut, (self.P * self.T, n, self.K)))
         if self.routing == "random":
-            self.drawn = draw_coupling(self, n, self.P * self.T)
+            self.drawn = routings.draw_coupling(self, n, self.P * self.T)
         self.cache = (ut, u_hat, kids)
         v, self.trace = self._route_blocks(u_hat)
         return v

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import init as initializers
 from .layers import Layer, check_input
-from .capsules import _set_routing, draw_coupling
+from . import routings
 from .routing import routing_backward_factors, routing_forward
 
 
@@ -47,7 +47,7 @@ class ConvCaps(Layer):
         std = initializers.routed_std(self.I, out_types, out_dim) if init_std is None else init_std
         self._add_param("W", initializers.capsule_transform(rng, (self.I, out_types, out_dim, in_dim), std))
         self.trace = None
-        _set_routing(self, routing, iters, routing_grad, routing_options, rng, lead=(self.I,))
+        routings.set_routing(self, routing, iters, routing_grad, routing_options, rng, lead=(self.I,))
 
     def forward(self, u):
         xp, B = self.B.xp, self.B
@@ -63,7 +63,7 @@ class ConvCaps(Layer):
             v, self.trace = self.route_algo(u_hat, ut if self.algo.reads_children else None, slice(None))
         else:
             if self.routing == "random":
-                self.drawn = draw_coupling(self, n * P, self.I)
+                self.drawn = routings.draw_coupling(self, n * P, self.I)
             v, self.trace = self.route(u_hat)                                                    # v (N*P, C, D)
         self.cache = (ut, u_hat, n)
         return xp.reshape(v, (n, P, self.C, self.D))

@@ -51,7 +51,7 @@ input X for backward, whose dX is then one product over all frequencies (forward
 otherwise forward makes them a chunk at a time.  That saves a third pass of the
 memory-bound kernel transform (~10% of a NumPy step).  The peak does not grow with it: backward
 frees X before making dX, and ClassCaps writes dû over û, so the step's peak stays below
-the autograd reference's.  Larger inputs have many more frequencies (a 64 x 64 input: 392, 822 MB
+the autograd reference's.  Larger inputs have many more frequencies (a 64 x 64 input: 394, 826 MB
 of V); then forward keeps the kernel grid ws (as large as W) instead, and backward makes V again,
 chunk by chunk.  ``keep_spectrum_mb = 0`` always does that.
 The weight-gradient spectrum dV is made ``channel_block`` phase channels at a time (fewer on large
@@ -303,7 +303,7 @@ class FourierConv2d(Conv2d):
 
     def keeps_spectrum(self, g, x) -> bool:
         """Whether forward keeps V for backward: when it takes at most ``keep_spectrum_mb`` MB (the
-        paper's PrimaryCaps, 52 frequencies: 109 MB; on a 64 x 64 input, 392 frequencies: 822 MB)."""
+        paper's PrimaryCaps, 52 frequencies: 109 MB; on a 64 x 64 input, 394 frequencies: 826 MB)."""
         size = spectrum_mb(g.F, self.stride ** 2 * self.c_in, self.c_out, x.dtype.itemsize)
         return size <= self.keep_spectrum_mb
 

@@ -134,6 +134,11 @@ class Outputs:
     ``loss`` (the total), ``parts`` (class loss, reconstruction) and ``predictions`` fetch all of
     them with one transfer, so a GPU step is not held up mid-way, nor read twice."""
 
+    @property
+    def scores(self):
+        """The class scores (N, J): ``lengths`` under the name ``predict_scores`` and ``Network.scores`` use."""
+        return self.lengths
+
     def __init__(self, B, v, lengths, reconstruction=None, loss_name="margin"):
         self.v, self.lengths, self.reconstruction = v, lengths, reconstruction
         self.loss_name = loss_name  # the class loss's: "margin", or "spread" (EM)

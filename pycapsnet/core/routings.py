@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import inverted_routing, self_routing, vb_routing
+from .routing import MODES
 
 ROUTINGS = ("dynamic", "uniform", "random", "inverted", "self", "vb")
 ITERATED = ("dynamic", "inverted", "vb")        # take ``iters``; the others route in one pass
@@ -131,3 +132,38 @@ def random_coupling(B, rng, n, J, I):
     z = rng.standard_normal((n, J, I))
     e = np.exp(z - z.max(axis=1, keepdims=True))
     return B.asarray(e / e.sum(axis=1, keepdims=True))
+
+
+def set_routing(layer, routing, iters, routing_grad, options, rng, lead):
+    """A routed layer's routing (routings.py): its name, iterations, gradient mode, the Algorithm and
+    its parameters (``lead``: the leading axes of its per-child parameters), or for "random" its own
+    seeded generator.  ValueError (which the description names the layer in) for what it cannot run."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}: use one of {', '.join(ROUTINGS)}")
+    if routing_grad not in MODES:
+        raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
+    if routing_grad not in GRADIENT_MODES[routing]:
+        raise ValueError(f"routing '{routing}' has no gradient mode {routing_grad!r}: its coefficients are "
+                         "learned from the child alone, so holding them constant would stop that; use 'full'")
+    if iters is None:
+        iters = DEFAULT_ITERS if routing in ITERATED else 1
+    if iters < 1:
+        raise ValueError(f"routing needs at least one iteration, got {iters}")
+    if routing not in ITERATED and iters != 1:
+        raise ValueError(f"routing '{routing}' routes in one pass; it takes no iters (got {iters})")
+    layer.routing, layer.iters, layer.routing_grad = routing, iters, routing_grad
+    layer.algo = algorithm(routing, iters, routing_grad, options_for(routing, options, layer.D))
+    if layer.algo is not None:
+        for k, v in layer.algo.params(lead, layer.J, layer.D, layer.K).items():
+            layer._add_param(k, v)
+    if routing == "random":
+        layer.rng, layer.hold, layer.drawn = np.random.default_rng(int(rng.integers(2**63))), False, None
+        layer.capturable = False  # new coefficients every step: a recorded step would replay the old
+
+
+def draw_coupling(layer, n, children):
+    """The coefficients of "random" routing for a batch: drawn anew, or the last ones where the layer
+    holds them (a gradient check perturbs the input under one draw, as Dropout's mask)."""
+    if layer.hold and layer.drawn is not None and tuple(layer.drawn.shape) == (n, layer.J, children):
+        return layer.drawn
+    return random_coupling(layer.B, layer.rng, n, layer.J, children)

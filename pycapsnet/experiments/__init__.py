@@ -7,6 +7,8 @@
     affine      CapsNet and the baseline CNN trained on digits placed at random on a 40x40 canvas,
                 tested on translated and on affinely transformed test digits (§5.2, affNIST)
     multimnist  two overlapping digits per image: both recognised, each reconstructed (§6, Figure 5)
+    routings    every routing the library has on one shared backbone, with the no-routing baselines:
+                test error, affine robustness and coupling entropy over seeds (routing_study.py)
 
 Each writes results.json, results.md and its figures into --out, and units.json as each network
 finishes training from a seed: the same command run again after a stop reuses those (units.py).
@@ -25,12 +27,13 @@ from ..training.log import say
 from ..training.run_dir import out_dir_for
 from .units import Units
 
-NAMES = ("table1", "affine", "multimnist")
+NAMES = ("table1", "affine", "multimnist", "routings")
 QUICK = dict(epochs=1, seeds=2, limit=120)  # --quick: flags left out take these
 
 
 def add_parser(sub, backends_help: str):
-    x = sub.add_parser("experiment", help="the paper's experiments: table1, affine, multimnist (docs/experiments.md)")
+    x = sub.add_parser("experiment", help="the paper's experiments: table1, affine, multimnist; routings: does "
+                                          "routing help? (docs/experiments.md)")
     x.add_argument("name", choices=NAMES)
     x.add_argument("--quick", action="store_true", help="a toy size that runs in seconds (small networks and data)")
     x.add_argument("--out", default=None, help="directory for results and figures (default: ./experiments/NAME, "
@@ -61,6 +64,9 @@ def add_parser(sub, backends_help: str):
                    help="pixels each digit moves in each direction (default: 4)")
     m.add_argument("--pairs", type=int, default=None,
                    help="pairs made per training digit per epoch (default: 2; quick: 1); the test set has 1 per digit")
+    r = x.add_argument_group("routings")
+    r.add_argument("--no-affine", action="store_true", default=None,
+                   help="test error and coupling entropy only, without the affine-robustness training")
     x.set_defaults(fn=main)
     return x
 
@@ -68,9 +74,9 @@ def add_parser(sub, backends_help: str):
 def main(args) -> int:
     from pycapsnet import backends
 
-    from . import affine, multimnist, table1
+    from . import affine, multimnist, routing_study, table1
 
-    module = {"table1": table1, "affine": affine, "multimnist": multimnist}[args.name]
+    module = {"table1": table1, "affine": affine, "multimnist": multimnist, "routings": routing_study}[args.name]
     _refuse_flags_of_others(args)
     for k, v in OWN_FLAGS[args.name].items():
         if getattr(args, k) is None:
@@ -108,14 +114,14 @@ def _run(args, module, out, B) -> int:
 
 # The flags each experiment reads, with their defaults (None: the experiment's own, from --quick)
 OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_shear": 45.0, "scale": (0.8, 1.2)},
-             "multimnist": {"canvas": 36, "shift": 4, "pairs": None}}
+             "multimnist": {"canvas": 36, "shift": 4, "pairs": None}, "routings": {"canvas": 40, "no_affine": False}}
 
 
 def _refuse_flags_of_others(args) -> None:
     """A flag another experiment reads, given to this one, is refused: it would be recorded in
     results.json without having changed anything."""
     given = [k for k in {k for flags in OWN_FLAGS.values() for k in flags} - set(OWN_FLAGS[args.name])
-             if getattr(args, k) is not None]
+             if getattr(args, k, None) is not None]
     if given:
         owners = sorted({n for n, f in OWN_FLAGS.items() for k in given if k in f})
         flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
@@ -138,3 +144,21 @@ def _command(args) -> str:
     import sys
 
     return "pycapsnet " + " ".join(sys.argv[1:]) if sys.argv and "pycapsnet" in sys.argv[0] else f"experiment {args.name}"
+
+
+def routings(out: str = "experiments/routings", quick: bool = False, epochs: int | None = None,
+             seeds: int | None = None, data_dir: str | None = None, limit: int | None = None, batch_size: int = 32,
+             lr: float | None = None, backend: str = "numpy", dtype: str = "float32", canvas: int | None = None,
+             affine: bool = True) -> dict:
+    """``pycapsnet experiment routings`` from Python: every routing on one shared backbone
+    (routing_study.py); returns what results.json holds, and writes it, results.md and
+    routings.png into ``out`` (a stopped run goes on where it stopped)."""
+    import argparse
+
+    args = argparse.Namespace(name="routings", quick=quick, out=out, epochs=epochs, seeds=seeds, data_dir=data_dir,
+                              limit=limit, batch_size=batch_size, lr=lr, backend=backend, dtype=dtype, canvas=canvas,
+                              max_rotation=None, max_shear=None, scale=None, shift=None, pairs=None,
+                              no_affine=None if affine else True)
+    main(args)
+    with open(os.path.join(out, "results.json")) as f:
+        return json.load(f)

@@ -10,7 +10,6 @@ import os
 
 import numpy as np
 
-from ..core import architecture as A
 from ..tools import plots
 from ..training import data
 from ..training.log import say
@@ -75,18 +74,14 @@ def train_one(args, B, description, seed, train_set, scored, canvas, desc) -> di
     """One unit: the network trained from ``seed``, scored after every epoch on each set of
     ``scored`` (its ``curve``); seconds a step, parameters, and its last epoch's predictions of
     the affine test digits (``shown``, for the figure)."""
-    model = A.build(description, B, seed=seed)
-    rng = np.random.default_rng(seed)
-    batches = lambda epoch: loop.shuffled(train_set.x, train_set.y, args.batch_size, rng,  # noqa: E731
-                                          lambda x, r: digits.place(data.as_float(x), canvas, r))
     curve = []
 
-    def score(epoch):
+    def score(model, epoch):
         curve.append({k: 100 * float(np.mean(model.predict(x, 100) == y)) for k, (x, y) in scored.items()})
         say(f"{desc} epoch {epoch + 1}: validation {curve[-1]['val']:.2f}%")
 
-    _, step = loop.train(model, args.epochs, batches, loop.n_batches(len(train_set), args.batch_size),
-                         lr=args.lr, desc=desc, after_epoch=score)
+    model, step = loop.train_network(args, B, description, seed, train_set, lambda x, r: digits.place(x, canvas, r),
+                                     desc, after_epoch=score)
     return {"curve": curve, "step": step, "params": model.n_params(),
             "shown": model.predict(scored["affine"][0], 100)[:SHOWN].tolist()}
 

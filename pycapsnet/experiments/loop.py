@@ -58,3 +58,18 @@ def shuffled(x, y, batch_size, rng, transform=None):
 
 def n_batches(n, batch_size):
     return -(-n // batch_size)
+
+
+def train_network(args, B, description, seed, train_set, transform, desc, after_epoch=None):
+    """The described network built from ``seed`` and trained for --epochs on ``train_set``, each batch
+    through ``transform(images, rng)`` (shifts, a canvas): (model, seconds per step)."""
+    from ..core import architecture
+    from ..training import data
+
+    model = architecture.build(description, B, seed=seed)
+    rng = np.random.default_rng(seed)
+    batches = lambda epoch: shuffled(train_set.x, train_set.y, args.batch_size, rng,  # noqa: E731
+                                     lambda x, r: transform(data.as_float(x), r))
+    _, step = train(model, args.epochs, batches, n_batches(len(train_set), args.batch_size), lr=args.lr, desc=desc,
+                    after_epoch=None if after_epoch is None else lambda epoch: after_epoch(model, epoch))
+    return model, step

@@ -9,7 +9,6 @@ import os
 
 import numpy as np
 
-from ..core import architecture as A
 from ..tools import plots
 from ..training import data
 from ..training.log import say
@@ -47,12 +46,8 @@ def run(args, B, out, units) -> dict:
 
 def train_one(args, B, description, seed, train_set, x_test, y_test, desc) -> dict:
     """One unit: the network trained from ``seed``; its test error (%), seconds a step, parameters."""
-    model = A.build(description, B, seed=seed)
-    rng = np.random.default_rng(seed)
-    batches = lambda epoch: loop.shuffled(train_set.x, train_set.y, args.batch_size, rng,  # noqa: E731
-                                          lambda x, r: data.random_shift(data.as_float(x), 2, r))
-    _, step = loop.train(model, args.epochs, batches, loop.n_batches(len(train_set), args.batch_size),
-                         lr=args.lr, desc=desc)
+    model, step = loop.train_network(args, B, description, seed, train_set, lambda x, r: data.random_shift(x, 2, r),
+                                     desc)
     error = 100 * float(np.mean(model.predict(x_test, 100) != y_test))
     say(f"{desc}: test error {error:.2f}%")
     return {"error": error, "step": step, "params": model.n_params()}

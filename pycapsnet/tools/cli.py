@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..training.argtypes import name_and_factor, nonnegative_int, positive_float, positive_int
+from ..training.argtypes import OneLineParser, name_and_factor, nonnegative_int, positive_float, positive_int
 from ..errors import BackendError, CapsNetError, first_line
 from ..core.model import ROUTINGS
 
@@ -229,7 +229,7 @@ def build_parser():
 
     from ..training.flags import add_accept_changed_data, add_arguments, add_limit_test
 
-    p = argparse.ArgumentParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     from .. import __version__
 

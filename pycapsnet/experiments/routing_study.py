@@ -1,0 +1,202 @@
+"""Does routing help?  Every routing the library has as the class layer of one shared backbone, the
+same data, recipe and epochs, several seeds (Paik, Kwak & Kim 2019; Gu & Tresp 2020):
+
+    backbone   conv1 9x9/1, C channels, ReLU -> primary capsules 9x9/2, T types of 8D (EM: 1x1 matrix
+               capsules on the same convolution) -> 10 class capsules of 16D, routed by:
+    dynamic-1, dynamic-3 (Sabour et al.), attention (Efficient-CapsNet's), inverted (Tsai et al.),
+    self (Hahn et al.), vb (Ribeiro et al.), em (Hinton et al.), and the baselines uniform and random
+    coupling.  Shared head: the capsule lengths and the margin loss, no decoder (EM: its activations
+    and the spread loss).  Where a routing's paper has a head of its own, it runs with it too
+    ("inverted, its head": a shared linear map to logits and cross-entropy; "self, its head":
+    -log a_j); the table's main rows are the shared head's.
+
+Per routing and seed, two units (units.py: a stopped run goes on where it stopped):
+    mnist    trained on the digits shifted by up to 2 pixels, the last epoch's test error (no epoch
+             is chosen on the test set); then the entropy of each routing iteration's coefficients
+             (c_ij; VB and EM: R_ij), per child over the parents, in units of ln J (1: uniform),
+             averaged over the first test digits -- Paik et al.'s measure of polarisation
+    affine   trained on digits placed at random on a 40x40 canvas, scored after each epoch on
+             translated held-out digits; each network is read at the first epoch that reaches the
+             lowest of the routings' best validation accuracies (the same translated accuracy for
+             all, chosen without a test set), on translated and on affinely moved test digits
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from ..core import architecture as A
+from ..tools import plots
+from ..training import data
+from ..training.log import say
+from . import check_fits, digits, loop
+
+LR = 2e-3
+QUICK_BACKBONE = dict(conv_channels=8, primary_types=2)
+BACKBONE = dict(conv_channels=64, primary_types=16)
+ROUTINGS = {"dynamic-1": ("dynamic", 1), "dynamic-3": ("dynamic", 3), "attention": ("attention", None),
+            "inverted": ("inverted", 3), "self": ("self", None), "vb": ("vb", 3), "em": ("em", 2),
+            "uniform": ("uniform", None), "random": ("random", None)}
+OWN_HEADS = ("inverted", "self")  # rows "NAME, its head" beside the shared head's
+ENTROPY_DIGITS = 100
+VAL_FRACTION = 0.1
+
+
+def network(name, shape, conv_channels, primary_types, own_head=False) -> dict:
+    """The description of routing ``name``'s network on the shared backbone."""
+    routing, iters = ROUTINGS[name]
+    stem = [A.conv2d(conv_channels, 9, name="conv1"), A.relu(name="relu1")]
+    if routing == "em":
+        body = stem + [A.primary_matrix_caps(primary_types, name="primary"),
+                       A.class_matrix_caps(10, iters=iters, name="classcaps")]
+        return A.network(body, head="activations", loss=A.spread_loss(), decoder=None, input_shape=shape,
+                         n_classes=10)
+    body = stem + [A.primary_caps(primary_types, 8, kernel=9, stride=2, name="primary")]
+    if routing == "attention":
+        body.append(A.attention_caps(10, 16, name="classcaps"))
+    else:
+        body.append(A.dynamic_caps(10, 16, iters=iters, routing=routing, name="classcaps"))
+    head, loss = "lengths", A.margin_loss()
+    if own_head and routing == "inverted":
+        body.append(A.capsule_logits(name="logits"))
+        head, loss = "logits", A.cross_entropy()
+    elif own_head and routing == "self":
+        loss = A.nll_loss()
+    return A.network(body, head=head, loss=loss, decoder=None, input_shape=shape, n_classes=10)
+
+
+def variants(shape, backbone) -> dict:
+    """Row name -> description: every routing with the shared head, then the papers' own heads."""
+    rows = {name: network(name, shape, **backbone) for name in ROUTINGS}
+    rows.update({f"{name}, its head": network(name, shape, own_head=True, **backbone) for name in OWN_HEADS})
+    return rows
+
+
+def coefficients(layer) -> list:
+    """A routing layer's coefficients of each iteration as (N, children, parents), rows summing to 1."""
+    from ..core.capsules import AttentionCaps
+
+    xp = layer.B.xp
+    if isinstance(layer, AttentionCaps):  # its coupling adds the learned bias: the softmax alone
+        return [layer.B.to_numpy(xp.permute_dims(c, (0, 2, 1))) for c in layer.traced(1)]
+    if hasattr(layer, "assignments"):  # EM: R (N, P, I, C) or (N, I, C)
+        return [np.reshape(layer.B.to_numpy(R), (R.shape[0], -1, R.shape[-1])) for R in layer.assignments]
+    return [layer.B.to_numpy(c) for c in layer.coupling]
+
+
+def entropy(c) -> float:
+    """Mean over samples and children of -Σ_j c_ij ln c_ij / ln J."""
+    c = np.clip(np.asarray(c, np.float64), 1e-300, 1)
+    return float(np.mean(-np.sum(c * np.log(c), axis=-1)) / math.log(c.shape[-1]))
+
+
+def mnist_unit(args, B, description, seed, train_set, x_test, y_test, desc) -> dict:
+    model, step = loop.train_network(args, B, description, seed, train_set, lambda x, r: data.random_shift(x, 2, r),
+                                     desc)
+    error = 100 * float(np.mean(model.predict(x_test, 100) != y_test))
+    with model.evaluating():
+        model.forward(x_test[:ENTROPY_DIGITS])
+    name, layer = model.routing_layers()[-1]
+    ent = [entropy(c) for c in coefficients(layer)]
+    model.release()
+    say(f"{desc}: test error {error:.2f}%, coupling entropy per iteration {', '.join(f'{e:.3f}' for e in ent)}")
+    return {"error": error, "entropy": ent, "step": step, "params": model.n_params()}
+
+
+def affine_unit(args, B, description, seed, train_set, scored, canvas, desc) -> dict:
+    curve = []
+
+    def score(model, epoch):
+        curve.append({k: 100 * float(np.mean(model.predict(x, 100) == y)) for k, (x, y) in scored.items()})
+
+    loop.train_network(args, B, description, seed, train_set, lambda x, r: digits.place(x, canvas, r), desc,
+                       after_epoch=score)
+    return {"curve": curve}
+
+
+def run(args, B, out, units) -> dict:
+    backbone = QUICK_BACKBONE if args.quick else BACKBONE
+    train_set, test_set = digits.source(args.limit, args.data_dir)
+    x_test = data.as_float(test_set.x)
+    rows = variants((1, 28, 28), backbone)
+    mnist = {name: [units.measure(f"mnist {name} seed {seed}", lambda d=d, seed=seed: mnist_unit(
+                 args, B, d, seed, train_set, x_test, test_set.y, f"mnist {name} seed {seed}"))
+                    for seed in range(args.seeds)]
+             for name, d in rows.items()}
+    results = {"backbone": backbone, "train": len(train_set), "test": len(test_set), "mnist": {}, "affine": None}
+    for name, done in mnist.items():
+        errors = [u["error"] for u in done]
+        results["mnist"][name] = {"params": done[0]["params"], "errors": errors, **_spread(errors),
+                                  "entropy": np.mean([u["entropy"] for u in done], axis=0).tolist(),
+                                  "ms_per_step": 1e3 * float(np.median([u["step"] for u in done]))}
+    if not args.no_affine:
+        results["affine"] = _affine(args, B, units, train_set, test_set, backbone)
+    figure(results, os.path.join(out, "routings.png"))
+    return results
+
+
+def _affine(args, B, units, train_set, test_set, backbone) -> dict:
+    canvas = digits.check_canvas(args.canvas)
+    check_fits("routings", 3 * len(test_set) + args.batch_size, canvas, "give a smaller --canvas or --limit")
+    train_set, val_set = train_set.held_out(VAL_FRACTION, 0)
+    x_te = data.as_float(test_set.x)
+    scored = {"val": (digits.place(data.as_float(val_set.x), canvas, np.random.default_rng(776)), val_set.y),
+              "translated": (digits.place(x_te, canvas, np.random.default_rng(777)), test_set.y),
+              "affine": (digits.affine(x_te, canvas, np.random.default_rng(778)), test_set.y)}
+    curves = {name: [units.measure(f"affine {name} seed {seed}", lambda d=d, seed=seed: affine_unit(
+                  args, B, d, seed, train_set, scored, canvas, f"affine {name} seed {seed}"))["curve"]
+                     for seed in range(args.seeds)]
+              for name, d in variants((1, canvas, canvas), backbone).items()}
+    out = {}
+    for seed in range(args.seeds):
+        target = min(max(e["val"] for e in c[seed]) for c in curves.values())
+        for name, c in curves.items():
+            epoch = next(i for i, e in enumerate(c[seed]) if e["val"] >= target)
+            row = out.setdefault(name, {"translated": [], "affine": [], "stop_epoch": []})
+            row["translated"].append(c[seed][epoch]["translated"])
+            row["affine"].append(c[seed][epoch]["affine"])
+            row["stop_epoch"].append(epoch + 1)
+        say(f"affine seed {seed}: every network read at validation {target:.2f}%")
+    return {name: {**r, "affine_mean": _spread(r["affine"]), "translated_mean": _spread(r["translated"])}
+            for name, r in out.items()}
+
+
+def _spread(values) -> dict:
+    return {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else None}
+
+
+def table(results) -> str:
+    mnist, affine = results["mnist"], results["affine"] or {}
+    best = min(mnist, key=lambda n: mnist[n]["mean"])
+    spread = lambda r: f" ± {r['std']:.2f}" if r["std"] is not None else ""
+    lines = ["| routing | parameters | test error % | within the best's spread | affine test % | coupling entropy "
+             "per iteration | ms/step |", "|---|---|---|---|---|---|---|"]
+    for name, r in mnist.items():
+        near = abs(r["mean"] - mnist[best]["mean"]) <= max(r["std"] or 0, mnist[best]["std"] or 0)
+        a = affine.get(name)
+        cell = f"{a['affine_mean']['mean']:.2f}{spread(a['affine_mean'])}" if a else ""
+        lines.append(f"| {name} | {r['params']:,} | {r['mean']:.2f}{spread(r)} | {'yes' if near else 'no'} | {cell} | "
+                     f"{', '.join(f'{e:.3f}' for e in r['entropy'])} | {r['ms_per_step']:.0f} |")
+    return "\n".join(lines)
+
+
+def figure(results, path):
+    """Test error per routing with its spread, and the coupling entropy of each iteration."""
+    plt = plots.pyplot()
+    mnist = results["mnist"]
+    names = list(mnist)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    means = [mnist[n]["mean"] for n in names]
+    stds = [mnist[n]["std"] or 0 for n in names]
+    a.barh(range(len(names)), means, xerr=stds, color="C0", alpha=0.8)
+    a.set_yticks(range(len(names)), names, fontsize=7), a.invert_yaxis()
+    a.set_xlabel("test error % (mean ± std over seeds)")
+    for n in names:
+        ent = mnist[n]["entropy"]
+        b.plot(range(1, len(ent) + 1), ent, "o-", label=n, lw=1, ms=3)
+    b.set_xlabel("routing iteration"), b.set_ylabel("coupling entropy / ln J"), b.set_ylim(0, 1.05)
+    b.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    plots.save(fig, path)

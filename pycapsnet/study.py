@@ -1,0 +1,255 @@
+"""The study tools as Python, for a notebook: each takes a Model (``pycapsnet.build``, ``load``), its
+network, a layer, or a description, and returns what it found as arrays or as a ``Report`` that
+prints as a table.
+
+    import pycapsnet, pycapsnet.study as study
+    model = pycapsnet.build("capsnet", conv_channels=16, primary_types=4)
+    study.gradcheck(model)               # finite differences, float64, every parameter and the input
+    study.crosscheck(model, "numpy", "torch")   # one batch on two backends, every tensor compared
+    twin = study.autograd_twin(model)    # the same network under PyTorch autograd: twin.loss(x, y).backward()
+    c = study.coupling(model, x[:8])     # {layer: [c_ij of each iteration, (8, I, J)]}
+    decoded, steps = study.figure_4(model, x[:1], path="figure4.png")   # the paper's Figure 4
+    study.inspect(model, x_test, y_test, out="inspect/")   # the pictures `pycapsnet inspect` draws
+
+Finite differences check a gradient only in float64: a float32 model is checked on a float64 copy
+of itself (its weights, held exactly), which the report says.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .errors import CapsNetError
+
+
+class Report(list):
+    """Rows of a check (dicts, or finite_diff.Check); ``passed`` is True when every row passed."""
+
+    def __init__(self, rows, title="", note=""):
+        super().__init__(rows)
+        self.title, self.note = title, note
+
+    @property
+    def passed(self) -> bool:
+        return all(_passed(r) for r in self)
+
+    def __repr__(self):
+        from .tools.cli import format_table
+
+        rows = [_row(r) for r in self]
+        head = f"{self.title}: {sum(map(_passed, self))} of {len(self)} passed" + (f" ({self.note})" if self.note else "")
+        return head + ("\n" + format_table(rows, list(rows[0])) if rows else "")
+
+
+def _passed(r) -> bool:
+    return r.passed if hasattr(r, "passed") else r["agree"]
+
+
+def _row(r) -> dict:
+    if hasattr(r, "passed"):
+        return {"layer": r.layer, "tensor": r.tensor, "max rel err": f"{r.max_rel:.2e}", "checked": r.n_checked,
+                "passed": "yes" if r.passed else "NO"}
+    return {"tensor": r["tensor"], "kind": r["kind"], "max abs": f"{r['max_abs']:.2e}",
+            "max rel": f"{r['max_rel']:.2e}", "agree": "yes" if r["agree"] else "NO"}
+
+
+def _network(target):
+    return getattr(target, "network", target)
+
+
+def _float64_copy(net):
+    """(the network on NumPy in float64 with the same weights, whether it is a copy)."""
+    from pycapsnet import backends
+
+    from .core import architecture
+
+    if net.B.name == "numpy" and net.B.dtype == "float64":
+        return net, False
+    copy = architecture.build(net.architecture, backends.get("numpy", dtype="float64"))
+    copy.load_state_dict(net.state_dict())
+    return copy, True
+
+
+def gradcheck(target, samples: int = 12, seed: int = 0, tol: float = 1e-6, batch: int = 3) -> Report:
+    """Finite differences (fourth order, float64) against the hand-written backward: of a Model or
+    network, its whole loss w.r.t. every parameter and the input, then each layer of its body; of a
+    layer, its input and parameters (give ``target=(layer, x)``); of a description (a dict, its JSON
+    file, or "efficient"), every layer then the whole loss.  A float32 model is checked on a float64
+    copy (the report says so)."""
+    from pycapsnet import backends
+
+    from .core.network import Network
+    from .tools import finite_diff, gradcheck as checks
+
+    B = backends.get("numpy", dtype="float64")
+    if isinstance(target, (str, os.PathLike, dict)):
+        return Report(checks.run_network(B, target, samples, tol, seed), "gradcheck of the description")
+    if isinstance(target, tuple) and len(target) == 2:
+        layer, x = target
+        if getattr(layer.B, "dtype", None) != "float64":
+            raise CapsNetError("gradcheck of a layer runs in float64: build the layer on backends.get('numpy', "
+                               "dtype='float64')")
+        return Report(finite_diff.check_layer(B, type(layer).__name__, layer, np.asarray(x, np.float64), samples,
+                                              1e-5, tol, seed), f"gradcheck of {type(layer).__name__}")
+    net = _network(target)
+    if not isinstance(net, Network):
+        raise CapsNetError(f"gradcheck takes a Model, a network, (layer, input) or a description, not "
+                           f"{type(target).__name__}")
+    net, copied = _float64_copy(net)
+    rows = checks.network_checks(B, net, "the whole loss", samples, 1e-5, tol, seed=seed, batch=batch)
+    rows += checks.layer_checks_of(B, net, samples, 1e-5, tol, seed)
+    return Report(rows, "gradcheck", "a float64 copy of the model's weights" if copied else "")
+
+
+def crosscheck(target, a: str = "numpy", b: str = "torch", dtype: str = "float64", dtype_b: str | None = None,
+               batch: int = 4, seed: int = 0, rtol: float | None = None) -> Report:
+    """One batch through the same weights on two backends or devices (``a``, ``b``: "numpy", "torch",
+    "torch:cuda", "cupy"; ``dtype_b`` float32 against a float64 ``dtype``): the loss, the outputs
+    and every gradient compared, each to ``rtol`` of its own largest entry (default 1e-9, or 1e-4
+    where a side is float32)."""
+    from pycapsnet import backends
+
+    from .core import architecture
+
+    net = _network(target)
+    sides = []
+    for spec, dt in ((a, dtype), (b, dtype_b or dtype)):
+        model = architecture.build(net.architecture, backends.get(spec, dtype=dt))
+        model.load_state_dict(net.state_dict())
+        sides.append(model)
+    low = "float32" if "float32" in (dtype, dtype_b or dtype) else "float64"
+    rng = np.random.default_rng(seed)
+    x, y = rng.random((batch, *net.input_shape)).astype(low), rng.integers(0, net.n_classes, batch)
+    results = []
+    for model in sides:
+        model.zero_grad()
+        out = model.loss(x, y)
+        dx = model.backward(input_grad=True)
+        B = model.B
+        res = {"loss": ("forward", np.array(out.loss)), "class scores": ("forward", B.to_numpy(out.lengths)),
+               "dL/dx (input)": ("gradient", B.to_numpy(dx))}
+        res.update({f"dL/d {k}": ("gradient", B.to_numpy(g)) for k, g in model.grads.items()})
+        results.append(res)
+    tol = rtol or (1e-4 if low == "float32" else 1e-9)
+    rows = []
+    for name, (kind, u) in results[0].items():
+        w = results[1][name][1]
+        diff = float(np.abs(u.astype(np.float64) - w.astype(np.float64)).max(initial=0))
+        rel = diff / (float(np.abs(u).max(initial=0)) or 1.0)
+        rows.append({"tensor": name, "kind": kind, "max_abs": diff, "max_rel": rel, "agree": rel <= tol})
+    return Report(rows, f"crosscheck {a} ({dtype}) against {b} ({dtype_b or dtype})", f"tolerance {tol:g}")
+
+
+class AutogradTwin:
+    """The network written again in PyTorch operations, every gradient left to autograd
+    (tools/reference.py's AutogradNetwork), from the model's weights: ``loss(x, y)`` is a scalar
+    tensor (``.backward()`` fills ``params[name].grad``); ``forward(x, y)`` gives (v, scores,
+    reconstruction); ``grads(x, y)`` the loss and every gradient as NumPy arrays."""
+
+    def __init__(self, net, dtype):
+        import torch
+
+        from .tools.reference import AutogradNetwork
+
+        self.reference = AutogradNetwork.from_model(net, dtype=getattr(torch, dtype))
+        self.params = self.reference.params
+
+    def forward(self, x, y=None):
+        return self.reference.forward(self._tensor(x), None if y is None else self._labels(y))
+
+    def loss(self, x, y):
+        return self.reference.loss(self._tensor(x), self._labels(y))[0]
+
+    def grads(self, x, y, input_grad: bool = False):
+        return self.reference.grads(np.asarray(x), np.asarray(y), input_grad)
+
+    def _tensor(self, x):
+        import torch
+
+        return x if torch.is_tensor(x) else torch.as_tensor(np.asarray(x), dtype=self.reference.dtype)
+
+    def _labels(self, y):
+        import torch
+
+        return y if torch.is_tensor(y) else torch.as_tensor(np.asarray(y), dtype=torch.int64)
+
+
+def autograd_twin(target, dtype: str = "float64") -> AutogradTwin:
+    """The model under PyTorch autograd, the same weights: the independent oracle of its backward."""
+    return AutogradTwin(_network(target), dtype)
+
+
+def coupling(target, x) -> dict:
+    """Each routing layer's coefficients of every routing iteration for images x, as the network
+    evaluates: {layer name: [c (N, I, J) per iteration]} (EM: assignments R; a convolutional layer's
+    (N, P, I, C), its P window positions)."""
+    from .arrays import images
+    from .tools.inspect_run import _coefficients
+
+    net = _network(target)
+    B = net.B
+    xa = images(x, net.input_shape)
+    with net.evaluating():
+        net.forward(xa)
+    found = {name: [np.array(B.to_numpy(c)) for c in _coefficients(layer)] for name, layer in net.routing_layers()}
+    net.release()
+    if not found:
+        raise CapsNetError("this network has no routing layer (a CNN): it has no coupling coefficients")
+    return found
+
+
+def figure_4(target, x, capsule=None, reach: float = 0.25, steps: int = 11, path=None):
+    """The paper's Figure 4 for one image x (1, C, H, W): each dimension of a class capsule (its
+    predicted class unless ``capsule``) moved over [-reach, reach] in ``steps`` steps, decoded.
+    Returns (decoded (D, steps, C, H, W), the steps); ``path``: also drawn there (PNG)."""
+    from .arrays import images
+    from .tools import plots
+
+    net = _network(target)
+    if net.decoder is None:
+        raise CapsNetError("Figure 4 decodes class capsules, and this network has no decoder")
+    xa = images(x, net.input_shape)[:1]
+    with net.evaluating():
+        out = net.forward(xa)
+    v = net.B.to_numpy(out.v)
+    chosen = int(out.predictions[0]) if capsule is None else int(capsule)
+    net.release()
+    moves = np.round(np.linspace(-reach, reach, steps), 6)
+    D = v.shape[-1]
+    tweaked = np.repeat(v, D * steps, axis=0)
+    for d in range(D):
+        tweaked[d * steps:(d + 1) * steps, chosen, d] += moves
+    decoded = net.B.to_numpy(net.decode(tweaked, np.full(len(tweaked), chosen)))
+    decoded = decoded.reshape(D, steps, *decoded.shape[1:])
+    if path is not None:
+        plots.perturbation_grid(decoded, moves, os.fspath(path), f"each of the {D} dimensions of capsule {chosen} "
+                                f"moved over [-{reach:g}, {reach:g}], then decoded")
+    return decoded, moves
+
+
+def inspect(model, x, y, index: int = 0, out: str = "inspect") -> list:
+    """``pycapsnet inspect`` for arrays: reconstructions of the first images, Figure 4 and every
+    routing layer's coupling for image ``index`` of (x, y), written into ``out``; returns the paths."""
+    from .api import Model
+    from .training.data import Split
+    from .training.run_dir import prepare_out_dir, save_reconstructions
+    from .tools.inspect_run import coupling_pictures
+
+    model = model if isinstance(model, Model) else Model(model)
+    xa = model._split(x, y, "x", "y")
+    if not 0 <= index < len(xa):
+        raise CapsNetError(f"index must be in [0, {len(xa) - 1}], got {index}")
+    prepare_out_dir(out)
+    net, names = model.network, model.classes
+    found = coupling(net, xa.x[index:index + 1])
+    pred = int(model.predict(xa.x[index:index + 1])[0])
+    about = f"image {index} (label {names[int(xa.y[index])]}, predicted {names[pred]})"
+    routed = [(name, layer, [c[0] for c in found[name]]) for name, layer in net.routing_layers()]
+    written = [save_reconstructions(net, Split(xa.x, xa.y, "arrays", names), os.path.join(out, "reconstructions.png"))]
+    if net.decoder is not None:
+        figure_4(net, xa.x[index:index + 1], path=os.path.join(out, "perturbation.png"))
+        written.append(os.path.join(out, "perturbation.png"))
+    em = bool(getattr(routed[-1][1], "activations", None))
+    written += coupling_pictures(routed, out, about, names, pred, em=em)
+    return written
