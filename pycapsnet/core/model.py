@@ -233,7 +233,9 @@ def builtin_architecture(cfg: CapsNetConfig) -> dict:
         body += [arch.primary_caps(cfg.primary_types, cfg.primary_dim, cfg.primary_kernel, cfg.primary_stride,
                                    cfg.primary_conv, name="primary")]
         caps = (cfg.n_classes, cfg.class_dim)
-        shared = dict(share_spatial=cfg.share_spatial, init_std=0.01)  # the paper's init for its one routing layer
+        # the paper's init for its one routing layer; VB routing's votes at 0.01 are so small that the
+        # prior's Ψ0 swamps their spread and the network stays at chance: init.routed_std's there
+        shared = dict(share_spatial=cfg.share_spatial, init_std=None if cfg.routing == "vb" else 0.01)
         if cfg.routing in ROUTED:
             iterated = cfg.routing in ("inverted", "vb")
             routed = dict(iters=cfg.routing_iters if iterated else None, routing=cfg.routing,

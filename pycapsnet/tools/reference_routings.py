@@ -77,7 +77,7 @@ def self_route(u_hat, u, W_r, b_r):
     return a_out[..., None] * mu / mu.norm(dim=-1, keepdim=True)
 
 
-def vb_route(u_hat, a, beta_a, beta_u, iters, alpha0=1.0, kappa0=1.0, psi0=1.0, nu0=None, lam=1.0, final=False):
+def vb_route(u_hat, a, beta_a, beta_u, iters, alpha0=1.0, kappa0=1.0, psi0=1.0, nu0=None, lam=0.1, final=False):
     """Ribeiro et al. 2020, diagonal covariance, m0 = 0, as vb_routing.py's docstring states it.
     ``final``: the responsibilities of the last M-step detached."""
     n, i, j, d = u_hat.shape
@@ -117,6 +117,6 @@ def route(routing, u_hat, u, params, iters, options, fixed=None, final=False):
         return self_route(u_hat, u, params["W_route"], params["b_route"])
     if routing == "vb":
         opts = {k: v for k, v in options.items() if v is not None}
-        lam = opts.pop("vb_lambda", 1.0)
+        lam = opts.pop("vb_lambda", 0.1)
         return vb_route(u_hat, u.norm(dim=-1), params["beta_a"], params["beta_u"], iters, lam=lam, final=final, **opts)
     raise ValueError(f"no reference for routing {routing!r}")
