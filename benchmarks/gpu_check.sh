@@ -32,7 +32,7 @@
 #              validation accuracy (no test accuracy); pass the winner to mnist as $MNIST_LR, $MNIST_DECAY
 #  efficient   the same for Efficient-CapsNet (--network efficient, its paper's recipe), $EFFICIENT_EPOCHS (30);
 #              EFFICIENT_AUGMENT=efficient trains on its paper's augmentation (default: shift)
-#  table1, affine, multimnist   the paper's experiments from full MNIST ($EXP_EPOCHS epochs, 5;
+#  table1, affine, multimnist, routings   the experiments from full MNIST ($EXP_EPOCHS epochs, 5;
 #              $EXP_SEEDS seeds, 3), results in OUTDIR/NAME; one cut by its time limit goes on from
 #              its finished units (OUTDIR/NAME/units.json) when run again into the same OUTDIR
 #  The runs take $DEVICE (cuda) and extra flags in $RUN_FLAGS: DEVICE=cpu RUN_FLAGS="--limit 64
@@ -171,7 +171,7 @@ want mnist_sweep && mnist_sweep
 want mnist && full_mnist capsnet "${MNIST_EPOCHS:-30}" "${MNIST_LR:+--lr $MNIST_LR} ${MNIST_DECAY:+--lr-decay $MNIST_DECAY}"
 # Efficient-CapsNet with its paper's recipe: Adam at 5e-4 decayed 0.97 an epoch, batch 16
 want efficient && full_mnist efficient "${EFFICIENT_EPOCHS:-30}" "--network efficient --lr 5e-4 --lr-decay 0.97 --batch-size 16 --augment ${EFFICIENT_AUGMENT:-shift}"
-for name in table1 affine multimnist; do
+for name in table1 affine multimnist routings; do
     if want $name; then
         backend=$([ "$device" = cpu ] && echo numpy || echo "torch:$device")
         run "experiment_$name" 560 14 python -m pycapsnet experiment $name --backend "$backend" --data-dir "$data" \

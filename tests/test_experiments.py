@@ -162,7 +162,7 @@ def test_experiments_take_mnist_idx_files(tmp_path):
     (["affine", "--canvas", "100000"], "give a smaller --canvas or --limit"),
     (["multimnist", "--pairs", "1000000000"], "give fewer --pairs"),
     (["table1", "--canvas", "40", "--shift", "2"], "experiment table1 does not read --canvas, --shift"),
-    (["affine", "--pairs", "3"], "experiment affine does not read --pairs (multimnist does): drop it"),
+    (["affine", "--pairs", "3"], "experiment affine does not read --pairs (multimnist and routings do): drop it"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
     done, out = _experiment(tmp_path, *flags, "--quick")
@@ -249,6 +249,13 @@ def test_the_routing_study_runs_every_routing_on_one_backbone(tmp_path):
     assert rows["uniform"]["entropy"] == [pytest.approx(1.0)] and rows["dynamic-1"]["entropy"] == [pytest.approx(1.0)]
     assert len(rows["dynamic-3"]["entropy"]) == 3 and rows["dynamic-3"]["entropy"][0] == pytest.approx(1.0)
     assert rows["random"]["entropy"][0] < 0.99 and results["affine"] is None
+    # MultiMNIST: the routings of vector capsules with the decoder, on pairs, as the multimnist experiment trains
+    multi = results["multimnist"]
+    assert set(multi["rows"]) == set(rows) - {"em", "inverted, its head", "self, its head"}
+    assert multi["canvas"] == 36 and multi["test_pairs"] > 0
+    assert all(len(r["errors"]) == 2 and 0 <= r["mean"] <= 100 for r in multi["rows"].values())
+    assert multi["rows"]["dynamic-3"]["params"] > rows["dynamic-3"]["params"]  # the decoder's
     table = (tmp_path / "r" / "results.md").read_text()
     assert table.startswith("| routing | parameters") and "within the best's spread" in table
+    assert "MultiMNIST error %" in table
     assert (tmp_path / "r" / "routings.png").stat().st_size > 5000

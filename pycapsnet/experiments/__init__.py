@@ -66,7 +66,9 @@ def add_parser(sub, backends_help: str):
                    help="pairs made per training digit per epoch (default: 2; quick: 1); the test set has 1 per digit")
     r = x.add_argument_group("routings")
     r.add_argument("--no-affine", action="store_true", default=None,
-                   help="test error and coupling entropy only, without the affine-robustness training")
+                   help="without the affine-robustness training")
+    r.add_argument("--no-multimnist", action="store_true", default=None,
+                   help="without MultiMNIST (the routings that reconstruct, on pairs of digits: --shift, --pairs)")
     x.set_defaults(fn=main)
     return x
 
@@ -114,7 +116,8 @@ def _run(args, module, out, B) -> int:
 
 # The flags each experiment reads, with their defaults (None: the experiment's own, from --quick)
 OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_shear": 45.0, "scale": (0.8, 1.2)},
-             "multimnist": {"canvas": 36, "shift": 4, "pairs": None}, "routings": {"canvas": 40, "no_affine": False}}
+             "multimnist": {"canvas": 36, "shift": 4, "pairs": None}, "routings": {"canvas": 40, "no_affine": False, "shift": 4, "pairs": None,
+                                                   "no_multimnist": False}}
 
 
 def _refuse_flags_of_others(args) -> None:
@@ -149,7 +152,8 @@ def _command(args) -> str:
 def routings(out: str = "experiments/routings", quick: bool = False, epochs: int | None = None,
              seeds: int | None = None, data_dir: str | None = None, limit: int | None = None, batch_size: int = 32,
              lr: float | None = None, backend: str = "numpy", dtype: str = "float32", canvas: int | None = None,
-             affine: bool = True) -> dict:
+             affine: bool = True, multimnist: bool = True, shift: int | None = None,
+             pairs: int | None = None) -> dict:
     """``pycapsnet experiment routings`` from Python: every routing on one shared backbone
     (routing_study.py); returns what results.json holds, and writes it, results.md and
     routings.png into ``out`` (a stopped run goes on where it stopped)."""
@@ -157,8 +161,8 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
 
     args = argparse.Namespace(name="routings", quick=quick, out=out, epochs=epochs, seeds=seeds, data_dir=data_dir,
                               limit=limit, batch_size=batch_size, lr=lr, backend=backend, dtype=dtype, canvas=canvas,
-                              max_rotation=None, max_shear=None, scale=None, shift=None, pairs=None,
-                              no_affine=None if affine else True)
+                              max_rotation=None, max_shear=None, scale=None, shift=shift, pairs=pairs,
+                              no_affine=None if affine else True, no_multimnist=None if multimnist else True)
     main(args)
     with open(os.path.join(out, "results.json")) as f:
         return json.load(f)

@@ -90,12 +90,16 @@ def run(args, B, out, units) -> dict:
             "paper": PAPER_ERROR}
 
 
-def train_one(args, B, seed, x_tr, y_tr, test, pairs, figure) -> dict:
-    """One unit: CapsNet trained from ``seed`` on fresh pairs each epoch; its test error (%),
-    seconds a step and parameters.  Its segmentation figure replaces the one before (the last
-    seed's stays)."""
-    canvas = args.canvas
-    model = A.build(capsnet((1, canvas, canvas), **(QUICK_CAPSNET if args.quick else {})), B, seed=seed)
+def train_one(args, B, seed, x_tr, y_tr, test, pairs, figure, description=None, canvas=None, lr=None,
+              desc=None) -> dict:
+    """One unit: CapsNet (or ``description``, a network with class capsules and a decoder) trained
+    from ``seed`` on fresh pairs each epoch; its test error (%), seconds a step and parameters.  Its
+    segmentation figure, unless ``figure`` is None, replaces the one before (the last seed's stays)."""
+    canvas = canvas or args.canvas
+    desc = desc or f"multimnist seed {seed}"
+    if description is None:
+        description = capsnet((1, canvas, canvas), **(QUICK_CAPSNET if args.quick else {}))
+    model = A.build(description, B, seed=seed)
     rng = np.random.default_rng(seed)
 
     def batches(epoch):  # fresh pairs and shifts every epoch, from the seed
@@ -106,12 +110,14 @@ def train_one(args, B, seed, x_tr, y_tr, test, pairs, figure) -> dict:
             yield tuple(part[idx] for part in made)
 
     n = loop.n_batches(len(y_tr) * pairs, args.batch_size)
-    _, t = loop.train(model, args.epochs, batches, n, step, lr=args.lr, desc=f"multimnist seed {seed}")
+    _, t = loop.train(model, args.epochs, batches, n, step, lr=lr or args.lr, desc=desc)
     predicted = top_two(model, test[0])
     right = recognised(predicted, test[1], test[2])
     error = 100 * float(1 - right.mean())
-    say(f"multimnist seed {seed}: test error {error:.2f}% ({int((~right).sum())} of {len(right)} pairs)")
-    segmentation_figure(model, test, predicted, right, figure)
+    say(f"{desc}: test error {error:.2f}% ({int((~right).sum())} of {len(right)} pairs)")
+    if figure is not None:
+        segmentation_figure(model, test, predicted, right, figure)
+    model.release()
     return {"error": error, "step": t, "params": model.n_params()}
 
 

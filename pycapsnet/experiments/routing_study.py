@@ -10,7 +10,7 @@ same data, recipe and epochs, several seeds (Paik, Kwak & Kim 2019; Gu & Tresp 2
     ("inverted, its head": a shared linear map to logits and cross-entropy; "self, its head":
     -log a_j); the table's main rows are the shared head's.
 
-Per routing and seed, two units (units.py: a stopped run goes on where it stopped):
+Per routing and seed, three units (units.py: a stopped run goes on where it stopped):
     mnist    trained on the digits shifted by up to 2 pixels, the last epoch's test error (no epoch
              is chosen on the test set); then the entropy of each routing iteration's coefficients
              (c_ij; VB and EM: R_ij), per child over the parents, in units of ln J (1: uniform),
@@ -19,6 +19,9 @@ Per routing and seed, two units (units.py: a stopped run goes on where it stoppe
              translated held-out digits; each network is read at the first epoch that reaches the
              lowest of the routings' best validation accuracies (the same translated accuracy for
              all, chosen without a test set), on translated and on affinely moved test digits
+    multimnist the routings of vector capsules (not EM), each with the paper's decoder, trained on
+             MultiMNIST as the multimnist experiment trains CapsNet (both digits reconstructed, Adam
+             at its 1e-3); a pair counts only if its two longest capsules are its two classes
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from ..core import architecture as A
 from ..tools import plots
 from ..training import data
 from ..training.log import say
-from . import check_fits, digits, loop
+from . import check_fits, digits, loop, multimnist
 
 LR = 2e-3
 QUICK_BACKBONE = dict(conv_channels=8, primary_types=2)
@@ -39,13 +42,16 @@ BACKBONE = dict(conv_channels=64, primary_types=16)
 ROUTINGS = {"dynamic-1": ("dynamic", 1), "dynamic-3": ("dynamic", 3), "attention": ("attention", None),
             "inverted": ("inverted", 3), "self": ("self", None), "vb": ("vb", 3), "em": ("em", 2),
             "uniform": ("uniform", None), "random": ("random", None)}
+DECODER, QUICK_DECODER = (512, 1024), (32, 64)  # MultiMNIST's decoder: the paper's, and --quick's
+MULTIMNIST_LR = multimnist.LR  # its units' Adam rate: the multimnist experiment's (the paper's)
 OWN_HEADS = ("inverted", "self")  # rows "NAME, its head" beside the shared head's
 ENTROPY_DIGITS = 100
 VAL_FRACTION = 0.1
 
 
-def network(name, shape, conv_channels, primary_types, own_head=False) -> dict:
-    """The description of routing ``name``'s network on the shared backbone."""
+def network(name, shape, conv_channels, primary_types, own_head=False, decoder=None) -> dict:
+    """The description of routing ``name``'s network on the shared backbone; ``decoder``: its hidden
+    sizes, for the reconstruction decoder MultiMNIST trains (none elsewhere)."""
     routing, iters = ROUTINGS[name]
     stem = [A.conv2d(conv_channels, 9, name="conv1"), A.relu(name="relu1")]
     if routing == "em":
@@ -64,7 +70,8 @@ def network(name, shape, conv_channels, primary_types, own_head=False) -> dict:
         head, loss = "logits", A.cross_entropy()
     elif own_head and routing == "self":
         loss = A.nll_loss()
-    return A.network(body, head=head, loss=loss, decoder=None, input_shape=shape, n_classes=10)
+    return A.network(body, head=head, loss=loss, decoder=decoder and A.decoder(decoder), input_shape=shape,
+                     n_classes=10)
 
 
 def variants(shape, backbone) -> dict:
@@ -72,6 +79,12 @@ def variants(shape, backbone) -> dict:
     rows = {name: network(name, shape, **backbone) for name in ROUTINGS}
     rows.update({f"{name}, its head": network(name, shape, own_head=True, **backbone) for name in OWN_HEADS})
     return rows
+
+
+def reconstructing(shape, backbone, quick) -> dict:
+    """Row name -> description with the decoder: the routings of vector capsules, shared head."""
+    hidden = QUICK_DECODER if quick else DECODER
+    return {name: network(name, shape, decoder=hidden, **backbone) for name in ROUTINGS if name != "em"}
 
 
 def coefficients(layer) -> list:
@@ -133,6 +146,7 @@ def run(args, B, out, units) -> dict:
                                   "ms_per_step": 1e3 * float(np.median([u["step"] for u in done]))}
     if not args.no_affine:
         results["affine"] = _affine(args, B, units, train_set, test_set, backbone)
+    results["multimnist"] = None if args.no_multimnist else _multimnist(args, B, units, train_set, test_set)
     figure(results, os.path.join(out, "routings.png"))
     return results
 
@@ -163,40 +177,75 @@ def _affine(args, B, units, train_set, test_set, backbone) -> dict:
             for name, r in out.items()}
 
 
+def _multimnist(args, B, units, train_set, test_set) -> dict:
+    """Each reconstructing routing on MultiMNIST as the multimnist experiment trains CapsNet: pairs
+    shifted by up to --shift pixels on a canvas of 28 + 2 --shift, both digits reconstructed."""
+    canvas = digits.DIGIT + 2 * args.shift
+    pairs = args.pairs if args.pairs is not None else (1 if args.quick else 2)
+    digits.check_multimnist(args.shift, canvas, pairs)
+    check_fits("routings", 3 * (len(train_set) * pairs + len(test_set)), canvas, "give fewer --pairs or a --limit")
+    x_tr = data.as_float(train_set.x)
+    test = digits.multimnist(data.as_float(test_set.x), test_set.y, 1, np.random.default_rng(12345), args.shift, canvas)
+    rows = reconstructing((1, canvas, canvas), QUICK_BACKBONE if args.quick else BACKBONE, args.quick)
+    out = {}
+    for name, d in rows.items():
+        done = [units.measure(f"multimnist {name} seed {seed}", lambda d=d, seed=seed: multimnist.train_one(
+                    args, B, seed, x_tr, train_set.y, test, pairs, None, description=d, canvas=canvas,
+                    lr=MULTIMNIST_LR, desc=f"multimnist {name} seed {seed}")) for seed in range(args.seeds)]
+        errors = [u["error"] for u in done]
+        out[name] = {"params": done[0]["params"], "errors": errors, **_spread(errors),
+                     "ms_per_step": 1e3 * float(np.median([u["step"] for u in done]))}
+    return {"canvas": canvas, "shift": args.shift, "pairs_per_train_digit_per_epoch": pairs, "lr": MULTIMNIST_LR,
+            "test_pairs": len(test[1]), "rows": out}
+
+
 def _spread(values) -> dict:
     return {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else None}
 
 
 def table(results) -> str:
     mnist, affine = results["mnist"], results["affine"] or {}
+    multi = (results.get("multimnist") or {}).get("rows", {})
     best = min(mnist, key=lambda n: mnist[n]["mean"])
-    spread = lambda r: f" ± {r['std']:.2f}" if r["std"] is not None else ""
-    lines = ["| routing | parameters | test error % | within the best's spread | affine test % | coupling entropy "
-             "per iteration | ms/step |", "|---|---|---|---|---|---|---|"]
+    spread = lambda r: f" ± {r['std']:.2f}" if r["std"] is not None else ""  # noqa: E731
+    lines = ["| routing | parameters | test error % | within the best's spread | affine test % | MultiMNIST error % "
+             "| coupling entropy per iteration | ms/step |", "|---|---|---|---|---|---|---|---|"]
     for name, r in mnist.items():
         near = abs(r["mean"] - mnist[best]["mean"]) <= max(r["std"] or 0, mnist[best]["std"] or 0)
-        a = affine.get(name)
+        a, m = affine.get(name), multi.get(name)
         cell = f"{a['affine_mean']['mean']:.2f}{spread(a['affine_mean'])}" if a else ""
+        multi_cell = f"{m['mean']:.2f}{spread(m)}" if m else ""
         lines.append(f"| {name} | {r['params']:,} | {r['mean']:.2f}{spread(r)} | {'yes' if near else 'no'} | {cell} | "
-                     f"{', '.join(f'{e:.3f}' for e in r['entropy'])} | {r['ms_per_step']:.0f} |")
+                     f"{multi_cell} | {', '.join(f'{e:.3f}' for e in r['entropy'])} | {r['ms_per_step']:.0f} |")
     return "\n".join(lines)
 
 
 def figure(results, path):
-    """Test error per routing with its spread, and the coupling entropy of each iteration."""
+    """Each test error per routing with its spread (MNIST; affine and MultiMNIST where run), and the
+    coupling entropy of each iteration."""
     plt = plots.pyplot()
     mnist = results["mnist"]
     names = list(mnist)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    means = [mnist[n]["mean"] for n in names]
-    stds = [mnist[n]["std"] or 0 for n in names]
-    a.barh(range(len(names)), means, xerr=stds, color="C0", alpha=0.8)
-    a.set_yticks(range(len(names)), names, fontsize=7), a.invert_yaxis()
-    a.set_xlabel("test error % (mean ± std over seeds)")
+    panels = [("MNIST test error %", {n: (r["mean"], r["std"]) for n, r in mnist.items()})]
+    if results["affine"]:
+        panels.append(("affine test error %", {n: (100 - r["affine_mean"]["mean"], r["affine_mean"]["std"])
+                                               for n, r in results["affine"].items()}))
+    if results.get("multimnist"):
+        panels.append(("MultiMNIST test error %", {n: (r["mean"], r["std"])
+                                                   for n, r in results["multimnist"]["rows"].items()}))
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(3.6 * (len(panels) + 1), 3.6))
+    for a, (label, rows) in zip(axes, panels):
+        means = [rows[n][0] if n in rows else np.nan for n in names]
+        stds = [(rows[n][1] or 0) if n in rows else 0 for n in names]
+        a.barh(range(len(names)), means, xerr=stds, color="C0", alpha=0.8)
+        a.set_yticks(range(len(names)), names if a is axes[0] else [""] * len(names), fontsize=7)
+        a.invert_yaxis(), a.set_xlabel(f"{label}\n(mean ± std over seeds)", fontsize=8)
+    b = axes[-1]
     for n in names:
         ent = mnist[n]["entropy"]
         b.plot(range(1, len(ent) + 1), ent, "o-", label=n, lw=1, ms=3)
-    b.set_xlabel("routing iteration"), b.set_ylabel("coupling entropy / ln J"), b.set_ylim(0, 1.05)
+    b.set_xticks(range(1, 1 + max(len(mnist[n]["entropy"]) for n in names)))
+    b.set_xlabel("routing iteration", fontsize=8), b.set_ylabel("coupling entropy / ln J"), b.set_ylim(0, 1.05)
     b.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     plots.save(fig, path)

@@ -13,7 +13,8 @@ from ..training.files import atomic_write
 from ..training.log import say
 
 FILE = "units.json"
-NOT_FLAGS = ("seeds", "out", "fn", "command")  # what a unit does not depend on (more seeds are more units)
+# what a unit does not depend on: more seeds are more units; the parts run or left out are other units
+NOT_FLAGS = ("seeds", "out", "fn", "command", "no_affine", "no_multimnist")
 
 
 class Units:
