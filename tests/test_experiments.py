@@ -163,6 +163,9 @@ def test_experiments_take_mnist_idx_files(tmp_path):
     (["multimnist", "--pairs", "1000000000"], "give fewer --pairs"),
     (["table1", "--canvas", "40", "--shift", "2"], "experiment table1 does not read --canvas, --shift"),
     (["affine", "--pairs", "3"], "experiment affine does not read --pairs (multimnist and routings do): drop it"),
+    (["routings", "--routings", "dynamic-3", "bogus"], "--routings bogus: the study's routings are dynamic-1"),
+    (["routings", "--epochs", "0"], "--epochs"),
+    (["table1", "--routings", "em"], "experiment table1 does not read --routings (routings does)"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
     done, out = _experiment(tmp_path, *flags, "--quick")
@@ -258,4 +261,6 @@ def test_the_routing_study_runs_every_routing_on_one_backbone(tmp_path):
     table = (tmp_path / "r" / "results.md").read_text()
     assert table.startswith("| routing | parameters") and "within the best's spread" in table
     assert "MultiMNIST error %" in table
+    units = json.loads((tmp_path / "r" / "units.json").read_text())["units"]
+    assert all(len(u["losses"]) == 1 for u in units.values())  # each epoch's mean loss: the unit's curve
     assert (tmp_path / "r" / "routings.png").stat().st_size > 5000

@@ -67,6 +67,8 @@ def add_parser(sub, backends_help: str):
     r = x.add_argument_group("routings")
     r.add_argument("--no-affine", action="store_true", default=None,
                    help="without the affine-robustness training")
+    r.add_argument("--routings", nargs="+", default=None, metavar="NAME",
+                   help="only these (default: all): dynamic-1 dynamic-3 attention inverted self vb em uniform random")
     r.add_argument("--no-multimnist", action="store_true", default=None,
                    help="without MultiMNIST (the routings that reconstruct, on pairs of digits: --shift, --pairs)")
     x.set_defaults(fn=main)
@@ -117,7 +119,7 @@ def _run(args, module, out, B) -> int:
 # The flags each experiment reads, with their defaults (None: the experiment's own, from --quick)
 OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_shear": 45.0, "scale": (0.8, 1.2)},
              "multimnist": {"canvas": 36, "shift": 4, "pairs": None}, "routings": {"canvas": 40, "no_affine": False, "shift": 4, "pairs": None,
-                                                   "no_multimnist": False}}
+                                                   "no_multimnist": False, "routings": None}}
 
 
 def _refuse_flags_of_others(args) -> None:
@@ -153,7 +155,7 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
              seeds: int | None = None, data_dir: str | None = None, limit: int | None = None, batch_size: int = 32,
              lr: float | None = None, backend: str = "numpy", dtype: str = "float32", canvas: int | None = None,
              affine: bool = True, multimnist: bool = True, shift: int | None = None,
-             pairs: int | None = None) -> dict:
+             pairs: int | None = None, routings: list | None = None) -> dict:
     """``pycapsnet experiment routings`` from Python: every routing on one shared backbone
     (routing_study.py); returns what results.json holds, and writes it, results.md and
     routings.png into ``out`` (a stopped run goes on where it stopped)."""
@@ -162,7 +164,8 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
     args = argparse.Namespace(name="routings", quick=quick, out=out, epochs=epochs, seeds=seeds, data_dir=data_dir,
                               limit=limit, batch_size=batch_size, lr=lr, backend=backend, dtype=dtype, canvas=canvas,
                               max_rotation=None, max_shear=None, scale=None, shift=shift, pairs=pairs,
-                              no_affine=None if affine else True, no_multimnist=None if multimnist else True)
+                              no_affine=None if affine else True, no_multimnist=None if multimnist else True,
+                              routings=None if routings is None else list(routings))
     main(args)
     with open(os.path.join(out, "results.json")) as f:
         return json.load(f)

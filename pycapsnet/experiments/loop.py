@@ -18,10 +18,11 @@ def default_step(model, batch):
 
 
 def train(model, epochs: int, batches, n_batches: int, step=default_step, lr=2e-3, decay=0.85, desc="train",
-          after_epoch=None):
+          after_epoch=None, curve=None):
     """Train ``model`` for ``epochs``; ``batches(epoch)`` yields what ``step(model, batch)`` takes, which
-    fills the gradients and returns the loss; ``after_epoch(epoch)`` is called after each.  Returns
-    (mean loss of the last epoch, seconds per step)."""
+    fills the gradients and returns the loss; ``after_epoch(epoch)`` is called after each, and each
+    epoch's mean loss is appended to the list ``curve`` if given.  Returns (mean loss of the last
+    epoch, seconds per step)."""
     opt = optim.make("adam", model, lr)
     step_times, loss = [], float("nan")
     for epoch in range(epochs):
@@ -37,6 +38,8 @@ def train(model, epochs: int, batches, n_batches: int, step=default_step, lr=2e-
             step_times.append(time.perf_counter() - t0)
             shown.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}")
         loss = float(np.mean(losses))
+        if curve is not None:
+            curve.append(loss)
         if not np.isfinite(loss):
             from ..errors import CapsNetError
             raise CapsNetError(f"{desc}: the loss became {loss} in epoch {epoch + 1}: lower --lr")
@@ -60,7 +63,7 @@ def n_batches(n, batch_size):
     return -(-n // batch_size)
 
 
-def train_network(args, B, description, seed, train_set, transform, desc, after_epoch=None):
+def train_network(args, B, description, seed, train_set, transform, desc, after_epoch=None, curve=None):
     """The described network built from ``seed`` and trained for --epochs on ``train_set``, each batch
     through ``transform(images, rng)`` (shifts, a canvas): (model, seconds per step)."""
     from ..core import architecture
@@ -71,5 +74,5 @@ def train_network(args, B, description, seed, train_set, transform, desc, after_
     batches = lambda epoch: shuffled(train_set.x, train_set.y, args.batch_size, rng,  # noqa: E731
                                      lambda x, r: transform(data.as_float(x), r))
     _, step = train(model, args.epochs, batches, n_batches(len(train_set), args.batch_size), lr=args.lr, desc=desc,
-                    after_epoch=None if after_epoch is None else lambda epoch: after_epoch(model, epoch))
+                    after_epoch=None if after_epoch is None else lambda epoch: after_epoch(model, epoch), curve=curve)
     return model, step

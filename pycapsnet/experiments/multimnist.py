@@ -110,7 +110,8 @@ def train_one(args, B, seed, x_tr, y_tr, test, pairs, figure, description=None, 
             yield tuple(part[idx] for part in made)
 
     n = loop.n_batches(len(y_tr) * pairs, args.batch_size)
-    _, t = loop.train(model, args.epochs, batches, n, step, lr=lr or args.lr, desc=desc)
+    losses = []
+    _, t = loop.train(model, args.epochs, batches, n, step, lr=lr or args.lr, desc=desc, curve=losses)
     predicted = top_two(model, test[0])
     right = recognised(predicted, test[1], test[2])
     error = 100 * float(1 - right.mean())
@@ -118,7 +119,7 @@ def train_one(args, B, seed, x_tr, y_tr, test, pairs, figure, description=None, 
     if figure is not None:
         segmentation_figure(model, test, predicted, right, figure)
     model.release()
-    return {"error": error, "step": t, "params": model.n_params()}
+    return {"error": error, "step": t, "params": model.n_params(), "losses": losses}
 
 
 def recognised(predicted, a, b):

@@ -31,6 +31,7 @@ import os
 import numpy as np
 
 from ..core import architecture as A
+from ..errors import CapsNetError
 from ..tools import plots
 from ..training import data
 from ..training.log import say
@@ -74,17 +75,29 @@ def network(name, shape, conv_channels, primary_types, own_head=False, decoder=N
                      n_classes=10)
 
 
-def variants(shape, backbone) -> dict:
-    """Row name -> description: every routing with the shared head, then the papers' own heads."""
-    rows = {name: network(name, shape, **backbone) for name in ROUTINGS}
-    rows.update({f"{name}, its head": network(name, shape, own_head=True, **backbone) for name in OWN_HEADS})
+def variants(shape, backbone, chosen=None) -> dict:
+    """Row name -> description: every routing (or those ``chosen``) with the shared head, then the
+    papers' own heads."""
+    names = [n for n in ROUTINGS if chosen is None or n in chosen]
+    rows = {name: network(name, shape, **backbone) for name in names}
+    rows.update({f"{name}, its head": network(name, shape, own_head=True, **backbone) for name in OWN_HEADS
+                 if name in names})
     return rows
 
 
-def reconstructing(shape, backbone, quick) -> dict:
+def check_routings(chosen) -> None:
+    """Refuse, before anything is trained, a routing name the study does not have."""
+    unknown = [n for n in chosen or () if n not in ROUTINGS]
+    if chosen is not None and (unknown or not chosen):
+        raise CapsNetError(f"--routings {' '.join(unknown) or '(none)'}: the study's routings are "
+                           f"{', '.join(ROUTINGS)}; give one or more of them (a routing's own head runs with it)")
+
+
+def reconstructing(shape, backbone, quick, chosen=None) -> dict:
     """Row name -> description with the decoder: the routings of vector capsules, shared head."""
     hidden = QUICK_DECODER if quick else DECODER
-    return {name: network(name, shape, decoder=hidden, **backbone) for name in ROUTINGS if name != "em"}
+    return {name: network(name, shape, decoder=hidden, **backbone) for name in ROUTINGS
+            if name != "em" and (chosen is None or name in chosen)}
 
 
 def coefficients(layer) -> list:
@@ -106,8 +119,9 @@ def entropy(c) -> float:
 
 
 def mnist_unit(args, B, description, seed, train_set, x_test, y_test, desc) -> dict:
+    losses = []
     model, step = loop.train_network(args, B, description, seed, train_set, lambda x, r: data.random_shift(x, 2, r),
-                                     desc)
+                                     desc, curve=losses)
     error = 100 * float(np.mean(model.predict(x_test, 100) != y_test))
     with model.evaluating():
         model.forward(x_test[:ENTROPY_DIGITS])
@@ -115,25 +129,26 @@ def mnist_unit(args, B, description, seed, train_set, x_test, y_test, desc) -> d
     ent = [entropy(c) for c in coefficients(layer)]
     model.release()
     say(f"{desc}: test error {error:.2f}%, coupling entropy per iteration {', '.join(f'{e:.3f}' for e in ent)}")
-    return {"error": error, "entropy": ent, "step": step, "params": model.n_params()}
+    return {"error": error, "entropy": ent, "step": step, "params": model.n_params(), "losses": losses}
 
 
 def affine_unit(args, B, description, seed, train_set, scored, canvas, desc) -> dict:
-    curve = []
+    curve, losses = [], []
 
     def score(model, epoch):
         curve.append({k: 100 * float(np.mean(model.predict(x, 100) == y)) for k, (x, y) in scored.items()})
 
     loop.train_network(args, B, description, seed, train_set, lambda x, r: digits.place(x, canvas, r), desc,
-                       after_epoch=score)
-    return {"curve": curve}
+                       after_epoch=score, curve=losses)
+    return {"curve": curve, "losses": losses}
 
 
 def run(args, B, out, units) -> dict:
     backbone = QUICK_BACKBONE if args.quick else BACKBONE
     train_set, test_set = digits.source(args.limit, args.data_dir)
     x_test = data.as_float(test_set.x)
-    rows = variants((1, 28, 28), backbone)
+    check_routings(args.routings)
+    rows = variants((1, 28, 28), backbone, args.routings)
     mnist = {name: [units.measure(f"mnist {name} seed {seed}", lambda d=d, seed=seed: mnist_unit(
                  args, B, d, seed, train_set, x_test, test_set.y, f"mnist {name} seed {seed}"))
                     for seed in range(args.seeds)]
@@ -162,7 +177,7 @@ def _affine(args, B, units, train_set, test_set, backbone) -> dict:
     curves = {name: [units.measure(f"affine {name} seed {seed}", lambda d=d, seed=seed: affine_unit(
                   args, B, d, seed, train_set, scored, canvas, f"affine {name} seed {seed}"))["curve"]
                      for seed in range(args.seeds)]
-              for name, d in variants((1, canvas, canvas), backbone).items()}
+              for name, d in variants((1, canvas, canvas), backbone, args.routings).items()}
     out = {}
     for seed in range(args.seeds):
         target = min(max(e["val"] for e in c[seed]) for c in curves.values())
@@ -186,7 +201,7 @@ def _multimnist(args, B, units, train_set, test_set) -> dict:
     check_fits("routings", 3 * (len(train_set) * pairs + len(test_set)), canvas, "give fewer --pairs or a --limit")
     x_tr = data.as_float(train_set.x)
     test = digits.multimnist(data.as_float(test_set.x), test_set.y, 1, np.random.default_rng(12345), args.shift, canvas)
-    rows = reconstructing((1, canvas, canvas), QUICK_BACKBONE if args.quick else BACKBONE, args.quick)
+    rows = reconstructing((1, canvas, canvas), QUICK_BACKBONE if args.quick else BACKBONE, args.quick, args.routings)
     out = {}
     for name, d in rows.items():
         done = [units.measure(f"multimnist {name} seed {seed}", lambda d=d, seed=seed: multimnist.train_one(

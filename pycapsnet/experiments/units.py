@@ -14,7 +14,7 @@ from ..training.log import say
 
 FILE = "units.json"
 # what a unit does not depend on: more seeds are more units; the parts run or left out are other units
-NOT_FLAGS = ("seeds", "out", "fn", "command", "no_affine", "no_multimnist")
+NOT_FLAGS = ("seeds", "out", "fn", "command", "no_affine", "no_multimnist", "routings")
 
 
 class Units:
