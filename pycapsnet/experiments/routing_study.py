@@ -252,7 +252,11 @@ def figure(results, path):
     for a, (label, rows) in zip(axes, panels):
         means = [rows[n][0] if n in rows else np.nan for n in names]
         stds = [(rows[n][1] or 0) if n in rows else 0 for n in names]
-        a.barh(range(len(names)), means, xerr=stds, color="C0", alpha=0.8)
+        a.errorbar(means, range(len(names)), xerr=stds, fmt="o", color="C0", ms=4, capsize=2)
+        a.grid(axis="x", alpha=0.3)
+        shown = [m for m in means if m == m]
+        if min(shown) > 0 and max(shown) > 10 * min(shown):  # a failed row would flatten the rest
+            a.set_xscale("log")
         a.set_yticks(range(len(names)), names if a is axes[0] else [""] * len(names), fontsize=7)
         a.invert_yaxis(), a.set_xlabel(f"{label}\n(mean ± std over seeds)", fontsize=8)
     b = axes[-1]
