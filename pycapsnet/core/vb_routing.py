@@ -37,7 +37,7 @@ import numpy as np
 
 from .routing import softmax, softmax_backward
 
-PRIORS = {"alpha0": 1.0, "kappa0": 1.0, "psi0": 1.0, "nu0": None, "vb_lambda": 0.1}  # nu0 None: D + 1 (routings.py)
+# The priors and λ arrive as ``prior``, their defaults and checks in routings.py's OPTIONS.
 
 
 def _sig(xp, z):
