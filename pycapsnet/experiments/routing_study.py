@@ -101,15 +101,15 @@ def reconstructing(shape, backbone, quick, chosen=None) -> dict:
 
 
 def coefficients(layer) -> list:
-    """A routing layer's coefficients of each iteration as (N, children, parents), rows summing to 1."""
+    """A routing layer's coefficients of each iteration, (..., parents) with rows summing to 1: what
+    ``inspect`` draws (c_ij; EM: R_ij), attention's without its learned bias."""
     from ..core.capsules import AttentionCaps
+    from ..tools.inspect_run import _coefficients
 
     xp = layer.B.xp
     if isinstance(layer, AttentionCaps):  # its coupling adds the learned bias: the softmax alone
         return [layer.B.to_numpy(xp.permute_dims(c, (0, 2, 1))) for c in layer.traced(1)]
-    if hasattr(layer, "assignments"):  # EM: R (N, P, I, C) or (N, I, C)
-        return [np.reshape(layer.B.to_numpy(R), (R.shape[0], -1, R.shape[-1])) for R in layer.assignments]
-    return [layer.B.to_numpy(c) for c in layer.coupling]
+    return [layer.B.to_numpy(c) for c in _coefficients(layer)]
 
 
 def entropy(c) -> float:
