@@ -116,6 +116,11 @@ class Backend(abc.ABC):
     def zeros(self, shape, dtype=None):
         return self.xp.zeros(tuple(shape), dtype=self._float(dtype), **self._device_kw())
 
+    def arange(self, start, stop):
+        """start, start + 1, ..., stop - 1 as floats, made on the device (no host copy: a captured
+        step may make it)."""
+        return self.xp.arange(start, stop, dtype=self._float(), **self._device_kw())
+
     def empty(self, shape, dtype=None):
         """Uninitialised: for buffers that are written in full before they are read."""
         return self.xp.empty(tuple(shape), dtype=self._float(dtype), **self._device_kw())

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
 from .routing import softmax, softmax_backward
 
@@ -62,7 +61,7 @@ def expectations(B, M, D):
     """(E[ln π_j], E[ln|Λ_j|]) (N, J) of an M-step's posterior."""
     xp = B.xp
     eln_pi = B.digamma(M["alpha"]) - B.digamma(xp.sum(M["alpha"], axis=1, keepdims=True))
-    half = (M["nu"][..., None] + 1 - B.asarray(np.arange(1.0, D + 1))) / 2     # (N, J, D)
+    half = (M["nu"][..., None] + 1 - B.arange(1, D + 1)) / 2     # (N, J, D)
     eln_lam = xp.sum(B.digamma(half), axis=-1) + D * math.log(2) - xp.sum(xp.log(M["P"]), axis=-1)
     return eln_pi, eln_lam
 
@@ -107,7 +106,7 @@ def _expectations_backward(B, M, d_eln_pi, d_eln_lam, D, grads):
     alpha = M["alpha"]
     grads["alpha"] = grads["alpha"] + d_eln_pi * B.trigamma(alpha) \
         - xp.sum(d_eln_pi, axis=1, keepdims=True) * B.trigamma(xp.sum(alpha, axis=1, keepdims=True))
-    half = (M["nu"][..., None] + 1 - B.asarray(np.arange(1.0, D + 1))) / 2
+    half = (M["nu"][..., None] + 1 - B.arange(1, D + 1)) / 2
     grads["nu"] = grads["nu"] + d_eln_lam * xp.sum(B.trigamma(half), axis=-1) / 2
     grads["P"] = grads["P"] - d_eln_lam[..., None] / M["P"]
 
