@@ -16,6 +16,7 @@ from pycapsnet.core.capsules import ClassCaps
 from pycapsnet.core.conv_caps import ConvCaps
 from pycapsnet.core.routings import GRADIENT_MODES, ITERATED
 from pycapsnet.tools import gradcheck
+from tests.conftest import GPU_BACKENDS, assert_close
 
 torch = pytest.importorskip("torch", reason="autograd is the oracle, and the torch backend a second backend")
 from pycapsnet.tools import reference_routings as ref  # noqa: E402
@@ -104,22 +105,24 @@ def test_shared_transforms_sum_their_gradients_over_positions(routing):
         np.testing.assert_allclose(B64.to_numpy(g), grads[k], rtol=1e-9, atol=1e-12, err_msg=k)
 
 
+@pytest.mark.parametrize("spec", ["torch"] + GPU_BACKENDS)
 @pytest.mark.parametrize("conv", [False, True])
 @pytest.mark.parametrize("routing, mode", CASES)
-def test_numpy_and_torch_agree(routing, mode, conv):
-    T64 = backends.get("torch", dtype="float64")
+def test_numpy_and_the_other_backends_agree(routing, mode, conv, spec):
+    """The layer on torch (CPU), CuPy and torch:cuda against NumPy's, float64: output, input and
+    parameter gradients, and random routing's draw."""
+    T64 = backends.get(spec, dtype="float64")
     a, b = _layer(B64, routing, mode, conv), _layer(T64, routing, mode, conv)
     x = _input(conv)
     va, vb = a.forward(B64.asarray(x)), b.forward(T64.asarray(x))
     if routing == "random":  # the same seed draws the same coefficients on every backend
         np.testing.assert_array_equal(B64.to_numpy(a.drawn), T64.to_numpy(b.drawn))
-    np.testing.assert_allclose(T64.to_numpy(vb), B64.to_numpy(va), rtol=1e-11, atol=1e-13)
+    assert_close(T64.to_numpy(vb), B64.to_numpy(va), 1e-10, f"{spec} v")
     R = np.random.default_rng(3).standard_normal(tuple(va.shape))
     a.zero_grad(), b.zero_grad()
-    np.testing.assert_allclose(T64.to_numpy(b.backward(T64.asarray(R))), a.backward(B64.asarray(R)), rtol=1e-10,
-                               atol=1e-13)
+    assert_close(T64.to_numpy(b.backward(T64.asarray(R))), a.backward(B64.asarray(R)), 1e-10, f"{spec} input")
     for k in a.grads:
-        np.testing.assert_allclose(T64.to_numpy(b.grads[k]), B64.to_numpy(a.grads[k]), rtol=1e-10, atol=1e-13)
+        assert_close(T64.to_numpy(b.grads[k]), B64.to_numpy(a.grads[k]), 1e-10, f"{spec} grad {k}")
 
 
 @pytest.mark.parametrize("routing", ["inverted", "self", "vb"])
