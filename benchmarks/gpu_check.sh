@@ -6,7 +6,9 @@
 #
 #  tests       every test parametrized over cupy / torch:cuda: im2col and col2im, the Fourier
 #              convolution, forward and gradients against NumPy, the captured step against the
-#              step op by op, the CLI's CPU-vs-GPU crosscheck, the training scripts on the GPU
+#              step op by op, the CLI's CPU-vs-GPU crosscheck, the training scripts on the GPU, and
+#              every routing (each layer, dense and convolutional, and each small network against
+#              NumPy in float64 and float32; each network's step recorded as a CUDA graph)
 #  gradcheck   finite differences in float64 on both GPU backends (pycapsnet gradcheck)
 #  crosscheck  NumPy vs CuPy and torch CPU vs CUDA on the paper architecture, float32, and each
 #              GPU's float32 against the CPU's float64
