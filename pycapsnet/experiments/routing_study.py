@@ -16,9 +16,11 @@ Per routing and seed, three units (units.py: a stopped run goes on where it stop
              (c_ij; VB and EM: R_ij), per child over the parents, in units of ln J (1: uniform),
              averaged over the first test digits -- Paik et al.'s measure of polarisation
     affine   trained on digits placed at random on a 40x40 canvas, scored after each epoch on
-             translated held-out digits; each network is read at the first epoch that reaches the
-             lowest of the routings' best validation accuracies (the same translated accuracy for
-             all, chosen without a test set), on translated and on affinely moved test digits
+             translated held-out digits; each network is read at the first epoch that reaches one
+             target accuracy (affine.reading_target: --affine-target, else the lowest of the best
+             validation accuracies within 10 points of the highest; the same translated accuracy
+             for all, chosen without a test set), on translated and on affinely moved test
+             digits; a network that never reaches it is not read
     multimnist the routings of vector capsules (not EM), each with the paper's decoder, trained on
              MultiMNIST as the multimnist experiment trains CapsNet (both digits reconstructed, Adam
              at its 1e-3); a pair counts only if its two longest capsules are its two classes
@@ -35,7 +37,7 @@ from ..errors import CapsNetError
 from ..tools import plots
 from ..training import data
 from ..training.log import say
-from . import check_fits, digits, loop, multimnist
+from . import affine, check_fits, digits, loop, multimnist
 
 LR = 2e-3
 QUICK_BACKBONE = dict(conv_channels=8, primary_types=2)
@@ -178,18 +180,31 @@ def _affine(args, B, units, train_set, test_set, backbone) -> dict:
                   args, B, d, seed, train_set, scored, canvas, f"affine {name} seed {seed}"))["curve"]
                      for seed in range(args.seeds)]
               for name, d in variants((1, canvas, canvas), backbone, args.routings).items()}
-    out = {}
-    for seed in range(args.seeds):
-        target = min(max(e["val"] for e in c[seed]) for c in curves.values())
+    return read_affine(curves, args.seeds, args.affine_target)
+
+
+def read_affine(curves, seeds, given=None) -> dict:
+    """Per seed, every network's translated and affine test accuracy at its first epoch that reaches
+    the target (affine.reading_target); None where it never does.  ``curves``: {name: [per seed:
+    [per epoch: {"val", "translated", "affine"}]]}."""
+    out, read_at = {}, []
+    for seed in range(seeds):
+        bests = {name: max(e["val"] for e in c[seed]) for name, c in curves.items()}
+        target = affine.reading_target(list(bests.values()), given)
+        read_at.append(target)
         for name, c in curves.items():
-            epoch = next(i for i, e in enumerate(c[seed]) if e["val"] >= target)
-            row = out.setdefault(name, {"translated": [], "affine": [], "stop_epoch": []})
-            row["translated"].append(c[seed][epoch]["translated"])
-            row["affine"].append(c[seed][epoch]["affine"])
-            row["stop_epoch"].append(epoch + 1)
-        say(f"affine seed {seed}: every network read at validation {target:.2f}%")
-    return {name: {**r, "affine_mean": _spread(r["affine"]), "translated_mean": _spread(r["translated"])}
-            for name, r in out.items()}
+            epoch = affine.first_epoch_at(c[seed], target)
+            row = out.setdefault(name, {"translated": [], "affine": [], "stop_epoch": [], "best_val": []})
+            row["translated"].append(None if epoch is None else c[seed][epoch]["translated"])
+            row["affine"].append(None if epoch is None else c[seed][epoch]["affine"])
+            row["stop_epoch"].append(None if epoch is None else epoch + 1)
+            row["best_val"].append(bests[name])
+        missed = [n for n in curves if out[n]["stop_epoch"][-1] is None]
+        say(f"affine seed {seed}: networks read at validation {target:.2f}%"
+            + (f"; not reached by {', '.join(missed)}" if missed else ""))
+    return {"read_at": read_at, "rows": {name: {**r, "affine_mean": _spread_of_read(r["affine"]),
+                                                "translated_mean": _spread_of_read(r["translated"])}
+                                         for name, r in out.items()}}
 
 
 def _multimnist(args, B, units, train_set, test_set) -> dict:
@@ -218,8 +233,26 @@ def _spread(values) -> dict:
     return {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else None}
 
 
+def _spread_of_read(values) -> dict:
+    """_spread over the seeds whose network was read (not None), and how many those are."""
+    read = [v for v in values if v is not None]
+    return {**(_spread(read) if read else {"mean": None, "std": None}), "read": len(read), "seeds": len(values)}
+
+
+def _affine_cell(a) -> str:
+    """The affine column: mean ± std over the seeds read; how many, where not all; where none, the
+    network's best validation accuracy, short of the target."""
+    if a is None:
+        return ""
+    m = a["affine_mean"]
+    if not m["read"]:
+        return f"not read (best validation {max(a['best_val']):.1f}%)"
+    spread = f" ± {m['std']:.2f}" if m["std"] is not None else ""
+    return f"{m['mean']:.2f}{spread}" + (f" ({m['read']} of {m['seeds']} seeds)" if m["read"] < m["seeds"] else "")
+
+
 def table(results) -> str:
-    mnist, affine = results["mnist"], results["affine"] or {}
+    mnist, read = results["mnist"], (results["affine"] or {}).get("rows", {})
     multi = (results.get("multimnist") or {}).get("rows", {})
     best = min(mnist, key=lambda n: mnist[n]["mean"])
     spread = lambda r: f" ± {r['std']:.2f}" if r["std"] is not None else ""  # noqa: E731
@@ -227,8 +260,7 @@ def table(results) -> str:
              "| coupling entropy per iteration | ms/step |", "|---|---|---|---|---|---|---|---|"]
     for name, r in mnist.items():
         near = abs(r["mean"] - mnist[best]["mean"]) <= max(r["std"] or 0, mnist[best]["std"] or 0)
-        a, m = affine.get(name), multi.get(name)
-        cell = f"{a['affine_mean']['mean']:.2f}{spread(a['affine_mean'])}" if a else ""
+        cell, m = _affine_cell(read.get(name)), multi.get(name)
         multi_cell = f"{m['mean']:.2f}{spread(m)}" if m else ""
         lines.append(f"| {name} | {r['params']:,} | {r['mean']:.2f}{spread(r)} | {'yes' if near else 'no'} | {cell} | "
                      f"{multi_cell} | {', '.join(f'{e:.3f}' for e in r['entropy'])} | {r['ms_per_step']:.0f} |")
@@ -242,9 +274,10 @@ def figure(results, path):
     mnist = results["mnist"]
     names = list(mnist)
     panels = [("MNIST test error %", {n: (r["mean"], r["std"]) for n, r in mnist.items()})]
-    if results["affine"]:
-        panels.append(("affine test error %", {n: (100 - r["affine_mean"]["mean"], r["affine_mean"]["std"])
-                                               for n, r in results["affine"].items()}))
+    read = {n: (100 - r["affine_mean"]["mean"], r["affine_mean"]["std"])
+            for n, r in (results["affine"] or {}).get("rows", {}).items() if r["affine_mean"]["read"]}
+    if read:
+        panels.append(("affine test error %", read))
     if results.get("multimnist"):
         panels.append(("MultiMNIST test error %", {n: (r["mean"], r["std"])
                                                    for n, r in results["multimnist"]["rows"].items()}))

@@ -13,8 +13,9 @@ from ..training.files import atomic_write
 from ..training.log import say
 
 FILE = "units.json"
-# what a unit does not depend on: more seeds are more units; the parts run or left out are other units
-NOT_FLAGS = ("seeds", "out", "fn", "command", "no_affine", "no_multimnist", "routings")
+# what a unit does not depend on: more seeds are more units; the parts run or left out are other units;
+# the affine target picks the epoch each network is read at, after training
+NOT_FLAGS = ("seeds", "out", "fn", "command", "no_affine", "no_multimnist", "routings", "affine_target")
 
 
 class Units:

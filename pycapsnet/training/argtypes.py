@@ -63,6 +63,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def percent(text) -> float:
+    """A number above 0 and at most 100 (an accuracy in %)."""
+    value = _parse(float, text)
+    if not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"must be a percentage above 0 and at most 100, got {text}")
+    return value
+
+
 def name_and_factor(text: str) -> tuple:
     """NAME=FACTOR -> (NAME, FACTOR), FACTOR a finite number; NAME alone means FACTOR 1.01."""
     name, sep, factor = text.partition("=")
