@@ -295,7 +295,7 @@ class Training:
         records = B.can_capture and run.graph and not group and model.capturable
         if run.compile and (group or not model.capturable):
             why = ("its gradients are summed across processes mid-step" if group
-                   else "a layer of this network (Dropout) draws anew on every step")
+                   else "a layer of this network (Dropout, random routing) draws anew on every step")
             say(f"--compile: the step runs uncompiled ({why})")
         elif run.compile and not B.compiles:
             say(f"--compile: the {B.name} backend has no compiler (the torch backend has); the step runs as usual")
