@@ -231,15 +231,18 @@ class Backend(abc.ABC):
 
     def trigamma(self, x):
         """ψ'(x) for x > 0, elementwise, to float64's precision: ψ'(x) = ψ'(x + 1) + 1/x² lifts x
-        to 10 or more (ten steps, each where x is still below 10: no data-dependent loop), where
-        the asymptotic series 1/y + 1/2y² + Σ_k B_2k / y^(2k+1) has converged.  (PyTorch's
-        polygamma(1, x) is off by up to 5e-10 relatively, which VB routing's backward would carry.)"""
+        to y = x + n >= 10 (n <= 10 terms 1/(x + k)², each where x + k is still below 10: no
+        data-dependent loop), where the asymptotic series 1/y + 1/2y² + Σ_k B_2k / y^(2k+1) has
+        converged.  Each term is written from x, not from the previous step's y: a step that read y
+        three times would nest ten deep, and torch.compile, which inlines elementwise chains, would
+        walk 3^10 paths.  (PyTorch's polygamma(1, x) is off by up to 5e-10 relatively, which VB
+        routing's backward would carry.)"""
         xp = self.xp
-        y, acc = x, xp.zeros_like(x)
-        for _ in range(10):
-            small = y < 10
-            acc = acc + xp.where(small, 1 / (y * y), 0.0)
-            y = xp.where(small, y + 1, y)
+        acc, y = xp.zeros_like(x), x
+        for k in range(10):
+            below = x + k < 10
+            acc = acc + xp.where(below, 1 / ((x + k) * (x + k)), 0.0)
+            y = y + xp.where(below, 1.0, 0.0)
         z = 1 / (y * y)
         tail = z * (1 / 6 + z * (-1 / 30 + z * (1 / 42 + z * (-1 / 30 + z * (5 / 66 + z * (-691 / 2730 + z * 7 / 6))))))
         return acc + (1 + z / 2 * y + tail) / y

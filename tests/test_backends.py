@@ -121,6 +121,23 @@ def test_im2col_and_its_adjoint_col2im(spec, k, s, p):
     assert np.sum(g * ref) == pytest.approx(np.sum(dx * x), rel=1e-12)
 
 
+@pytest.mark.parametrize("spec", CPU_BACKENDS + GPU_BACKENDS)
+def test_digamma_and_trigamma_are_scipys_to_float64_precision(spec):
+    """VB routing's special functions on every backend, over the range its Dirichlet and Wishart
+    parameters take; the series form of trigamma (Backend's, which torch and CuPy use) on NumPy too."""
+    from scipy import special
+
+    from pycapsnet.backends.base import Backend
+
+    x = np.concatenate([np.geomspace(1e-3, 1e5, 4000), np.linspace(0.25, 12.0, 500)])
+    B = backends.get(spec, dtype="float64")
+    a = B.asarray(x)
+    np.testing.assert_allclose(B.to_numpy(B.digamma(a)), special.digamma(x), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(B.to_numpy(B.trigamma(a)), special.polygamma(1, x), rtol=5e-15)
+    np.testing.assert_allclose(Backend.trigamma(backends.get("numpy", dtype="float64"), x), special.polygamma(1, x),
+                               rtol=5e-15)
+
+
 @pytest.mark.parametrize("spec", CPU_BACKENDS)
 def test_transfers_dtypes_and_memory(spec):
     B = backends.get(spec, dtype="float32")
