@@ -41,6 +41,27 @@ def first_epoch_at(curve, target):
     return next((i for i, e in enumerate(curve) if e["val"] >= target), None)
 
 
+def read(curves, seeds, given=None):
+    """Per seed, the target (``reading_target``) and every network's scores at its first epoch that
+    reaches it.  ``curves``: {name: [per seed: [per epoch: {"val", "translated", "affine"}]]}.
+    Returns (targets, {name: {"translated", "affine", "val", "stop_epoch", "best_val": per seed}}),
+    None where a network never reaches the target."""
+    rows = {n: {k: [] for k in ("translated", "affine", "val", "stop_epoch", "best_val")} for n in curves}
+    targets = []
+    for seed in range(seeds):
+        bests = {n: max(e["val"] for e in c[seed]) for n, c in curves.items()}
+        target = reading_target(list(bests.values()), given)
+        targets.append(target)
+        for n, c in curves.items():
+            epoch = first_epoch_at(c[seed], target)
+            e = {} if epoch is None else c[seed][epoch]
+            for k in ("translated", "affine", "val"):
+                rows[n][k].append(e.get(k))
+            rows[n]["stop_epoch"].append(None if epoch is None else epoch + 1)
+            rows[n]["best_val"].append(bests[n])
+    return targets, rows
+
+
 def mean_of_read(values):
     """The mean of the seeds' values where the network was read (None: read at none)."""
     read = [v for v in values if v is not None]
@@ -74,21 +95,13 @@ def run(args, B, out, units) -> dict:
                    for seed in range(args.seeds)]
             for name, description in networks((1, canvas, canvas), args.quick).items()}
     curves = {name: [u["curve"] for u in d] for name, d in done.items()}
-    rows, stops = {n: {"translated": [], "affine": [], "stop_epoch": [], "val": []} for n in curves}, []
-    for seed in range(args.seeds):
-        bests = {name: max(e["val"] for e in c[seed]) for name, c in curves.items()}
-        target = reading_target(list(bests.values()), args.affine_target)
-        stops.append(target)
-        for name, c in curves.items():
-            epoch = first_epoch_at(c[seed], target)
-            e = c[seed][epoch] if epoch is not None else {"translated": None, "affine": None, "val": None}
-            for k, v in (("translated", e["translated"]), ("affine", e["affine"]),
-                         ("stop_epoch", None if epoch is None else epoch + 1), ("val", e["val"])):
-                rows[name][k].append(v)
-            say(f"{name} seed {seed}: never reached the target {target:.2f}% (best {bests[name]:.2f}%): not read"
-                if epoch is None else
-                f"{name} seed {seed}: stopped at epoch {epoch + 1} (validation {e['val']:.2f}%, target {target:.2f}%): "
-                f"translated {e['translated']:.2f}%, affine {e['affine']:.2f}%")
+    stops, rows = read(curves, args.seeds, args.affine_target)
+    for seed, target in enumerate(stops):
+        for name, r in rows.items():
+            say(f"{name} seed {seed}: never reached the target {target:.2f}% (best {r['best_val'][seed]:.2f}%): not read"
+                if r["stop_epoch"][seed] is None else
+                f"{name} seed {seed}: stopped at epoch {r['stop_epoch'][seed]} (validation {r['val'][seed]:.2f}%, "
+                f"target {target:.2f}%): translated {r['translated'][seed]:.2f}%, affine {r['affine'][seed]:.2f}%")
     examples_figure(scored["affine"][0], test_set.y, {n: np.array(d[-1]["shown"]) for n, d in done.items()},
                     os.path.join(out, "affine_examples.png"))
     return {"canvas": canvas, "max_rotation": args.max_rotation, "max_shear": args.max_shear,

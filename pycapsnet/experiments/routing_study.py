@@ -184,27 +184,15 @@ def _affine(args, B, units, train_set, test_set, backbone) -> dict:
 
 
 def read_affine(curves, seeds, given=None) -> dict:
-    """Per seed, every network's translated and affine test accuracy at its first epoch that reaches
-    the target (affine.reading_target); None where it never does.  ``curves``: {name: [per seed:
-    [per epoch: {"val", "translated", "affine"}]]}."""
-    out, read_at = {}, []
-    for seed in range(seeds):
-        bests = {name: max(e["val"] for e in c[seed]) for name, c in curves.items()}
-        target = affine.reading_target(list(bests.values()), given)
-        read_at.append(target)
-        for name, c in curves.items():
-            epoch = affine.first_epoch_at(c[seed], target)
-            row = out.setdefault(name, {"translated": [], "affine": [], "stop_epoch": [], "best_val": []})
-            row["translated"].append(None if epoch is None else c[seed][epoch]["translated"])
-            row["affine"].append(None if epoch is None else c[seed][epoch]["affine"])
-            row["stop_epoch"].append(None if epoch is None else epoch + 1)
-            row["best_val"].append(bests[name])
-        missed = [n for n in curves if out[n]["stop_epoch"][-1] is None]
+    """affine.read's readings, with each network's spread over the seeds read."""
+    read_at, rows = affine.read(curves, seeds, given)
+    for seed, target in enumerate(read_at):
+        missed = [n for n, r in rows.items() if r["stop_epoch"][seed] is None]
         say(f"affine seed {seed}: networks read at validation {target:.2f}%"
             + (f"; not reached by {', '.join(missed)}" if missed else ""))
     return {"read_at": read_at, "rows": {name: {**r, "affine_mean": _spread_of_read(r["affine"]),
                                                 "translated_mean": _spread_of_read(r["translated"])}
-                                         for name, r in out.items()}}
+                                         for name, r in rows.items()}}
 
 
 def _multimnist(args, B, units, train_set, test_set) -> dict:
