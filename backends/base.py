@@ -240,8 +240,9 @@ class Backend(abc.ABC):
         xp = self.xp
         acc, y = xp.zeros_like(x), x
         for k in range(10):
-            below = x + k < 10
-            acc = acc + xp.where(below, 1 / ((x + k) * (x + k)), 0.0)
+            xk = x + k
+            below = xk < 10
+            acc = acc + xp.where(below, 1 / (xk * xk), 0.0)
             y = y + xp.where(below, 1.0, 0.0)
         z = 1 / (y * y)
         tail = z * (1 / 6 + z * (-1 / 30 + z * (1 / 42 + z * (-1 / 30 + z * (5 / 66 + z * (-691 / 2730 + z * 7 / 6))))))

@@ -62,9 +62,9 @@ def main(argv=None):
     from pycapsnet.tools.gradcheck import SMALL_BY_ROUTING
     from pycapsnet.training.argtypes import writable_file
 
+    recorded = sorted(r for r in SMALL_BY_ROUTING if r != "random")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--routings", nargs="+", default=sorted(r for r in SMALL_BY_ROUTING if r != "random"),
-                   choices=sorted(r for r in SMALL_BY_ROUTING if r != "random"), metavar="NAME",
+    p.add_argument("--routings", nargs="+", default=recorded, choices=recorded, metavar="NAME",
                    help="default: all but random (whose step is never recorded)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", type=writable_file, default=None, help="append the lines to this file too")

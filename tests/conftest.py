@@ -36,4 +36,6 @@ def assert_close(actual, expected, rtol, what=""):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=what)
 
 
-from pycapsnet.tools.gradcheck import SMALL  # noqa: E402,F401  (a 14x14 CapsNet small enough for float64 checks)
+from pycapsnet.tools.gradcheck import SMALL, SMALL_BY_ROUTING  # noqa: E402,F401  (14x14 networks for float64 checks)
+
+OTHER_ROUTINGS = sorted(r for r in SMALL_BY_ROUTING if r != "dynamic")  # SMALL_BY_ROUTING's beside SMALL

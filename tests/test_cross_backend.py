@@ -5,7 +5,7 @@ import pytest
 
 from pycapsnet import backends
 from pycapsnet import CapsNet
-from tests.conftest import GPU_BACKENDS, SMALL, assert_close
+from tests.conftest import GPU_BACKENDS, OTHER_ROUTINGS, SMALL, SMALL_BY_ROUTING, assert_close
 
 pytest.importorskip("torch", reason="cross-backend checks need PyTorch: pip install torch")
 
@@ -51,8 +51,6 @@ def test_torch_routing_in_blocks_equals_numpy(products, routing, monkeypatch):
     spread over its threads with NumPy's (split_batch).  Either way, blocks of one sample on 2
     threads give NumPy's step to 1e-9 in float64, and with NumPy's products the blocks do run on
     the threads."""
-    from pycapsnet.tools.gradcheck import SMALL_BY_ROUTING
-
     monkeypatch.setenv("PYCAPSNET_TORCH_CPU_MATMUL", products)
     B = backends.get("torch", dtype="float64")
     B.sample_block, B.threads = 1, 2
@@ -85,14 +83,8 @@ def test_gpu_vs_numpy(spec, dtype):
     _compare(_run(spec, dtype, "full", config={}, n=3), _run("numpy", dtype, "full", config={}, n=3), dtype)
 
 
-def _every_routing():
-    from pycapsnet.tools.gradcheck import SMALL_BY_ROUTING
-
-    return sorted(r for r in SMALL_BY_ROUTING if r != "dynamic")  # dynamic: the tests above
-
-
 @pytest.mark.parametrize("spec", ["torch"] + GPU_BACKENDS)
-@pytest.mark.parametrize("routing", _every_routing())
+@pytest.mark.parametrize("routing", OTHER_ROUTINGS)  # dynamic: the tests above
 def test_every_routing_network_on_each_backend_is_numpys(routing, spec):
     """Each built-in routing's small network, one train step: loss, outputs and every gradient on
     torch (CPU), CuPy and torch:cuda against NumPy's, in float64 to 1e-9.  In float32 each backend
@@ -100,8 +92,6 @@ def test_every_routing_network_on_each_backend_is_numpys(routing, spec):
     of the tensor's scale at least): some of these gradients are ill-conditioned in float32 on any
     backend (self-routing's lengths do not depend on û, so W's gradient is the small part of dv
     across μ̂ that the decoder adds, left after a projection; NumPy's float32 is 2e-3 off there)."""
-    from pycapsnet.tools.gradcheck import SMALL_BY_ROUTING
-
     config = SMALL_BY_ROUTING[routing]
     truth = _run("numpy", "float64", "full", config)
     mine64, mine32 = _run(spec, "float64", "full", config), _run(spec, "float32", "full", config)

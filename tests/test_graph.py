@@ -13,7 +13,7 @@ from pycapsnet.backends import BackendError
 from pycapsnet import CapsNet, CapsNetError
 from pycapsnet.training import flags, loop, optim, trainer
 from pycapsnet.training.graph import CapturedEval, CapturedStep
-from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, SMALL
+from tests.conftest import CPU_BACKENDS, GPU_BACKENDS, OTHER_ROUTINGS, SMALL, SMALL_BY_ROUTING
 
 
 def _batches(n_steps, n, dtype, seed=0):
@@ -46,21 +46,13 @@ def test_captured_step_equals_the_step_op_by_op(spec, name):
         np.testing.assert_allclose(B.to_numpy(rec.params[k]), B.to_numpy(p), rtol=1e-10, atol=1e-14, err_msg=k)
 
 
-def _routings():
-    from pycapsnet.tools.gradcheck import SMALL_BY_ROUTING
-
-    return sorted(r for r in SMALL_BY_ROUTING if r != "dynamic")
-
-
-@pytest.mark.parametrize("routing", _routings())
+@pytest.mark.parametrize("routing", OTHER_ROUTINGS)
 @pytest.mark.parametrize("spec", CPU_BACKENDS + GPU_BACKENDS)
 def test_every_routing_records_and_replays_its_step(spec, routing):
     """Each built-in routing's small network, three captured steps against three op by op (on the
     CPU the recording is a re-run with host transfers refused, which finds a host copy inside a
     routing before a GPU does).  Random routing draws new coefficients every step: it is never
     recorded, and training runs it op by op."""
-    from pycapsnet.tools.gradcheck import SMALL_BY_ROUTING
-
     B = backends.get(spec, dtype="float64")
     eager, rec = CapsNet(B, seed=5, **SMALL_BY_ROUTING[routing]), CapsNet(B, seed=5, **SMALL_BY_ROUTING[routing])
     if routing == "random":

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 
-
 from .routing import softmax, softmax_backward
 
 # The priors and λ arrive as ``prior``, their defaults and checks in routings.py's OPTIONS.
