@@ -260,13 +260,52 @@ class Network:
     @contextlib.contextmanager
     def evaluating(self):
         """Evaluation mode for a block (Dropout drops nothing, batch norm reads its running
-        statistics and leaves them be), the mode before it restored after."""
-        mode = self.training
+        statistics and leaves them be), the mode before it restored after.  What the block draws
+        (random routing's coefficients) is drawn from where training's generators stand and leaves
+        them there: scoring, pictures and predictions never change what training draws next, so a
+        run resumed from a checkpoint draws what the uninterrupted run drew."""
+        mode, kept = self.training, self.generator_state()
         self.train(False)
         try:
             yield self
         finally:
             self.train(mode)
+            self.set_generator_state(kept)
+
+    # ---- generators: what a layer draws from while training (Dropout, random routing) ------------
+    def generators(self) -> dict:
+        """{dotted layer name: its NumPy generator} of every layer that draws as it runs."""
+        found = {}
+
+        def walk(prefix, seq):
+            for name, layer in seq:
+                if isinstance(layer, Sequential):
+                    walk(f"{prefix}{name}.", layer)
+                elif isinstance(getattr(layer, "rng", None), np.random.Generator):
+                    found[prefix + name] = layer.rng
+
+        walk("", self.body)
+        return found
+
+    def generator_state(self) -> dict:
+        """Each generator's state (``bit_generator.state``: plain Python, JSON-able), by layer name;
+        what a checkpoint keeps so that resuming draws on where the run stopped."""
+        return {name: g.bit_generator.state for name, g in self.generators().items()}
+
+    def set_generator_state(self, states: dict) -> None:
+        """Put back ``generator_state``'s states; CapsNetError naming a layer that has no generator,
+        one missing, or a state its generator cannot take."""
+        own = self.generators()
+        if not isinstance(states, dict) or set(states) != set(own):
+            names = sorted(states) if isinstance(states, dict) else states
+            raise CapsNetError(f"generator states for layers {names} do not match this network's "
+                               f"({sorted(own)})")
+        for name, state in states.items():
+            try:
+                own[name].bit_generator.state = state
+            except (TypeError, ValueError, KeyError) as e:
+                raise CapsNetError(f"the generator state of layer {name} is not one its generator takes ({e})") \
+                    from None
 
     @property
     def capturable(self) -> bool:

@@ -49,6 +49,9 @@ def save(path: str, model: Network, optimizer=None, **meta) -> str:
     built = {"config": model.config.to_dict()} if isinstance(model, CapsNet) else {"architecture": model.architecture}
     header = {"format": FORMAT, **built, "backend": model.B.label,
               "optimizer": type(optimizer).__name__.lower() if optimizer is not None else None, **meta}
+    generators = model.generator_state()  # Dropout's and random routing's: resuming draws on from here
+    if generators:
+        header["generators"] = generators
     header["digest"] = digest(header, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
     arrays["header"] = np.array(json.dumps(header, allow_nan=False))  # strict JSON: no NaN
     try:
@@ -229,6 +232,10 @@ def _header_problem(header) -> str | None:
             isinstance(r, list) and len(r) == 5 and isinstance(r[2], int) and r[4] in ("train", "test")
             and all(isinstance(r[k], str) for k in (0, 1, 3, 4)) for r in record)):
         return "its record of the data it read is not a list of [path, class, size, hash, split]"
+    generators = header.get("generators")
+    if generators is not None and not (isinstance(generators, dict) and all(
+            isinstance(k, str) and isinstance(v, dict) for k, v in generators.items())):
+        return "its generator states are not an object of one state per layer"
     history = header.get("history") or []
     if not all(isinstance(r, dict) and r.get("epoch") == k + 1 for k, r in enumerate(history)) \
             or (history and len(history) != epoch):
@@ -304,11 +311,26 @@ def model_of(ckpt: dict, backend, **overrides) -> Network:
 
 
 def restore_model(ckpt: dict, model: Network) -> None:
-    """The checkpoint's weights into ``model``; CapsNetError naming the file on a mismatch."""
+    """The checkpoint's weights into ``model``, and its layers' generators where it kept them;
+    CapsNetError naming the file on a mismatch."""
     try:
         model.load_state_dict(ckpt["params"])
     except CapsNetError as e:
         raise CapsNetError(f"{ckpt['path']}: {e}") from None
+    restore_generators(ckpt, model)
+
+
+def restore_generators(ckpt: dict, model: Network) -> None:
+    """The states of the generators the model's layers draw from (Dropout, random routing) as the
+    checkpoint kept them, so that training goes on drawing what the run would have drawn; nothing
+    for a checkpoint written before they were kept (the generators start from their seeds)."""
+    states = ckpt["header"].get("generators")
+    if states is None:
+        return
+    try:
+        model.set_generator_state(states)
+    except CapsNetError as e:
+        raise CapsNetError(f"{ckpt['path']} is damaged: {e}; use another checkpoint, or train afresh") from None
 
 
 def restore_optimizer(ckpt: dict, optimizer) -> None:

@@ -47,17 +47,13 @@ def evaluate(model, split: data.Split, batch_size: int = EVAL_BATCH, show: bool 
         split = split.take(group.part(n_all))
     correct, loss_sum = 0, 0.0
     n_batches = (len(split) + batch_size - 1) // batch_size
-    mode = model.training
-    model.train(False)  # Dropout, if any, drops nothing
-    try:
+    with model.evaluating():  # Dropout, if any, drops nothing; training's generators are left where they stand
         for x, y in progress(data.batches(split, batch_size), n_batches, "eval", not show, batch=batch_size):
             for out, y_part in _scored(model, x, y, captured):
                 correct += int((out.predictions == y_part).sum())
                 loss_sum += out.loss * len(y_part)
                 if confusion is not None:
                     np.add.at(confusion, (y_part, out.predictions), 1)
-    finally:
-        model.train(mode)
     model.release()  # no backward follows: do not carry forward's caches into the next train step
     if group is not None:
         correct, loss_sum = group.sum_values([correct, loss_sum])
@@ -208,6 +204,8 @@ class Training:
         opt = optim.make(run.optimizer, self.model, run.lr, run.ema)
         if ckpt and ckpt["header"].get("optimizer") == run.optimizer:
             checkpoint.restore_optimizer(ckpt, opt)
+        if ckpt:  # fit's model too: its generators where its last fit left them, whatever it drew since
+            checkpoint.restore_generators(ckpt, self.model)
         start = ckpt["header"].get("epoch", 0) if ckpt else 0
         if group is not None and not group.writes:  # rank 0 alone reads and writes the directory
             self.directory.path = path
