@@ -25,6 +25,7 @@ This module imports torch; ``import pycapsnet`` does not import it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -354,9 +355,14 @@ class _Module(torch.nn.Module):
                 owner._buffers[leaf] = old
             raise CapsNetError(f"{type(self).__name__} left as it was ({self._op.B.dtype} on {self._op.B.device}): "
                                f"{e}") from None
-        for name, layer, k in self._op.buffer_slots:  # the layers update the module's buffers
-            layer.buffers[k] = self.get_buffer(self._names[name])
+        self._bind_buffers()
         return self
+
+    def _bind_buffers(self):
+        """The layers compute with, and update, the module's own buffers: those ``.to()`` made, and
+        those ``load_state_dict(..., assign=True)`` put in place of the ones registered."""
+        for name, layer, k in self._op.buffer_slots:
+            layer.buffers[k] = self.get_buffer(self._names[name])
 
     def train(self, mode: bool = True):
         """Training or evaluation mode, for torch's modules and the pycapsnet network alike
@@ -367,6 +373,7 @@ class _Module(torch.nn.Module):
 
     @torch.compiler.disable  # torch.compile: the rest of the model compiles, this call runs as it does eagerly
     def _call(self, op, xs):
+        self._bind_buffers()
         params = self._params()
         support.refuse_tracing(self, [*[x for x in xs if torch.is_tensor(x)], *params])
         xs = support.autocast_inputs(xs, op.B.dtype, op.B.device)
@@ -445,3 +452,28 @@ class Network(_Module):
         return self._call(self._loss_op, (x,))[0]
 
 
+
+
+@contextlib.contextmanager
+def held(module):
+    """Inside the block, what the wrapped layers draw (random routing's coefficients, Dropout's
+    masks) is drawn once and then held, so that the module is one function of its inputs and
+    ``torch.autograd.gradcheck`` can perturb them under one draw (as nn.Dropout needs a fixed seed):
+
+        with pycapsnet.torch.held(caps):
+            torch.autograd.gradcheck(caps, (u,))
+
+    The layers draw anew, from where their generators stand, after the block."""
+    if not isinstance(module, _Module):
+        raise CapsNetError(f"held takes a module of pycapsnet.torch (Layer, Network), not {type(module).__name__}")
+    drawing = [obj for obj in _objects(module._op.root) if hasattr(obj, "hold")]
+    for layer in drawing:
+        layer.hold = True
+    try:
+        yield module
+    finally:
+        for layer in drawing:
+            layer.hold = False
+            for k in ("mask", "drawn"):  # the next draw is a new one
+                if hasattr(layer, k):
+                    setattr(layer, k, None)

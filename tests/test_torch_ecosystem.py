@@ -75,6 +75,48 @@ def test_batch_norms_running_statistics_are_buffers_and_survive_a_state_dict_rou
     assert not torch.equal(wide.get_buffer(bn_name), before)  # the forward updated the module's own buffer
 
 
+def test_load_state_dict_with_assign_puts_the_new_buffers_where_the_layers_read_them():
+    """95.8: assign=True replaces the module's buffer tensors; the layers score with, and training
+    updates, the ones the module now holds."""
+    net = pct.Network(pycapsnet.build(BN_NET, backend="torch", seed=0))
+    x = torch.rand(16, 1, 28, 28)
+    net.train()
+    for _ in range(3):
+        net(x)
+    net.eval()
+    expected = net(x)[1]
+    other = pct.Network(pycapsnet.build(BN_NET, backend="torch", seed=0))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    other.load_state_dict(state, assign=True)
+    other.eval()
+    torch.testing.assert_close(other(x)[1], expected, rtol=0, atol=0)
+    name = next(n for n, _ in other.named_buffers() if n.endswith("running_mean"))
+    assert other.get_buffer(name) is state[name]
+    before = state[name].clone()
+    other.train()
+    other(x)
+    assert _bn(other).buffers["running_mean"] is other.get_buffer(name)
+    assert not torch.equal(other.get_buffer(name), before)  # training moved the module's own buffer
+
+
+def test_gradcheck_of_a_layer_that_draws_passes_inside_held():
+    """95.8: random routing draws new coefficients each forward (as nn.Dropout draws masks), so
+    gradcheck perturbs a different function each time; ``held`` holds the draw while it checks."""
+    from pycapsnet.core.capsules import ClassCaps
+
+    caps = pct.Layer(ClassCaps(backends.get("torch", dtype="float64"), positions=4, types=2, in_dim=4, n_classes=3,
+                               out_dim=4, routing="random", rng=np.random.default_rng(1)))
+    u = torch.rand(2, 4, 2, 4, dtype=torch.float64, requires_grad=True)
+    assert not torch.autograd.gradcheck(caps, (u,), raise_exception=False)
+    with pct.held(caps):
+        assert torch.autograd.gradcheck(caps, (u,))
+    a, b = caps(u), caps(u)
+    assert not torch.equal(a, b)  # drawing anew after the block
+    with pytest.raises(CapsNetError, match="held takes a module of pycapsnet.torch"):
+        with pct.held("caps"):
+            pass
+
+
 def test_a_pool_thread_runs_in_the_callers_grad_and_inference_modes(monkeypatch):
     """87.2: where routing's blocks run on NumPy's thread pool (AMD CPUs; forced here), each part
     runs in the mode of the call that split it, whenever the pool's threads were made."""
