@@ -372,6 +372,9 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
                            f"{type(network).__name__}")
     B = backends.get(backend, device=device, dtype=dtype)
     if isinstance(network, str) and network in BUILT_IN:
+        from .training.recipe import refuse_ignored_flags
+
+        refuse_ignored_flags(options, BUILT_IN[network], spell=str)  # as the command line refuses the same
         net = CapsNet(B, input_shape=input_shape, n_classes=n_classes, seed=seed, routing=BUILT_IN[network],
                       **options)
     else:

@@ -59,8 +59,8 @@ def images(x, input_shape, what: str = "x") -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def labels(y, n: int, n_classes: int, what: str = "y") -> np.ndarray:
-    """y as int64 class indices, one per image, each in [0, n_classes)."""
+def labels(y, n: int, n_classes: int | None, what: str = "y") -> np.ndarray:
+    """y as int64 class indices, one per image, each in [0, n_classes) (None: any index from 0)."""
     a = _host(y, what)
     if a.ndim != 1 or len(a) != n:
         raise CapsNetError(f"{what} has shape {tuple(a.shape)}, but there are {n} images: give one class index each")
@@ -68,9 +68,12 @@ def labels(y, n: int, n_classes: int, what: str = "y") -> np.ndarray:
         if not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
             raise CapsNetError(f"{what} must hold whole class indices, not fractions or NaN")
     elif a.dtype.kind not in "iu" or a.dtype == np.bool_:
-        raise CapsNetError(f"{what} holds {a.dtype} values; give class indices 0..{n_classes - 1} (one-hot rows: "
-                           "y.argmax(1))")
-    if len(a) and (a.min() < 0 or a.max() >= n_classes):
+        indices = "class indices 0, 1, ..." if n_classes is None else f"class indices 0..{n_classes - 1}"
+        raise CapsNetError(f"{what} holds {a.dtype} values; give {indices} (one-hot rows: y.argmax(1))")
+    if n_classes is None:
+        if len(a) and a.min() < 0:
+            raise CapsNetError(f"{what} holds class {int(a.min())}: class indices start at 0")
+    elif len(a) and (a.min() < 0 or a.max() >= n_classes):
         raise CapsNetError(f"{what} holds classes {int(a.min())}..{int(a.max())}, but the network has {n_classes}: "
                            f"give indices 0..{n_classes - 1}")
     return a.astype(np.int64)

@@ -104,11 +104,21 @@ def load_folder(path, image_size=None, channels=None, test_fraction: float = 0.2
     as ``--dataset folder`` reads it: ``image_size`` (H, W) to resize to (default: the first
     image's), ``channels`` 1 or 3 (default: the first image's), ``test_fraction`` held out of each
     class when there is no ``test/``."""
+    from . import arguments as a
     from .training import data
 
-    path = os.path.expanduser(os.fspath(path))
-    train, test = data.load("folder", path, seed=seed, image_size=image_size, channels=channels,
-                            test_fraction=test_fraction)
+    path = os.path.expanduser(a.path(path, "path"))
+    if image_size is not None:
+        if isinstance(image_size, (str, bytes)) or not isinstance(image_size, (tuple, list, np.ndarray)) \
+                or len(image_size) != 2:
+            raise CapsNetError(f"image_size must be (height, width), two whole numbers such as (28, 28), or None, "
+                               f"got {image_size!r}")
+        image_size = tuple(a.whole(d, "image_size's sides", least=1) for d in image_size)
+    if channels is not None and (a._is_bool(channels) or channels not in (1, 3)):
+        raise CapsNetError(f"channels must be 1 (grey) or 3 (RGB), or None for the first image's, got {channels!r}")
+    test_fraction = a.real(test_fraction, "test_fraction", 0, 1, open_lo=True, open_hi=True)
+    train, test = data.load("folder", path, seed=a.whole(seed, "seed"), image_size=image_size,
+                            channels=None if channels is None else int(channels), test_fraction=test_fraction)
     return _data(train, test, source=path)
 
 
@@ -117,9 +127,14 @@ def multimnist(x, y, pairs: int = 1, seed: int = 0, shift: int = 4, canvas: int 
     a partner of another class, both shifted by up to ``shift`` pixels about a ``canvas``-pixel
     square's centre and overlaid.  Returns (images (M, 1, canvas, canvas), first labels, second
     labels, the first digits alone, the second alone): the decoder's targets are the digits alone."""
-    from .experiments import digits
+    from . import arguments as a
+    from .experiments import check_fits, digits
 
+    seed, shift = a.whole(seed, "seed"), a.whole(shift, "shift")
+    canvas, pairs = _canvas(canvas), a.whole(pairs, "pairs", least=1)
     x, y = _digits(x, y)
+    digits.check_multimnist(shift, canvas, pairs, spell=str)
+    check_fits("multimnist", 3 * len(x) * pairs, canvas, "give fewer pairs or digits, or a smaller canvas")
     return digits.multimnist(x, y, pairs, np.random.default_rng(seed), shift, canvas)
 
 
@@ -128,10 +143,25 @@ def affine(x, seed: int = 0, canvas: int = 40, max_rotation: float = 20.0, max_s
     """Each digit of x (N, 1, 28, 28) under a random affine map (rotation and shear within the
     maxima, in degrees; scales within ``scale``), cropped to its ink and placed at a random offset of
     a ``canvas``-pixel square: affNIST's transformations, (N, 1, canvas, canvas)."""
-    from .experiments import digits
+    from . import arguments as a
+    from .experiments import check_fits, digits
 
+    seed, canvas = a.whole(seed, "seed"), _canvas(canvas)
+    max_rotation, max_shear = a.real(max_rotation, "max_rotation"), a.real(max_shear, "max_shear")
+    if isinstance(scale, (str, bytes)) or not isinstance(scale, (tuple, list, np.ndarray)) or len(scale) != 2:
+        raise CapsNetError(f"scale must be (low, high), two numbers such as (0.8, 1.2), got {scale!r}")
+    scale = tuple(a.real(s, "scale's bounds") for s in scale)
+    digits.check_affine(max_rotation, max_shear, scale, spell=str)
     x, _ = _digits(x, None)
-    return digits.affine(x, canvas, np.random.default_rng(seed), max_rotation, max_shear, tuple(scale))
+    check_fits("affine", len(x), canvas, "give fewer digits or a smaller canvas")
+    return digits.affine(x, canvas, np.random.default_rng(seed), max_rotation, max_shear, scale)
+
+
+def _canvas(canvas) -> int:
+    from . import arguments as a
+    from .experiments.digits import DIGIT
+
+    return a.whole(canvas, "canvas", least=DIGIT)
 
 
 def _digits(x, y):
@@ -139,4 +169,4 @@ def _digits(x, y):
     from .arrays import images, labels
 
     a = images(x, (1, 28, 28), "x")
-    return a, None if y is None else labels(y, len(a), int(np.max(y)) + 1 if len(np.asarray(y)) else 1, "y")
+    return a, None if y is None else labels(y, len(a), None, "y")

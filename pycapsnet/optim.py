@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import CapsNetError
 from .training.optim import SGD, Adam, exponential_lr  # noqa: F401  (the public names)
 
 __all__ = ["Adam", "SGD", "exponential_lr", "batches"]
@@ -31,12 +32,16 @@ def batches(x, y, batch_size: int = 32, epoch: int = 0, seed: int = 0, shift: in
     """The batches ``fit`` trains on in epoch ``epoch`` (0-based) with ``seed``: the images shuffled
     by a generator of (seed, epoch), each batch shifted by up to ``shift`` pixels (``augment``
     "efficient": Efficient-CapsNet's transforms).  Yields (x (B, C, H, W) float32, y (B,) int64)."""
-    from .api import _whole
-    from .arrays import images, labels
+    from . import arguments as a
+    from .arrays import _host, images, labels
     from .training import data
 
-    xa = images(x, np.shape(x)[1:] if np.ndim(x) == 4 else (1, *np.shape(x)[1:]))
-    ya = labels(y, len(xa), int(np.max(y)) + 1)
-    split = data.Split(xa, ya, "arrays")
-    rng = np.random.default_rng([_whole(seed, "seed", 0), _whole(epoch, "epoch", 0)])
-    yield from data.batches(split, _whole(batch_size, "batch_size"), rng, _whole(shift, "shift", 0), None, augment)
+    xa = _host(x, "x")
+    if xa.ndim not in (3, 4):
+        raise CapsNetError(f"x must be images, (N, C, H, W) or (N, H, W), got shape {tuple(xa.shape)}")
+    xa = images(xa, xa.shape[1:] if xa.ndim == 4 else (1, *xa.shape[1:]))
+    split = data.Split(xa, labels(y, len(xa), None), "arrays")
+    rng = np.random.default_rng([a.whole(seed, "seed"), a.whole(epoch, "epoch")])
+    batch_size, shift = a.whole(batch_size, "batch_size", least=1), a.whole(shift, "shift")
+    augment = a.choice(augment, "augment", data.AUGMENTS)
+    return data.batches(split, batch_size, rng, shift, None, augment)

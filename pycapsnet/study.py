@@ -58,6 +58,16 @@ def _network(target):
     return getattr(target, "network", target)
 
 
+def _checked_network(target, who: str):
+    """The network of a Model or a network; CapsNetError for anything else."""
+    from .core.network import Network
+
+    net = _network(target)
+    if not isinstance(net, Network):
+        raise CapsNetError(f"{who} takes a Model (pycapsnet.build, load) or its network, not {type(target).__name__}")
+    return net
+
+
 def _float64_copy(net):
     """(the network on NumPy in float64 with the same weights, whether it is a copy)."""
     from pycapsnet import backends
@@ -71,6 +81,9 @@ def _float64_copy(net):
     return copy, True
 
 
+MAX_SAMPLES, MAX_BATCH = 100_000, 1024  # what a check of one batch on this machine's memory can hold
+
+
 def gradcheck(target, samples: int = 12, seed: int = 0, tol: float = 1e-6, batch: int = 3) -> Report:
     """Finite differences (fourth order, float64) against the hand-written backward: of a Model or
     network, its whole loss w.r.t. every parameter and the input, then each layer of its body; of a
@@ -79,9 +92,16 @@ def gradcheck(target, samples: int = 12, seed: int = 0, tol: float = 1e-6, batch
     copy (the report says so)."""
     from pycapsnet import backends
 
+    from . import arguments as a
     from .core.network import Network
     from .tools import finite_diff, gradcheck as checks
 
+    if hasattr(samples, "shape"):
+        raise CapsNetError("gradcheck draws its own batch: gradcheck(model) checks the model on it; its second "
+                           "argument is samples (entries checked per tensor), not images")
+    samples = a.whole(samples, "samples (entries checked per tensor)", least=1, most=MAX_SAMPLES)
+    tol, seed = a.real(tol, "tol", 0, open_lo=True), a.whole(seed, "seed")
+    batch = a.whole(batch, "batch", least=1, most=MAX_BATCH)
     B = backends.get("numpy", dtype="float64")
     if isinstance(target, (str, os.PathLike, dict)):
         return Report(checks.run_network(B, target, samples, tol, seed), "gradcheck of the description")
@@ -110,9 +130,14 @@ def crosscheck(target, a: str = "numpy", b: str = "torch", dtype: str = "float64
     where a side is float32)."""
     from pycapsnet import backends
 
+    from . import arguments as arg
     from .core import architecture
 
-    net = _network(target)
+    net = _checked_network(target, "crosscheck")
+    dtype = arg.choice(dtype, "dtype", ("float32", "float64"))
+    dtype_b = None if dtype_b is None else arg.choice(dtype_b, "dtype_b", ("float32", "float64"))
+    batch, seed = arg.whole(batch, "batch", least=1, most=MAX_BATCH), arg.whole(seed, "seed")
+    rtol = arg.real(rtol, "rtol", 0, none=True)  # 0: equal to the last bit
     sides = []
     for spec, dt in ((a, dtype), (b, dtype_b or dtype)):
         model = architecture.build(net.architecture, backends.get(spec, dtype=dt))
@@ -131,14 +156,30 @@ def crosscheck(target, a: str = "numpy", b: str = "torch", dtype: str = "float64
                "dL/dx (input)": ("gradient", B.to_numpy(dx))}
         res.update({f"dL/d {k}": ("gradient", B.to_numpy(g)) for k, g in model.grads.items()})
         results.append(res)
-    tol = rtol or (1e-4 if low == "float32" else 1e-9)
+    tol = rtol if rtol is not None else (1e-4 if low == "float32" else 1e-9)
+    rows = _compared(results, tol, np.finfo(low).eps)
+    return Report(rows, f"crosscheck {a} ({dtype}) against {b} ({dtype_b or dtype})", f"tolerance {tol:g}")
+
+
+def _compared(results, tol, eps) -> list:
+    """Each tensor's largest difference relative to its own largest entry -- but never at a finer
+    scale than its floats resolve at ``tol``: 10 eps / tol of the largest tensor of its kind.  A
+    gradient that is zero but for round-off (~1e-16 everywhere in float64) is thus compared at the
+    size of the sums it was rounded in, not failed for its rounding."""
+    scale = lambda t: float(np.abs(t).max(initial=0))  # noqa: E731
+    largest = {}
+    for kind, u in results[0].values():
+        largest[kind] = max(largest.get(kind, 0.0), scale(u))
     rows = []
     for name, (kind, u) in results[0].items():
         w = results[1][name][1]
         diff = float(np.abs(u.astype(np.float64) - w.astype(np.float64)).max(initial=0))
-        rel = diff / (float(np.abs(u).max(initial=0)) or 1.0)
-        rows.append({"tensor": name, "kind": kind, "max_abs": diff, "max_rel": rel, "agree": rel <= tol})
-    return Report(rows, f"crosscheck {a} ({dtype}) against {b} ({dtype_b or dtype})", f"tolerance {tol:g}")
+        floor = 10 * eps / tol * largest[kind] if tol > 0 else 0.0
+        at = max(scale(u), floor)
+        rel = diff / at if at > 0 else (0.0 if diff == 0 else np.inf)
+        rows.append({"tensor": name, "kind": kind, "max_abs": diff, "max_rel": rel,
+                     "agree": diff == 0 if tol == 0 else rel <= tol})
+    return rows
 
 
 class AutogradTwin:
@@ -150,70 +191,122 @@ class AutogradTwin:
     def __init__(self, net, dtype):
         import torch
 
-        from .tools.reference import AutogradNetwork
+        from .core.model import CapsNet
+        from .tools.reference import AutogradCapsNet, AutogradNetwork
 
-        self.reference = AutogradNetwork.from_model(net, dtype=getattr(torch, dtype))
+        self.net = net
+        if isinstance(net, CapsNet) and net.config.routing == "em":  # matrix capsules: the built-in's own twin
+            self.reference = AutogradCapsNet.from_model(net, dtype=getattr(torch, dtype))
+        else:
+            matrix = [s["layer"] for s in net.architecture["body"] if "matrix" in s["layer"]]
+            if matrix:
+                raise CapsNetError(f"the autograd twin writes described networks without matrix capsules ({matrix[0]} "
+                                   "here; the built-in 'em' network has its own): check this one with study.gradcheck")
+            self.reference = AutogradNetwork.from_model(net, dtype=getattr(torch, dtype))
         self.params = self.reference.params
 
     def forward(self, x, y=None):
-        return self.reference.forward(self._tensor(x), None if y is None else self._labels(y))
+        return self.reference.forward(self._tensor(x), None if y is None else self._labels(y, x))
 
     def loss(self, x, y):
-        return self.reference.loss(self._tensor(x), self._labels(y))[0]
+        return self.reference.loss(self._tensor(x), self._labels(y, x))[0]
 
     def grads(self, x, y, input_grad: bool = False):
-        return self.reference.grads(np.asarray(x), np.asarray(y), input_grad)
+        from . import arguments as a
+
+        x = self._host_images(x)
+        return self.reference.grads(x, self._host_labels(y, x), a.boolean(input_grad, "input_grad"))
+
+    def _host_images(self, x):
+        from .arrays import images
+
+        return images(x, self.net.input_shape).astype(np.float64)
+
+    def _host_labels(self, y, x):
+        from .arrays import labels
+
+        return labels(y, len(x), self.net.n_classes)
 
     def _tensor(self, x):
         import torch
 
-        return x if torch.is_tensor(x) else torch.as_tensor(np.asarray(x), dtype=self.reference.dtype)
+        if torch.is_tensor(x) and tuple(x.shape[1:]) == tuple(self.net.input_shape) and x.dtype == self.reference.dtype:
+            return x  # as it is: a tensor that requires grad keeps its graph
+        return torch.as_tensor(self._host_images(x), dtype=self.reference.dtype)
 
-    def _labels(self, y):
+    def _labels(self, y, x):
         import torch
 
-        return y if torch.is_tensor(y) else torch.as_tensor(np.asarray(y), dtype=torch.int64)
+        return torch.as_tensor(self._host_labels(y, x if not torch.is_tensor(x) else np.empty(len(x))), dtype=torch.int64)
 
 
 def autograd_twin(target, dtype: str = "float64") -> AutogradTwin:
     """The model under PyTorch autograd, the same weights: the independent oracle of its backward."""
-    return AutogradTwin(_network(target), dtype)
+    from . import arguments as a
+
+    return AutogradTwin(_checked_network(target, "autograd_twin"), a.choice(dtype, "dtype", ("float32", "float64")))
 
 
-def coupling(target, x) -> dict:
+def coupling(target, x, batch_size: int = 100) -> dict:
     """Each routing layer's coefficients of every routing iteration for images x, as the network
     evaluates: {layer name: [c (N, I, J) per iteration]} (EM: assignments R; a convolutional layer's
     (N, P, I, C), its P window positions)."""
+    from . import arguments as a
     from .arrays import images
     from .tools.inspect_run import _coefficients
 
-    net = _network(target)
+    net = _checked_network(target, "coupling")
     B = net.B
-    xa = images(x, net.input_shape)
-    with net.evaluating():
-        net.forward(xa)
-    found = {name: [np.array(B.to_numpy(c)) for c in _coefficients(layer)] for name, layer in net.routing_layers()}
-    net.release()
-    if not found:
+    if not net.routing_layers():
         raise CapsNetError("this network has no routing layer (a CNN): it has no coupling coefficients")
-    return found
+    xa = images(x, net.input_shape)
+    batch_size = a.whole(batch_size, "batch_size", least=1)
+    parts = {}
+    with net.evaluating():  # a batch at a time: a forward holds MB per image (û alone is I x J x D floats)
+        for start in range(0, len(xa), batch_size):
+            net.forward(xa[start:start + batch_size])
+            for name, layer in net.routing_layers():
+                cs = [np.array(B.to_numpy(c)) for c in _coefficients(layer)]
+                if not parts:
+                    _refuse_beyond_memory(sum(c[0].nbytes for c in cs) * len(xa) * len(net.routing_layers()))
+                parts.setdefault(name, []).append(cs)
+            net.release()
+    return {name: [np.concatenate([b[r] for b in blocks]) for r in range(len(blocks[0]))]
+            for name, blocks in parts.items()}
+
+
+def _refuse_beyond_memory(need: int) -> None:
+    from pycapsnet.backends.host import machine_memory
+
+    have = machine_memory()
+    if have and need > have // 2:
+        raise CapsNetError(f"the coefficients of these images take {need / 2**30:.1f} GiB, more than half this "
+                           f"machine's {have / 2**30:.1f} GiB: give fewer images")
+
+
+MAX_STEPS = 1001  # steps of Figure 4: a picture of more is not one a person reads
 
 
 def figure_4(target, x, capsule=None, reach: float = 0.25, steps: int = 11, path=None):
     """The paper's Figure 4 for one image x (1, C, H, W): each dimension of a class capsule (its
     predicted class unless ``capsule``) moved over [-reach, reach] in ``steps`` steps, decoded.
     Returns (decoded (D, steps, C, H, W), the steps); ``path``: also drawn there (PNG)."""
+    from . import arguments as a
     from .arrays import images
     from .tools import plots
 
-    net = _network(target)
+    net = _checked_network(target, "figure_4")
     if net.decoder is None:
         raise CapsNetError("Figure 4 decodes class capsules, and this network has no decoder")
+    capsule = a.whole(capsule, "capsule (a class index)", 0, net.n_classes - 1, none=True)
+    reach = a.real(reach, "reach", 0, open_lo=True)
+    steps = a.whole(steps, "steps", least=2, most=MAX_STEPS)
+    path = None if path is None else a.file_to_write(path, "path")
     xa = images(x, net.input_shape)[:1]
     with net.evaluating():
         out = net.forward(xa)
-    v = net.B.to_numpy(out.v)
-    chosen = int(out.predictions[0]) if capsule is None else int(capsule)
+        v = net.B.to_numpy(out.v)
+        chosen = int(out.predictions[0]) if capsule is None else capsule
     net.release()
     moves = np.round(np.linspace(-reach, reach, steps), 6)
     D = v.shape[-1]
@@ -231,25 +324,16 @@ def figure_4(target, x, capsule=None, reach: float = 0.25, steps: int = 11, path
 def inspect(model, x, y, index: int = 0, out: str = "inspect") -> list:
     """``pycapsnet inspect`` for arrays: reconstructions of the first images, Figure 4 and every
     routing layer's coupling for image ``index`` of (x, y), written into ``out``; returns the paths."""
+    from . import arguments as a
     from .api import Model
-    from .training.data import Split
-    from .training.run_dir import prepare_out_dir, save_reconstructions
-    from .tools.inspect_run import coupling_pictures
+    from .training.run_dir import prepare_out_dir
+    from .tools.inspect_run import draw
 
-    model = model if isinstance(model, Model) else Model(model)
+    model = model if isinstance(model, Model) else Model(_checked_network(model, "inspect"))
+    if not model.network.routing_layers():
+        raise CapsNetError("this network has no routing layer (a CNN): inspect draws routing")
     xa = model._split(x, y, "x", "y")
-    if not 0 <= index < len(xa):
-        raise CapsNetError(f"index must be in [0, {len(xa) - 1}], got {index}")
+    index = a.whole(index, "index", 0, len(xa) - 1)
+    out = a.path(out, "out")
     prepare_out_dir(out)
-    net, names = model.network, model.classes
-    found = coupling(net, xa.x[index:index + 1])
-    pred = int(model.predict(xa.x[index:index + 1])[0])
-    about = f"image {index} (label {names[int(xa.y[index])]}, predicted {names[pred]})"
-    routed = [(name, layer, [c[0] for c in found[name]]) for name, layer in net.routing_layers()]
-    written = [save_reconstructions(net, Split(xa.x, xa.y, "arrays", names), os.path.join(out, "reconstructions.png"))]
-    if net.decoder is not None:
-        figure_4(net, xa.x[index:index + 1], path=os.path.join(out, "perturbation.png"))
-        written.append(os.path.join(out, "perturbation.png"))
-    em = bool(getattr(routed[-1][1], "activations", None))
-    written += coupling_pictures(routed, out, about, names, pred, em=em)
-    return written
+    return draw(model.network, xa, index, model.classes, out, about=f"image {index}")

@@ -98,7 +98,7 @@ def test_adam_keeps_its_moments_between_steps():
     (lambda m: optim.SGD(m, lr=float("nan")), r"lr must be a finite number > 0, got nan"),
     (lambda m: optim.Adam(m, lr="1e-3"), r"lr must be a finite number > 0, got '1e-3'"),
     (lambda m: optim.Adam(m, betas=(0.9, 1.0)), r"betas\[1\] must be a finite number in \[0, 1\), got 1\.0"),
-    (lambda m: optim.Adam(m, eps=-1e-8), r"eps must be a finite number >= 0"),
+    (lambda m: optim.Adam(m, eps=-1e-8), r"eps must be a finite number > 0"),
     (lambda m: optim.SGD(m, momentum=1.5), r"momentum must be a finite number in \[0, 1\], got 1\.5"),
 ])
 def test_an_impossible_optimizer_setting_is_refused_when_it_is_made(make, match):

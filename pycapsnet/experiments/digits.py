@@ -69,15 +69,21 @@ def affine_matrix(rotation: float, shear: float, scale_y: float, scale_x: float)
     return np.diag([scale_y, scale_x]) @ np.array([[1.0, 0.0], [s, 1.0]]) @ rot
 
 
-def check_affine(max_rotation: float, max_shear: float, scale: tuple) -> None:
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_affine(max_rotation: float, max_shear: float, scale: tuple, spell=_flag) -> None:
+    """``spell``: how a message names a setting (a flag, or ``str``: the keyword of datasets.affine)."""
     if not 0 <= max_rotation <= 90:
-        raise CapsNetError(f"--max-rotation {max_rotation:g} must be in [0, 90] degrees (affNIST's: 20)")
+        raise CapsNetError(f"{spell('max_rotation')} {max_rotation:g} must be in [0, 90] degrees (affNIST's: 20)")
     if not 0 <= max_shear < 60:
-        raise CapsNetError(f"--max-shear {max_shear:g} must be in [0, 60) degrees: beyond, a digit no longer "
+        raise CapsNetError(f"{spell('max_shear')} {max_shear:g} must be in [0, 60) degrees: beyond, a digit no longer "
                            "fits a canvas a little larger than itself (affNIST's: 45)")
     lo, hi = scale
     if not 0.25 <= lo <= hi <= 1.5:
-        raise CapsNetError(f"--scale {lo:g} {hi:g} must satisfy 0.25 <= low <= high <= 1.5 (affNIST's: 0.8 1.2)")
+        raise CapsNetError(f"{spell('scale')} {lo:g} {hi:g} must satisfy 0.25 <= low <= high <= 1.5 "
+                           "(affNIST's: 0.8 1.2)")
 
 
 def affine(x: np.ndarray, canvas: int, rng: np.random.Generator, max_rotation=20.0, max_shear=45.0,
@@ -114,15 +120,15 @@ def affine(x: np.ndarray, canvas: int, rng: np.random.Generator, max_rotation=20
     return out
 
 
-def check_multimnist(shift: int, canvas: int, pairs: int) -> None:
-    check_canvas(canvas)
+def check_multimnist(shift: int, canvas: int, pairs: int, spell=_flag) -> None:
+    check_canvas(canvas, spell("canvas"))
     if not isinstance(shift, (int, np.integer)) or shift < 0:
-        raise CapsNetError(f"--shift {shift} must be a whole number of pixels, 0 or more (the paper's: 4)")
+        raise CapsNetError(f"{spell('shift')} {shift} must be a whole number of pixels, 0 or more (the paper's: 4)")
     if DIGIT + 2 * shift > canvas:
-        raise CapsNetError(f"--shift {shift} moves a {DIGIT}x{DIGIT} digit off a {canvas}x{canvas} canvas: "
-                           f"give a shift of at most {(canvas - DIGIT) // 2}, or --canvas {DIGIT + 2 * shift}")
+        raise CapsNetError(f"{spell('shift')} {shift} moves a {DIGIT}x{DIGIT} digit off a {canvas}x{canvas} canvas: "
+                           f"give a shift of at most {(canvas - DIGIT) // 2}, or {spell('canvas')} {DIGIT + 2 * shift}")
     if not isinstance(pairs, (int, np.integer)) or pairs < 1:
-        raise CapsNetError(f"--pairs {pairs} must be 1 or more (pairs made per digit)")
+        raise CapsNetError(f"{spell('pairs')} {pairs} must be 1 or more (pairs made per digit)")
 
 
 def multimnist(x: np.ndarray, y: np.ndarray, pairs: int, rng: np.random.Generator, shift: int = 4, canvas: int = 36):

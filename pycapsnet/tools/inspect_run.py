@@ -35,7 +35,6 @@ def _inspect(args) -> int:
     from ..training import data
     from ..training.preflight import checked_data
     from ..training.recipe import data_options, settle
-    from ..training.run_dir import save_reconstructions
 
     B = backends.get(args.backend, device=args.device, dtype="float32")
     model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
@@ -54,34 +53,44 @@ def _inspect(args) -> int:
     capsule = getattr(args, "capsule", None)
     if capsule is not None and capsule >= model.n_classes:
         raise CapsNetError(f"--capsule must be a class index 0..{model.n_classes - 1}, got {capsule}")
-    x, y = test.images(slice(args.index, args.index + 1)), int(test.y[args.index])
-    model.train(False)  # a picture of the network as it evaluates: no dropout, batch norm's running statistics
-    with B.quiet_float_errors():
-        out = model.forward(x)
-    v = B.to_numpy(out.v)                                   # (1, J, D)
-    if not np.isfinite(v).all():
-        raise CapsNetError(f"the model in {ckpt['path']} gives class capsules that are not finite for test "
-                           f"image {args.index}: there is nothing to draw; inspect an earlier checkpoint")
-    pred = int(out.predictions[0])
-    about = f"test image {args.index} (label {names[y]}, predicted {names[pred]})"
-    # every routing layer's coefficients, copied before the reconstructions' forward reuses the buffers
-    routed = [(name, layer, [np.array(B.to_numpy(c)[0]) for c in _coefficients(layer)])
-              for name, layer in model.routing_layers()]
-    activations = [np.array(B.to_numpy(a)[0]) for a in getattr(routed[-1][1], "activations", [])]  # EM
-    written = [save_reconstructions(model, test, os.path.join(args.out, "reconstructions.png"))]
+    for p in draw(model, test, args.index, names, args.out, capsule, getattr(args, "perturb_range", 0.25),
+                  f"test image {args.index}", where=f"the model in {ckpt['path']}"):
+        print(p)
+    return 0
+
+
+def draw(model, split, index, names, out, capsule=None, reach=0.25, about="image", where="the model") -> list:
+    """The pictures of image ``index`` of ``split`` into ``out`` (reconstructions of the split's first
+    images, Figure 4, each routing layer's coupling, EM's activations); returns their paths.  The
+    command line's ``inspect`` and ``study.inspect`` both draw with it."""
+    from ..training.run_dir import save_reconstructions
+
+    B = model.B
+    x, y = split.images(slice(index, index + 1)), int(split.y[index])
+    with model.evaluating(), B.quiet_float_errors():  # no dropout, batch norm's running statistics
+        out_ = model.forward(x)
+        v = B.to_numpy(out_.v)                                   # (1, J, D)
+        if not np.isfinite(v).all():
+            raise CapsNetError(f"{where} gives class capsules that are not finite for {about}: there is nothing to "
+                               "draw; inspect an earlier checkpoint")
+        pred = int(out_.predictions[0])
+        # every routing layer's coefficients, copied before the reconstructions' forward reuses the buffers
+        routed = [(name, layer, [np.array(B.to_numpy(c)[0]) for c in _coefficients(layer)])
+                  for name, layer in model.routing_layers()]
+        activations = [np.array(B.to_numpy(a)[0]) for a in getattr(routed[-1][1], "activations", [])]  # EM
+    model.release()
+    about = f"{about} (label {names[y]}, predicted {names[pred]})"
+    written = [save_reconstructions(model, split, os.path.join(out, "reconstructions.png"))]
     if model.decoder is not None:  # the paper's Figure 4
         chosen = pred if capsule is None else capsule
-        written.append(figure_4(model, v, chosen, getattr(args, "perturb_range", 0.25),
-                                os.path.join(args.out, "perturbation.png"), about, names[chosen]))
-    written += coupling_pictures(routed, args.out, about, names, pred, em=bool(activations))
+        written.append(figure_4(model, v, chosen, reach, os.path.join(out, "perturbation.png"), about, names[chosen]))
+    written += coupling_pictures(routed, out, about, names, pred, em=bool(activations))
     if activations:
         from . import plots
 
-        written.append(plots.activation_bars(activations, os.path.join(args.out, "activations.png"), names, y, pred,
+        written.append(plots.activation_bars(activations, os.path.join(out, "activations.png"), names, y, pred,
                                              f"class activations a_j per EM iteration, {about}"))
-    for p in written:
-        print(p)
-    return 0
+    return written
 
 
 def _coefficients(layer) -> list:

@@ -41,6 +41,7 @@ class Optimizer:
     moments: tuple = ()  # the subclass's per-parameter state slots
 
     def __init__(self, model, lr: float, ema: float | None = None):
+        model = _network(model, type(self).__name__)
         _check_hyperparameter("lr", lr, 0, math.inf, low_included=False)  # lr 0: steps that move nothing
         if ema is not None:
             _check_hyperparameter("ema", ema, 0, 1, low_included=False)  # ema 1: an average that never moves
@@ -166,9 +167,10 @@ class Adam(Optimizer):
 
     def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, ema=None):
         super().__init__(model, lr, ema)
+        model = self.model  # a Model's network
         for k, beta in enumerate(betas):
             _check_hyperparameter(f"betas[{k}]", beta, 0, 1)  # beta = 1 would divide by 1 - beta^t = 0
-        _check_hyperparameter("eps", eps, 0, math.inf)
+        _check_hyperparameter("eps", eps, 0, math.inf, low_included=False)  # eps 0: 0/0 where a gradient is 0
         self.b1, self.b2, self.eps = betas[0], betas[1], eps
         B = model.B
         self.state.update({"m": {k: B.zeros(p.shape) for k, p in model.params.items()},
@@ -206,6 +208,7 @@ class SGD(Optimizer):
 
     def __init__(self, model, lr=0.01, momentum=0.9, ema=None):
         super().__init__(model, lr, ema)
+        model = self.model  # a Model's network
         _check_hyperparameter("momentum", momentum, 0, 1, high_included=True)
         self.momentum = momentum
         self.state["buf"] = {k: model.B.zeros(p.shape) for k, p in model.params.items()}
@@ -225,6 +228,17 @@ class SGD(Optimizer):
 
         B.over_blocks(update, _sizes(params))
         self._apply_average()
+
+
+def _network(model, who: str):
+    """The network an optimizer updates: a Network, or the one a Model (pycapsnet.build, load) holds."""
+    from ..core.network import Network
+
+    net = getattr(model, "network", model)
+    if not isinstance(net, Network):
+        raise CapsNetError(f"{who} updates a network's parameters: give it a Model (pycapsnet.build(...)) or its "
+                           f".network, not {type(model).__name__}")
+    return net
 
 
 def _sizes(params) -> dict:

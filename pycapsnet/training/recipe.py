@@ -231,10 +231,13 @@ IGNORED_BY = {
 }
 
 
-def refuse_ignored_flags(given, routing):
+def refuse_ignored_flags(given, routing, spell=flag):
+    """A setting given that ``routing``'s network has no use for, refused in one line (``spell``: a
+    flag on the command line, ``str`` for ``pycapsnet.build``'s keywords)."""
+    where = f"--routing {routing}" if spell is flag else f"routing {routing!r}"
     for k, why in IGNORED_BY.get(routing, {}).items():
         if k in given:
-            raise CapsNetError(f"{flag(k)} does nothing with --routing {routing}: {why}; drop it")
+            raise CapsNetError(f"{spell(k)} does nothing with {where}: {why}; drop it")
 
 
 def _take_from_checkpoint(values, given, ckpt, cfg, evaluating):
