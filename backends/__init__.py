@@ -61,6 +61,17 @@ def get(name: str, device: str | None = None, dtype: str = "float32") -> Backend
     return backend_cls(**kwargs)
 
 
+def autograd_reference(dtype: str = "float64", device: str = "cpu") -> Backend:
+    """The torch backend in PyTorch's differentiable ops only (torch_backend.TorchAutogradBackend):
+    a routing's forward run on it can be differentiated by autograd, the independent reference of
+    its hand-written backward."""
+    try:
+        from .torch_backend import TorchAutogradBackend
+    except ImportError as e:  # pragma: no cover - torch_backend imports nothing of torch at module level
+        raise BackendError(f"the autograd reference needs PyTorch: {e}") from e
+    return TorchAutogradBackend(dtype=dtype, device=device)
+
+
 def device_for_rank(device: str | None, local_rank: int, name: str) -> str | None:
     """The device of one process of a data-parallel run on one machine: a GPU backend's 'cuda'
     (or nothing, for CuPy) becomes 'cuda:LOCAL_RANK', one GPU per process; an explicit index or
@@ -78,5 +89,5 @@ def gpu_unavailable_reason(name: str) -> str | None:
     return None
 
 
-__all__ = ["Backend", "BackendError", "get", "gpu_unavailable_reason", "device_for_rank",
+__all__ = ["Backend", "BackendError", "get", "gpu_unavailable_reason", "device_for_rank", "autograd_reference",
            "NAMES"]

@@ -454,3 +454,17 @@ def _per_parent(u_hat, order):
     transposed, (N*J, D, I), with (1, 2, 0)."""
     i, n, j, d = u_hat.shape
     return u_hat.reshape(i, n * j, d).permute(*order)
+
+
+class TorchAutogradBackend(TorchBackend):
+    """The torch backend with every named operation in PyTorch's own differentiable ops (as while
+    torch.compile traces a step: no NumPy products writing into tensors' memory) and the batch
+    routed as one block.  What the automatic reference of a routing's backward runs the routing's
+    forward on, for PyTorch's autograd to differentiate (pycapsnet/tools/routing_checks.py); never
+    the training path, where nothing requires grad."""
+
+    def _tracing(self) -> bool:
+        return True
+
+    def split_batch(self, fn, n, sample_size=1):
+        fn(slice(None))

@@ -55,7 +55,7 @@ from benchmarks.provenance import code_version
 from pycapsnet.training.argtypes import nonnegative_int, positive_int, writable_file
 from pycapsnet.core.capsules import PrimaryCaps
 from pycapsnet.tools.cli import format_table
-from pycapsnet.core.model import ROUTED, ROUTINGS
+from pycapsnet.core.model import routing_names
 
 QUICK = dict(conv_channels=16, primary_types=4)
 
@@ -164,7 +164,7 @@ def _reference_step(impl, batch, dtype, cfg, x, y):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     host = _network("numpy", cfg)  # pycapsnet's initialisation, copied over
-    if "network" in cfg or cfg.get("routing") in ROUTED:  # a description, or a built-in one written as one
+    if "network" in cfg or cfg.get("routing", "dynamic") not in ("dynamic", "em", "attention"):  # a description, or a built-in one written as one
         ref = AutogradNetwork.from_model(host, device=device, dtype=getattr(torch, dtype))
     else:
         ref = AutogradCapsNet(host.config, host.state_dict(), device=device, dtype=getattr(torch, dtype))
@@ -572,7 +572,7 @@ def parser():
     p.add_argument("--quick", action="store_true", help="tiny model, 1 timed step: a smoke run")
     p.add_argument("--primary-conv", choices=PrimaryCaps.FULL_CONVS, default="fourier",
                    help="how the hand-written PrimaryCaps convolves (default fourier, as in training)")
-    p.add_argument("--routing", choices=ROUTINGS, default="dynamic",
+    p.add_argument("--routing", choices=routing_names(), default="dynamic",
                    help="the network: dynamic (default), em or attention; each against an autograd "
                         "implementation of the same network (pycapsnet/tools/reference.py)")
     p.add_argument("--network", default=None, metavar="FILE.json",

@@ -30,8 +30,14 @@ from .arrays import images, labels  # noqa: F401  (images, labels: part of this 
 from .errors import CapsNetError
 from .tools.predict import Run
 
-BUILT_IN = {"capsnet": "dynamic", "em": "em", "attention": "attention", "uniform": "uniform", "random": "random",
-            "inverted": "inverted", "self": "self", "vb": "vb"}
+
+
+def built_in() -> dict:
+    """{name build takes: the CapsNetConfig routing}: "capsnet" (dynamic routing), "em", and the
+    paper's network routed by any registered routing, under the routing's name."""
+    from .core.model import routing_names
+
+    return {"capsnet": "dynamic", **{r: r for r in routing_names()}}
 
 
 def _keywords(fn):
@@ -352,8 +358,9 @@ def _class_names(classes, n_classes) -> tuple | None:
 
 def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="numpy", device=None,
           dtype="float32", seed=0, classes=None, **options) -> Model:
-    """A new Model: ``network`` "capsnet" (the paper's, dynamic routing), "attention", "em", or the
-    paper's network with its class layer routed by "uniform", "random", "inverted", "self" or "vb" --
+    """A new Model: ``network`` "capsnet" (the paper's, dynamic routing; "dynamic" too), "attention",
+    "em", or the paper's network with its class layer routed by "uniform", "random", "inverted",
+    "self", "vb" or any routing registered (pycapsnet.routings.register) --
     ``options`` then set its CapsNetConfig fields (routing_iters=1, share_spatial=True, ...) -- or a
     description (architecture.network(...), its JSON file, or one the package carries: "efficient",
     Efficient-CapsNet; "capsnet-published", the paper's network as its published code builds it),
@@ -366,23 +373,24 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
 
     seed = _whole(seed, "seed", least=0)
     input_shape, n_classes = _input_shape(input_shape), _whole(n_classes, "n_classes", least=2)
+    named = built_in()
     if not isinstance(network, (str, os.PathLike, dict)):
-        raise CapsNetError(f"network must be the name of one ({', '.join([*BUILT_IN, *architecture.DESCRIBED])}), "
+        raise CapsNetError(f"network must be the name of one ({', '.join([*named, *architecture.DESCRIBED])}), "
                            f"a description (a dict: architecture.network(...)) or its JSON file, got "
                            f"{type(network).__name__}")
     B = backends.get(backend, device=device, dtype=dtype)
-    if isinstance(network, str) and network in BUILT_IN:
+    if isinstance(network, str) and network in named:
         from .training.recipe import refuse_ignored_flags
 
-        refuse_ignored_flags(options, BUILT_IN[network], spell=str)  # as the command line refuses the same
-        net = CapsNet(B, input_shape=input_shape, n_classes=n_classes, seed=seed, routing=BUILT_IN[network],
+        refuse_ignored_flags(options, named[network], spell=str)  # as the command line refuses the same
+        net = CapsNet(B, input_shape=input_shape, n_classes=n_classes, seed=seed, routing=named[network],
                       **options)
     else:
         if options:
             raise CapsNetError(f"options {', '.join(options)} configure a built-in network; a description sets "
                                "its layers' own")
         if isinstance(network, str) and network not in architecture.DESCRIBED and not os.path.exists(network):
-            names = ", ".join([*BUILT_IN, *architecture.DESCRIBED])
+            names = ", ".join([*named, *architecture.DESCRIBED])
             raise CapsNetError(f"unknown network {network!r}: give one of {names}, or a description "
                                "(architecture.network(...) or its JSON file)")
         arch = architecture.load(network) if isinstance(network, (str, os.PathLike)) else dict(network)

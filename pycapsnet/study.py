@@ -50,6 +50,9 @@ def _row(r) -> dict:
     if hasattr(r, "passed"):
         return {"layer": r.layer, "tensor": r.tensor, "max rel err": f"{r.max_rel:.2e}", "checked": r.n_checked,
                 "passed": "yes" if r.passed else "NO"}
+    if "check" in r:  # check_routing's
+        return {"check": r["check"], "what": r["what"], "tensor": r["tensor"], "max abs": f"{r['max_abs']:.2e}",
+                "max rel": f"{r['max_rel']:.2e}", "passed": "yes" if r["agree"] else "NO"}
     return {"tensor": r["tensor"], "kind": r["kind"], "max abs": f"{r['max_abs']:.2e}",
             "max rel": f"{r['max_rel']:.2e}", "agree": "yes" if r["agree"] else "NO"}
 
@@ -247,10 +250,15 @@ def autograd_twin(target, dtype: str = "float64") -> AutogradTwin:
     return AutogradTwin(_checked_network(target, "autograd_twin"), a.choice(dtype, "dtype", ("float32", "float64")))
 
 
-def coupling(target, x, batch_size: int = 100) -> dict:
+def coupling(target, x, y=None, grad: bool = False, batch_size: int = 100):
     """Each routing layer's coefficients of every routing iteration for images x, as the network
     evaluates: {layer name: [c (N, I, J) per iteration]} (EM: assignments R; a convolutional layer's
-    (N, P, I, C), its P window positions)."""
+    (N, P, I, C), its P window positions).  ``grad=True`` (with labels y): also how the loss pulls
+    on them, as (c, dc): dc {layer: [dL_n/dc per iteration]}, each image's own loss's gradient with
+    respect to the coefficients of each iteration, read by PyTorch's autograd off the routing's own
+    forward (routing_checks.coupling_grads); None for coefficients that are constants of the forward
+    (uniform's 1/J, a random draw, dynamic routing's first iteration), through which nothing flows.
+    The full gradient, whichever mode the layer trains in; EM's layers have none here."""
     from . import arguments as a
     from .arrays import images
     from .tools.inspect_run import _coefficients
@@ -261,6 +269,10 @@ def coupling(target, x, batch_size: int = 100) -> dict:
         raise CapsNetError("this network has no routing layer (a CNN): it has no coupling coefficients")
     xa = images(x, net.input_shape)
     batch_size = a.whole(batch_size, "batch_size", least=1)
+    if a.boolean(grad, "grad"):
+        if y is None:
+            raise CapsNetError("coupling(..., grad=True) needs the labels y: the gradient is the loss's")
+        return coupling(net, xa, batch_size=batch_size), _coupling_grads(net, xa, y, batch_size)
     parts = {}
     with net.evaluating():  # a batch at a time: a forward holds MB per image (û alone is I x J x D floats)
         for start in range(0, len(xa), batch_size):
@@ -273,6 +285,41 @@ def coupling(target, x, batch_size: int = 100) -> dict:
             net.release()
     return {name: [np.concatenate([b[r] for b in blocks]) for r in range(len(blocks[0]))]
             for name, blocks in parts.items()}
+
+
+def _coupling_grads(net, xa, y, batch_size) -> dict:
+    from .arrays import labels
+    from .tools.routing_checks import coupling_grads
+
+    ya = labels(y, len(xa), net.n_classes)
+    copy, _ = _float64_copy(net)
+    parts = {}
+    with copy.evaluating():  # the coefficients as evaluation routes, the loss with the label mask
+        for start in range(0, len(xa), batch_size):
+            sl = slice(start, start + batch_size)
+            for name, grads in coupling_grads(copy, xa[sl].astype(np.float64), ya[sl]).items():
+                parts.setdefault(name, []).append(grads)
+    return {name: [None if blocks[0][r] is None else np.concatenate([b[r] for b in blocks])
+                   for r in range(len(blocks[0]))] for name, blocks in parts.items()}
+
+
+def check_routing(name, samples: int = 12, tol: float = 1e-6, seed: int = 0) -> Report:
+    """A routing (built-in, or registered with pycapsnet.routings.register) checked three ways, float64:
+    finite differences of its layers (fully connected, shared, stacked, convolutional; each gradient
+    mode), its layer on NumPy against PyTorch, and its hand-written backward against PyTorch's
+    autograd of its own forward -- which checks the backward against the forward, not the forward
+    against the paper.  A Report: ``passed``, and a table of every tensor."""
+    from . import arguments as a
+    from .core import routings
+    from .tools import routing_checks
+
+    routings.get(name)  # an unknown name: one line naming the registered ones
+    samples = a.whole(samples, "samples", least=1, most=MAX_SAMPLES)
+    tol, seed = a.real(tol, "tol", 0, open_lo=True), a.whole(seed, "seed")
+    rows = routing_checks.check(name, samples, tol, seed)
+    return Report(rows, f"check of routing {name!r}", "finite differences to tol of each entry, numpy vs torch to "
+                  f"{routing_checks.TOLERANCE['across_backends']:g} and autograd to "
+                  f"{routing_checks.TOLERANCE['autograd_reference']:g} of each tensor's largest entry")
 
 
 def _refuse_beyond_memory(need: int) -> None:

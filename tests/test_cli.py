@@ -124,7 +124,7 @@ def test_bare_pycapsnet_prints_its_help_and_version_says_which(capsys):
     import pycapsnet
 
     assert cli.main([]) == 0
-    assert "{gradcheck,crosscheck,inspect,train,evaluate,predict,plan,experiment,data}" in capsys.readouterr().out
+    assert "{gradcheck,crosscheck,inspect,train,evaluate,predict,plan,experiment,data,check-routing}" in capsys.readouterr().out
     with pytest.raises(SystemExit) as stop:
         cli.main(["--version"])
     assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"pycapsnet {pycapsnet.__version__}"

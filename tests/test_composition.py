@@ -96,10 +96,9 @@ def test_convcaps_layer_passes_finite_differences(backend, mode, kernel, stride)
 def test_gradcheck_catches_a_wrong_convcaps_backward(monkeypatch):
     """The check above can fail: a backward that drops routing's feedback term (the "final" form
     in "full" mode) is caught."""
-    import pycapsnet.core.conv_caps as cc
+    from pycapsnet.core.routing import Dynamic
 
-    real = cc.routing_backward_factors
-    monkeypatch.setattr(cc, "routing_backward_factors", lambda B, u, t, dv, mode: real(B, u, t, dv, "final"))
+    monkeypatch.setattr(Dynamic, "gradient_mode", property(lambda self: "final"))
     B = backends.get("numpy", dtype="float64")
     rng = np.random.default_rng(0)
     layer = ConvCaps(B, (5, 5), 2, 3, 3, 4, routing_grad="full", rng=rng)
@@ -297,10 +296,12 @@ def test_a_bias_on_s_j_passes_finite_differences(backend, mode, share_spatial):
 
 def test_a_wrong_bias_gradient_is_caught(monkeypatch):
     """The check above can fail: dβ from the last iteration alone (the "final" form in "full" mode)."""
-    real = ClassCaps.route_backward
-    monkeypatch.setattr(ClassCaps, "route_backward", lambda self, u_hat, trace, dv: (
-        real(self, u_hat, trace, dv)[0], {"bias": self.B.xp.sum(squash_backward(
-            self.B.xp, trace[-1][1], trace[-1][2], dv), axis=0)}))
+    from pycapsnet.core.routing import Dynamic
+
+    real = Dynamic._factors
+    monkeypatch.setattr(Dynamic, "_factors", lambda self, B, u_hat, trace, dv, p: (
+        real(self, B, u_hat, trace, dv, p)[0], {"bias": B.xp.sum(squash_backward(
+            B.xp, trace[-1][1], trace[-1][2], dv), axis=0)}))
     B = backends.get("numpy", dtype="float64")
     rng = np.random.default_rng(4)
     layer = ClassCaps(B, 4, 2, 3, 3, 5, iters=3, rng=rng, bias=0.1)

@@ -14,7 +14,7 @@ from pycapsnet import CapsNetError, backends
 from pycapsnet.core import architecture as A
 from pycapsnet.core.capsules import ClassCaps
 from pycapsnet.core.conv_caps import ConvCaps
-from pycapsnet.core.routings import GRADIENT_MODES, ITERATED
+from pycapsnet.core import routings
 from pycapsnet.tools import gradcheck
 from tests.conftest import GPU_BACKENDS, assert_close
 
@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch", reason="autograd is the oracle, and the tor
 from pycapsnet.tools import reference_routings as ref  # noqa: E402
 
 ROUTED = ("uniform", "random", "inverted", "self", "vb")
-CASES = [(r, m) for r in ROUTED for m in (GRADIENT_MODES[r] if r in ITERATED else ("full",))]
+CASES = [(r, m) for r in ROUTED for m in (routings.get(r).modes if routings.get(r).iterated else ("full",))]
 B64 = backends.get("numpy", dtype="float64")
 
 

@@ -125,15 +125,12 @@ def _routed_from(flow, share_spatial, capsules, dim, init_std):
     return (positions, flow.types, flow.dim), std
 
 
+# A routed layer's options beyond its own are its routing's (routings.py: the ones it declares)
 def _dynamic_caps(B, flow, rng, capsules, dim, iters=None, routing_grad="full", share_spatial=False, init_std=None,
-                  bias=None, routing="dynamic", scaled=None, alpha0=None, kappa0=None, psi0=None, nu0=None,
-                  vb_lambda=None):
+                  bias=None, routing="dynamic", **routing_options):
     children, std = _routed_from(flow, share_spatial, capsules, dim, init_std)
-    if bias is not None and routing not in ("dynamic", "uniform", "random"):
-        raise ValueError(f"bias is dynamic routing's β_j on s_j; routing '{routing}' takes none")
     layer = ClassCaps(B, *children, capsules, dim, iters, routing_grad, share_spatial, rng=rng, init_std=std,
-                      bias=bias, routing=routing, scaled=scaled, alpha0=alpha0, kappa0=kappa0, psi0=psi0, nu0=nu0,
-                      vb_lambda=vb_lambda)
+                      bias=bias, routing=routing, **routing_options)
     return layer, Flow("vector", None, capsules, dim)
 
 
@@ -144,13 +141,12 @@ def _attention_caps(B, flow, rng, capsules, dim, share_spatial=False, init_std=N
 
 
 def _conv_caps(B, flow, rng, types, dim, kernel=3, stride=1, iters=None, routing_grad="full", init_std=None,
-               routing="dynamic", scaled=None, alpha0=None, kappa0=None, psi0=None, nu0=None, vb_lambda=None):
+               routing="dynamic", **routing_options):
     if _need(flow, "vector").grid is None:
         raise _Misfit("convolutional capsules need a grid of capsules, and this input has none")
     grid = _windows(flow, kernel, stride)
     layer = ConvCaps(B, flow.grid, flow.types, flow.dim, types, dim, kernel, stride, iters, routing_grad, rng=rng,
-                     init_std=init_std, routing=routing, scaled=scaled, alpha0=alpha0, kappa0=kappa0, psi0=psi0,
-                     nu0=nu0, vb_lambda=vb_lambda)
+                     init_std=init_std, routing=routing, **routing_options)
     return layer, Flow("vector", grid, types, dim)
 
 
@@ -253,7 +249,19 @@ def _options(fn, spec, label):
     """The keyword options of ``spec`` for builder ``fn``; CapsNetError naming what is unknown or missing."""
     options = {k: v for k, v in spec.items() if k not in ("layer", "name")}
     params = list(inspect.signature(fn).parameters.values())[3:]  # after (B, flow, rng)
+    routed = params and params[-1].kind == inspect.Parameter.VAR_KEYWORD  # and the options of its routing
+    params = [p for p in params if p.kind != inspect.Parameter.VAR_KEYWORD]
     allowed = [p.name for p in params]
+    if routed:
+        from . import routings
+
+        name = spec.get("routing", "dynamic")
+        allowed += list(routings.get(name).options) if name in routings.names() else []
+        owners = {k: r for r in routings.names() for k in routings.get(r).options}
+        theirs = sorted(k for k in set(options) - set(allowed) if k in owners)
+        if theirs:
+            raise CapsNetError(f"{label}: " + ", ".join(f"{k} is an option of routing '{owners[k]}'" for k in theirs)
+                               + f", not of '{name}'")
     unknown = sorted(set(options) - set(allowed))
     missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in options]
     if unknown or missing:

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .routing import softmax, softmax_backward
+from .routing_contract import Routing
 from .squash import squash_exp, squash_exp_backward
 
 
@@ -48,3 +51,28 @@ def attention_backward_factors(B, u_hat, trace, dv):
     dS = B.weighted_sum(da, u_hat)
     ones = B.zeros(tuple(c.shape)) + 1
     return ([c_hat, da, ones], [ds, S, dS]), xp.sum(dc, axis=0)
+
+
+class Attention(Routing):
+    """Self-attention routing as a routing of the contract: β_ij one per child slot and parent
+    (shared over positions with share_spatial), seen here as (I, J); its pictures show c_ij + β_ij."""
+    name, per_child, symbol = "attention", ("bias",), "c_ij + β_ij"
+
+    def params(self, lead, J, D, K) -> dict:
+        return {"bias": np.zeros((*lead, J))}  # Efficient-CapsNet's start: the plain softmax
+
+    def forward(self, B, u_hat, p, u, fixed=None):
+        v, trace = attention_forward(B, u_hat, B.xp.matrix_transpose(p["bias"]))
+        return v, [trace]  # one pass: a trace of one iteration
+
+    def backward(self, B, u_hat, u, trace, dv, p):
+        factors, dbias = attention_backward_factors(B, u_hat, trace[0], dv)
+        return B.outer_sum(*factors), {"bias": B.xp.matrix_transpose(dbias)}, None
+
+    def backward_into(self, B, u_hat, u, trace, dv, p, out):
+        factors, dbias = attention_backward_factors(B, u_hat, trace[0], dv)
+        B.outer_sum(*factors, out=out)
+        return {"bias": B.xp.matrix_transpose(dbias)}, None
+
+    def coupling(self, trace) -> list:
+        return [trace[0][2]]  # ĉ = c + β

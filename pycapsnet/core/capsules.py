@@ -9,8 +9,6 @@ from .depthwise import DepthwiseConv2d
 from .fourier import FourierConv2d
 from .layers import Conv2d, Layer, check_images, check_input
 from . import routings, shared_routing
-from .attention_routing import attention_backward_factors, attention_forward
-from .routing import routing_backward_factors, routing_forward
 from .squash import squash, squash_backward, squash_exp, squash_exp_backward
 
 # The squash of a capsule layer's output: Sabour et al.'s |s|²/(1 + |s|²) s/|s|, or Efficient-CapsNet's
@@ -99,11 +97,14 @@ class ClassCaps(Layer):
         self._add_param("W", initializers.capsule_transform(rng, shape, init_std))
         self.s_bias = bias is not None
         if self.s_bias:
+            if not routings.get(routing).takes_bias:
+                raise ValueError(f"bias is dynamic routing's β_j on s_j; routing '{routing}' takes none")
             self._add_param("bias", np.full((n_classes, out_dim), float(bias)))   # β_j (J, D)
         self.trace = None
         routings.set_routing(self, routing, iters, routing_grad, routing_options, rng, lead=shape[:2])
-        if self.routing not in ("dynamic", "uniform"):
-            self.routes_shared = False  # share_spatial shares W (and a routing's own parameters), û is formed
+        # share_spatial shares W (and a routing's own parameters); dynamic routing's own may route u and
+        # the per-type W without forming û (shared_routing.py)
+        self.routes_shared = self.algo.routes_shared
 
     def forward(self, u):
         # u: (N, P, T, K), or (N, T, K) from another routing layer (P = 1) -> v: (N, J, D)
@@ -125,28 +126,35 @@ class ClassCaps(Layer):
         u_hat = self.B.predictions(ut, self.B.contiguous(xp.matrix_transpose(Wm)))  # (P, T, N, J*D)
         u_hat = xp.reshape(u_hat, (self.P * self.T, n, self.J, self.D))          # û_j|i (I, N, J, D)
         kids = None  # the child capsules (I, N, K), for a routing that reads them
-        if self.algo is not None and self.algo.reads_children:
+        if self.algo.reads_children:
             kids = self.B.contiguous(xp.reshape(ut, (self.P * self.T, n, self.K)))
-        if self.routing == "random":
+        if self.algo.draws:
             self.drawn = routings.draw_coupling(self, n, self.P * self.T)
         self.cache = (ut, u_hat, kids)
         v, self.trace = self._route_blocks(u_hat)
         return v
 
-    def route_algo(self, u_hat, kids, sl, fixed=None):
-        """A routing of routings.py on û (I, n, J, D), the samples ``sl`` (and their child capsules
-        u (I, n, K)): (v, trace).  ``fixed``: the whole batch's last coefficients, given ("final")."""
-        return self.algo.forward(self.B, u_hat, self._algo_params(), kids, None if fixed is None else fixed[sl])
+    def route(self, u_hat, sl, fixed=None):
+        """The routing (routings.py) of û (I, n, J, D), the samples ``sl`` of the batch (and their
+        child capsules u (I, n, K)): (v_j, its trace).  ``fixed``: the whole batch's last
+        coefficients, given ("final"); a drawing routing's draw."""
+        kids = self.cache[2]
+        if fixed is None and self.algo.draws:
+            fixed = self.drawn
+        return routings.run_forward(self.algo, self.B, u_hat, self._algo_params(),
+                                    None if kids is None else kids[:, sl], None if fixed is None else fixed[sl])
 
     def _algo_params(self):
-        """The routing's own parameters, those with an entry per child laid out as (I, ...)."""
+        """The routing's own parameters, those with an entry per child laid out as (I, ...), and β_j."""
         xp = self.B.xp
         out = {}
-        for k in self.algo.params((1, 1), 1, 1, 1):
+        for k in self.routing_param_names:
             p = self.params[k]
             if k in self.algo.per_child:
                 p = xp.reshape(xp.broadcast_to(p, (self.P, self.T, *p.shape[2:])), (self.P * self.T, *p.shape[2:]))
             out[k] = p
+        if self.s_bias:
+            out["bias"] = self.params["bias"]
         return out
 
     # Every sample routes on its own.  So routing runs on blocks of the batch (B.split_batch): on the
@@ -172,46 +180,22 @@ class ClassCaps(Layer):
         adds the routing's own parameter gradients, summed in batch order whichever block ends first."""
         B = self.B
         n, grads = u_hat.shape[1], []
+        kids = self.cache[2]
 
         def run(sl):
             trace = next(t for s, t in self.trace if s == sl)  # the same blocks as forward's
-            if self.algo is not None:
-                kids = self.cache[2]
-                du, g, dkids = self.algo.backward(B, B.route_block(u_hat, sl), None if kids is None else kids[:, sl],
-                                                  trace, dv[sl], self._algo_params())
-                u_hat[:, sl] = du
-                if dkids is not None:
-                    self._du_kids[:, sl] = dkids
-            else:
-                factors, g = self.route_backward(B.route_block(u_hat, sl), trace, dv[sl])
-                B.outer_sum(*factors, out=u_hat[:, sl])  # the factors do not read û
+            g, dkids = routings.run_backward(self.algo, B, B.route_block(u_hat, sl),
+                                             None if kids is None else kids[:, sl], trace, dv[sl],
+                                             self._algo_params(), out=u_hat[:, sl])
+            if dkids is not None:
+                self._du_kids[:, sl] = dkids
             grads.append((sl.start or 0, g))
 
         B.split_batch(run, n, self.P * self.T * self.J * self.D)
         for _, g in sorted(grads, key=lambda part: part[0]):
             for k, d in g.items():
-                self.grads[k] += self._per_slot(k, d) if self.algo is not None else d
+                self.grads[k] += self._per_slot(k, d)
         return u_hat
-
-    def route(self, u_hat, sl):
-        """Dynamic routing of û (I, n, J, D), the samples ``sl`` of the batch: (v_j, the trace of
-        every iteration) (routing.py); "uniform" is its first pass, "random" that pass with the
-        coefficients drawn; routings.py's others by ``route_algo``."""
-        if self.algo is not None:
-            kids = self.cache[2]
-            return self.route_algo(u_hat, None if kids is None else kids[:, sl], sl)
-        fixed = self.drawn[sl] if self.routing == "random" else None
-        return routing_forward(self.B, u_hat, self.iters, fixed_coupling=fixed, bias=self.bias_j)
-
-    def route_backward(self, u_hat, trace, dv):
-        """dL/dv and the trace of ``route`` -> (the factors of dL/dû (routing.py's
-        routing_backward_factors), the gradients of routing's own parameters: β_j's, if it has one).
-        Drawn coefficients are constants: "random" differentiates as "final" does."""
-        mode = "final" if self.routing == "random" else self.routing_grad
-        if not self.s_bias:
-            return routing_backward_factors(self.B, u_hat, trace, dv, mode), {}
-        coeffs, vecs, dbias = routing_backward_factors(self.B, u_hat, trace, dv, mode, bias_grad=True)
-        return (coeffs, vecs), {"bias": dbias}
 
     @property
     def bias_j(self):
@@ -248,7 +232,11 @@ class ClassCaps(Layer):
         if self.share_spatial and self.routes_shared:
             return [xp.reshape(xp.permute_dims(self.shared_coupling(r), (0, 2, 1, 3)), (-1, self.P * self.T, self.J))
                     for r in range(len(self.trace))]
-        return [xp.permute_dims(c, (0, 2, 1)) for c in self.coefficients()]
+        return [self.coupling_layout(c) for c in self.coefficients()]
+
+    def coupling_layout(self, c):
+        """Coefficients as the routing holds them (N, J, I) -> as ``coupling`` gives them (N, I, J)."""
+        return self.B.xp.permute_dims(self.B.asarray(c), (0, 2, 1))
 
     def last_coefficients(self):
         """The last iteration's coefficients (N, J, I): what "final" holds constant."""
@@ -256,8 +244,6 @@ class ClassCaps(Layer):
 
     def coefficients(self) -> list:
         """The routing's coefficients of each iteration of the last forward, the blocks joined: (N, J, I)."""
-        if self.algo is None:
-            return self.traced(0)
         per_block = [self.algo.coupling(trace) for _, trace in self.trace]
         return [self.B.xp.concat([block[r] for block in per_block]) for r in range(len(per_block[0]))]
 
@@ -305,40 +291,16 @@ class ClassCaps(Layer):
 
 class AttentionCaps(ClassCaps):
     """Class capsules v_j from primary capsules u_i by self-attention routing (Efficient-CapsNet,
-    attention_routing.py): û_j|i = W_ij u_i as in ClassCaps, then one pass, and a learned bias β_ij
-    added to the coupling coefficients, shaped like W's leading axes: (P|1, T, J), one per (position,
-    type) and class, or per type with ``share_spatial`` (which here only shares W and the bias: the
+    attention_routing.py): ClassCaps with the routing "attention", whose learned bias β_ij on the
+    coupling coefficients is shaped like W's leading axes: (P|1, T, J), one per (position, type)
+    and class, or per type with ``share_spatial`` (which here only shares W and the bias: the
     attention scores need every û_j|i at once, so û is always formed).  Its output squash is
-    Efficient-CapsNet's, v = (1 - e^-|s|) s / |s|."""
-
-    routes_shared = False
+    Efficient-CapsNet's, v = (1 - e^-|s|) s / |s|; ``coupling`` gives c_ij + β_ij."""
 
     def __init__(self, backend, positions, types, in_dim, n_classes, out_dim, share_spatial=False, rng=None,
                  init_std=0.01):
-        super().__init__(backend, positions, types, in_dim, n_classes, out_dim, iters=1, routing_grad="full",
-                         share_spatial=share_spatial, rng=rng, init_std=init_std)
-        self._add_param("bias", np.zeros((1 if share_spatial else positions, types, n_classes)))
-
-    def _bias_ji(self):
-        """The bias as (J, I), i = (p, t), the layout of the coupling coefficients."""
-        xp = self.B.xp
-        b = xp.broadcast_to(self.params["bias"], (self.P, self.T, self.J))
-        return xp.matrix_transpose(xp.reshape(b, (self.P * self.T, self.J)))
-
-    def route(self, u_hat, sl):
-        v, trace = attention_forward(self.B, u_hat, self._bias_ji())
-        return v, [trace]
-
-    def route_backward(self, u_hat, trace, dv):
-        factors, dbias = attention_backward_factors(self.B, u_hat, trace[0], dv)   # dbias (J, I)
-        xp = self.B.xp
-        db = xp.reshape(xp.matrix_transpose(dbias), (self.P, self.T, self.J))
-        return factors, {"bias": xp.sum(db, axis=0, keepdims=True) if self.share_spatial else db}
-
-    @property
-    def coupling(self):
-        """The coupling coefficients with the bias, c_ij + β_ij, of the last forward: [(N, I, J)]."""
-        return [self.B.xp.permute_dims(self.traced(2)[0], (0, 2, 1))]
+        super().__init__(backend, positions, types, in_dim, n_classes, out_dim, iters=None, routing_grad="full",
+                         share_spatial=share_spatial, rng=rng, init_std=init_std, routing="attention")
 
 
 class CapsuleLogits(Layer):

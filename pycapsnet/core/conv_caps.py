@@ -28,7 +28,6 @@ import numpy as np
 from . import init as initializers
 from .layers import Layer, check_input
 from . import routings
-from .routing import routing_backward_factors, routing_forward
 
 
 class ConvCaps(Layer):
@@ -59,28 +58,28 @@ class ConvCaps(Layer):
         Wm = xp.reshape(self.params["W"], (self.I, self.C * self.D, self.K))
         u_hat = B.matmul(ut, xp.matrix_transpose(Wm))                                            # (I, N*P, C*D)
         u_hat = B.contiguous(xp.reshape(u_hat, (self.I, n * P, self.C, self.D)))                 # û (I, N*P, C, D)
-        if self.algo is not None:  # routings.py's, on every window at once
-            v, self.trace = self.route_algo(u_hat, ut if self.algo.reads_children else None, slice(None))
-        else:
-            if self.routing == "random":
-                self.drawn = routings.draw_coupling(self, n * P, self.I)
-            v, self.trace = self.route(u_hat)                                                    # v (N*P, C, D)
-        self.cache = (ut, u_hat, n)
+        kids = ut if self.algo.reads_children else None
+        if self.algo.draws:
+            self.drawn = routings.draw_coupling(self, n * P, self.I)
+        self.cache = (ut, u_hat, n, kids)
+        v, self.trace = self.route(u_hat)                                                        # v (N*P, C, D)
         return xp.reshape(v, (n, P, self.C, self.D))
 
-    def route(self, u_hat):
-        """Dynamic routing of û (I, N*P, C, D), one routing per window: (v_j, the trace) (routing.py);
-        "uniform" is its first pass, "random" that pass with the coefficients drawn."""
-        return routing_forward(self.B, u_hat, self.iters, fixed_coupling=self.drawn if self.routing == "random" else None)
+    def route(self, u_hat, fixed=None):
+        """The routing (routings.py) of û (I, N*P, C, D) (and the windows' children u (I, N*P, K)),
+        every window at once: (v_j, the trace).  ``fixed``: the last coefficients, given ("final");
+        a drawing routing's draw."""
+        if fixed is None and self.algo.draws:
+            fixed = self.drawn
+        return routings.run_forward(self.algo, self.B, u_hat, self._algo_params(), self.cache[3], fixed)
 
-    def route_algo(self, u_hat, kids, sl, fixed=None):
-        """A routing of routings.py on û (I, N*P, C, D) (and the windows' children u (I, N*P, K)),
-        every window at once (``sl``: all of them); ``fixed``: the last coefficients, given ("final")."""
-        return self.algo.forward(self.B, u_hat, self.params, kids, None if fixed is None else fixed[sl])
+    def _algo_params(self) -> dict:
+        """The routing's own parameters (the per-child ones are (I, ...) already)."""
+        return {k: self.params[k] for k in self.routing_param_names}
 
     def coefficients(self) -> list:
         """The routing's coefficients of each iteration of the last forward: (N*P, C, I)."""
-        return self.algo.coupling(self.trace) if self.algo is not None else [c for c, *_ in self.trace]
+        return self.algo.coupling(self.trace)
 
     def last_coefficients(self):
         return self.coefficients()[-1]
@@ -88,24 +87,24 @@ class ConvCaps(Layer):
     @property
     def coupling(self):
         """c_ij of each routing iteration of the last forward, (N, P, I, C) arrays."""
+        return [self.coupling_layout(c) for c in self.coefficients()]
+
+    def coupling_layout(self, c):
+        """Coefficients as the routing holds them (N*P, C, I) -> as ``coupling`` gives them (N, P, I, C)."""
         xp = self.B.xp
-        return [xp.reshape(xp.permute_dims(c, (0, 2, 1)), (-1, self.oh * self.ow, self.I, self.C))
-                for c in self.coefficients()]
+        return xp.reshape(xp.permute_dims(self.B.asarray(c), (0, 2, 1)), (-1, self.oh * self.ow, self.I, self.C))
 
     def backward(self, dv, input_grad=True):
         xp, B = self.B.xp, self.B
-        ut, u_hat, n = self.cache
+        ut, u_hat, n, kids = self.cache
         self.cache = None
         P = self.oh * self.ow
         dv = xp.reshape(dv, (n * P, self.C, self.D))
-        du_kids = None
-        if self.algo is not None:
-            d_u_hat, grads, du_kids = self.algo.backward(B, u_hat, ut, self.trace, dv, self.params)
-            for k, g in grads.items():
-                self.grads[k] += g
-        else:
-            mode = "final" if self.routing == "random" else self.routing_grad
-            d_u_hat = B.outer_sum(*routing_backward_factors(B, u_hat, self.trace, dv, mode))
+        grads, du_kids = routings.run_backward(self.algo, B, u_hat, kids, self.trace, dv, self._algo_params(),
+                                               out=u_hat)
+        for k, g in grads.items():
+            self.grads[k] += g
+        d_u_hat = u_hat  # dû, written over û (its last use)
         d_u_hat = xp.reshape(d_u_hat, (self.I, n * P, self.C * self.D))                        # dû
         self.grads["W"] += xp.reshape(B.matmul(xp.matrix_transpose(d_u_hat), ut), self.params["W"].shape)
         if not input_grad:

@@ -11,8 +11,8 @@ import math
 import numpy as np
 
 from ..errors import CapsNetError
+from . import routings
 from .checks import MAX_ROUTING_ITERS
-from .routings import ROUTINGS
 
 
 def _int(lo, hi=None):
@@ -57,10 +57,11 @@ OPTIONS = {
     "em_lambda": _number(0, open_lo=True), "rate": _number(0, 1, open_hi=True),
     "momentum": _number(0, 1), "eps": _number(0, 1, open_lo=True), "bias": _number(-10, 10, none=True),
     "scale": _number(0, 1000, open_lo=True),
-    "routing": _choice(*ROUTINGS), "scaled": _boolean, "alpha0": _number(0, 1e6, open_lo=True),
-    "kappa0": _number(0, 1e6, open_lo=True), "psi0": _number(0, 1e6, open_lo=True),
-    "nu0": _number(0, 1e6, open_lo=True), "vb_lambda": _number(0, 1e6, open_lo=True),
+    "routing": lambda v: None if isinstance(v, str) and v in routings.names() else
+    f"one of {', '.join(map(repr, routings.names()))}, the registered routings (a routing of your own: import the "
+    "module that registers it, or --plugin MODULE)",
 }
+ROUTED_LAYERS = ("dynamic_caps", "conv_caps")  # their options beyond their own are their routing's
 STRIDE_OF = {"max_pool": _size_or_null}  # max_pool's stride may be null: its kernel
 TOP = {"input_shape", "n_classes", "body", "head", "loss", "decoder"}
 LOSS_OPTIONS = {"margin": {"m_plus": _number(0, 1), "m_minus": _number(0, 1), "lam": _number(0)},
@@ -108,16 +109,32 @@ def _check_layer(k, spec, counts):
         raise CapsNetError(f"body layer {k + 1}: its name must be a non-empty string without '.', got {name!r}")
     counts[kind] = counts.get(kind, 0) + 1
     label = f"layer '{name or f'{kind}{counts[kind]}'}' ({kind})"
+    if kind in ROUTED_LAYERS and "routing" in spec:  # checked first: which options belong depends on it
+        problem = OPTIONS["routing"](spec["routing"])
+        if problem:
+            raise CapsNetError(f"{label}: routing must be {problem}, got {_short(spec['routing'])}")
     _options(LAYERS[kind], spec, label)
+    own = routing_of(spec)
     for option, value in spec.items():
         if option in ("layer", "name"):
             continue
-        rule = STRIDE_OF.get(spec["layer"]) if option == "stride" and spec["layer"] in STRIDE_OF else OPTIONS.get(option)
-        if rule is None:  # an option of no known type (none: _options refused the unknown ones)
-            continue
-        problem = rule(value)
+        if own is not None and option in own.options:  # the routing's own option: the type of its default
+            problem = routings.option_problem(own, option, value)
+        else:
+            rule = STRIDE_OF.get(spec["layer"]) if option == "stride" and spec["layer"] in STRIDE_OF else \
+                OPTIONS.get(option)
+            problem = None if rule is None else rule(value)  # (no rule: _options refused the unknown ones)
         if problem:
             raise CapsNetError(f"{label}: {option} must be {problem}, got {_short(value)}")
+
+
+def routing_of(spec):
+    """The Routing class a routed layer's spec runs (None for other layers, or a routing unknown:
+    its check names it)."""
+    if spec.get("layer") not in ROUTED_LAYERS:
+        return None
+    name = spec.get("routing", "dynamic")
+    return routings.get(name) if isinstance(name, str) and name in routings.names() else None
 
 
 def _check_loss(loss):
@@ -175,7 +192,8 @@ def param_shapes(arch) -> dict:
         layer = spec["layer"]
         counts[layer] = counts.get(layer, 0) + 1
         name = str(spec.get("name") or f"{layer}{counts[layer]}")
-        o = {p.name: p.default for p in list(inspect.signature(LAYERS[layer]).parameters.values())[3:]}
+        o = {p.name: p.default for p in list(inspect.signature(LAYERS[layer]).parameters.values())[3:]
+             if p.kind != p.VAR_KEYWORD}
         o.update({k: v for k, v in spec.items() if k not in ("layer", "name")})
         step = _STEPS.get(layer)
         if step is None:  # relu, dropout: nothing learned, nothing reshaped
@@ -241,22 +259,21 @@ def _routed(o, kind, grid, t, d, attention=False):
         params["bias"] = (p, t, o["capsules"])
     elif o["bias"] is not None:  # β_j on s_j
         params["bias"] = (o["capsules"], o["dim"])
-    params.update(_routing_params(o.get("routing", "dynamic"), (p, t), o["capsules"], o["dim"], d))
+    if not attention:
+        params.update(_routing_params(o, (p, t), o["capsules"], o["dim"], d))
     return params, ("vector", None, o["capsules"], o["dim"])
 
 
-def _routing_params(routing, lead, J, D, K):
-    """A routing's own parameters (routings.py): the layer norm's, the routing map's, VB's β."""
-    return {"inverted": {"gamma": (D,), "beta": (D,)}, "self": {"W_route": (*lead, J, K), "b_route": (*lead, J)},
-            "vb": {"beta_a": (J,), "beta_u": (J,)}}.get(routing, {})
+def _routing_params(o, lead, J, D, K):
+    """A routing's own parameters (routings.py): its ``params`` with one child slot, laid out on ``lead``."""
+    return routings.param_shapes(o.get("routing", "dynamic"), o, lead, J, D, K)
 
 
 def _conv_caps(o, kind, grid, t, d):
     k = o["kernel"]
     if kind != "vector" or grid is None:
         return None
-    params = {"W": (k * k * t, o["types"], o["dim"], d),
-              **_routing_params(o.get("routing", "dynamic"), (k * k * t,), o["types"], o["dim"], d)}
+    params = {"W": (k * k * t, o["types"], o["dim"], d), **_routing_params(o, (k * k * t,), o["types"], o["dim"], d)}
     return params, ("vector", _out(grid, k, o["stride"]), o["types"], o["dim"])
 
 

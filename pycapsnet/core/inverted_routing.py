@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .layer_norm import layer_norm, layer_norm_backward
 from .routing import softmax, softmax_backward
+from .routing_contract import Routing
 
 EPS = 1e-5  # the layer norm's ε (PyTorch's default, which the public code uses)
 
@@ -82,3 +85,23 @@ def inverted_backward(B, u_hat, trace, dp, gamma, mode: str = "full", scaled: bo
 def inverted_coupling(trace) -> list:
     """r^t (N, J, I) of every pass."""
     return [r for r, _, _ in trace]
+
+
+class Inverted(Routing):
+    """Inverted dot-product attention; the paper's network ends in a shared linear map to logits."""
+    name, iterated, modes, symbol = "inverted", True, ("full", "final"), "r_ij"
+    options = {"scaled": True}
+    head = ("logits", "cross_entropy")
+
+    def params(self, lead, J, D, K) -> dict:
+        return {"gamma": np.ones(D), "beta": np.zeros(D)}  # the layer norm's affine, shared by the parents
+
+    def forward(self, B, u_hat, p, u, fixed=None):
+        return inverted_forward(B, u_hat, p["gamma"], p["beta"], self.iters, self.options["scaled"], fixed)
+
+    def backward(self, B, u_hat, u, trace, dv, p):
+        du_hat, grads = inverted_backward(B, u_hat, trace, dv, p["gamma"], self.mode, self.options["scaled"])
+        return du_hat, grads, None
+
+    def coupling(self, trace) -> list:
+        return inverted_coupling(trace)

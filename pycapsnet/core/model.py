@@ -25,7 +25,7 @@ import numpy as np
 
 from pycapsnet import backends as _backends
 
-from . import architecture as arch
+from . import architecture as arch, routings
 from .capsules import PrimaryCaps
 from .checks import MAX_ROUTING_ITERS, check_setting, config_with
 from ..errors import CapsNetError
@@ -33,24 +33,31 @@ from .network import Network, Outputs  # noqa: F401  (Outputs: part of this modu
 from .routing import MODES as ROUTING_MODES
 
 
-ROUTINGS = ("dynamic", "em", "attention", "uniform", "random", "inverted", "self", "vb")
-# The class layer's routing of the vector networks beyond dynamic routing (routings.py); their heads
-# and losses, where a routing's paper has its own (the rest keep the lengths and the margin loss).
-ROUTED = ("uniform", "random", "inverted", "self", "vb")
-PAPER_HEADS = {"inverted": ("logits", "cross_entropy"),  # Tsai et al.: a shared linear map to logits, no decoder
-               "self": ("lengths", "nll")}               # Hahn et al.: -log of the class activation
-# Defaults that depend on the routing (a field left None takes its routing's): the EM column is the
-# paper's matrix-capsule network (32 channels of 5x5/2, 8 primary capsule types).
+# The paper's network routed otherwise: "em" is matrix capsules (its own layers); every other name is a
+# routing of the registry (routings.py: the built-in ones and any registered), run by the class layer.
+# A routing's paper's head and loss, and its transforms' init, are its own (Routing.head, transform_std).
 _VECTOR_CAPSULES = dict(conv_channels=256, conv_kernel=9, conv_stride=1, primary_types=32,  # Sabour et al.'s
                         routing_iters=3)
-ROUTING_DEFAULTS = {
-    "dynamic": _VECTOR_CAPSULES,
-    "attention": _VECTOR_CAPSULES,  # the same network, routed otherwise
-    # The paper routes 3 times; 2 is the default here because the 3-iteration network learns far
-    # more slowly on the embedded digits (docs/performance.md, "The three routings").
-    "em": dict(conv_channels=32, conv_kernel=5, conv_stride=2, primary_types=8, routing_iters=2),
-    **{r: dict(_VECTOR_CAPSULES, routing_iters=3 if r in ("inverted", "vb") else 1) for r in ROUTED},
-}
+# The paper routes 3 times; 2 is EM's default here because the 3-iteration network learns far
+# more slowly on the embedded digits (docs/performance.md, "The three routings").  The EM column is
+# the paper's matrix-capsule network (32 channels of 5x5/2, 8 primary capsule types).
+_EM = dict(conv_channels=32, conv_kernel=5, conv_stride=2, primary_types=8, routing_iters=2)
+
+
+def routing_names() -> tuple:
+    """What CapsNetConfig.routing takes: "em" and every registered routing."""
+    names = routings.names()
+    return (*names[:1], "em", *names[1:])
+
+
+def routing_defaults(routing: str) -> dict:
+    """Defaults that depend on the routing (a field left None takes its routing's)."""
+    if routing == "em":
+        return dict(_EM)
+    iterated = routing in ("dynamic", "attention") or routings.get(routing).iterated
+    return dict(_VECTOR_CAPSULES, routing_iters=routings.DEFAULT_ITERS if iterated else 1)
+
+
 EM_KERNELS = ((3, 2), (3, 1))  # (kernel, stride) of the two ConvMatrixCaps, the paper's
 
 
@@ -58,8 +65,8 @@ EM_KERNELS = ((3, 2), (3, 1))  # (kernel, stride) of the two ConvMatrixCaps, the
 class CapsNetConfig:
     input_shape: tuple = (1, 28, 28)      # (C, H, W)
     n_classes: int = 10
-    routing: str = "dynamic"              # "dynamic" | "em" | "attention" | a routing of ROUTED (ROUTINGS)
-    conv_channels: int = None             # None: the routing's default (ROUTING_DEFAULTS)
+    routing: str = "dynamic"              # "em" | a registered routing (routing_names())
+    conv_channels: int = None             # None: the routing's default (routing_defaults)
     conv_kernel: int = None
     conv_stride: int = None
     primary_types: int = None
@@ -80,9 +87,10 @@ class CapsNetConfig:
     lam: float = 0.5
 
     def __post_init__(self):
-        if self.routing not in ROUTINGS:
-            raise CapsNetError(f"CapsNetConfig.routing must be one of {ROUTINGS}, got {self.routing!r}")
-        for name, value in ROUTING_DEFAULTS[self.routing].items():
+        if not isinstance(self.routing, str) or self.routing not in routing_names():
+            raise CapsNetError(f"CapsNetConfig.routing must be one of {routing_names()} (a routing of your own: "
+                               f"import the module that registers it), got {self.routing!r}")
+        for name, value in routing_defaults(self.routing).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         self.input_shape = tuple(int(d) for d in self.input_shape)
@@ -125,8 +133,8 @@ class CapsNetConfig:
         """A copy with ``overrides``.  Where the routing changes, a field that held the old routing's
         default (ROUTING_DEFAULTS) and is not overridden takes the new routing's."""
         values = {**self.to_dict(), **overrides}
-        if values["routing"] != self.routing and self.routing in ROUTING_DEFAULTS:
-            for k, v in ROUTING_DEFAULTS[self.routing].items():
+        if values["routing"] != self.routing:
+            for k, v in routing_defaults(self.routing).items():
                 if k not in overrides and values[k] == v:
                     values[k] = None
         return type(self)(**values)
@@ -172,7 +180,7 @@ def param_shapes(cfg: CapsNetConfig) -> dict:
     positions, _ = _geometry(cfg)
     if cfg.routing == "em":
         return _em_param_shapes(cfg)
-    if cfg.routing in ROUTED:
+    if cfg.routing not in ("dynamic", "em", "attention"):
         from .description import param_shapes as described
 
         return described(builtin_architecture(cfg))
@@ -233,21 +241,25 @@ def builtin_architecture(cfg: CapsNetConfig) -> dict:
         body += [arch.primary_caps(cfg.primary_types, cfg.primary_dim, cfg.primary_kernel, cfg.primary_stride,
                                    cfg.primary_conv, name="primary")]
         caps = (cfg.n_classes, cfg.class_dim)
-        # the paper's init for its one routing layer; VB routing's votes at 0.01 are so small that the
-        # prior's Ψ0 swamps their spread and the network stays at chance: init.routed_std's there
-        shared = dict(share_spatial=cfg.share_spatial, init_std=None if cfg.routing == "vb" else 0.01)
-        if cfg.routing in ROUTED:
-            iterated = cfg.routing in ("inverted", "vb")
-            routed = dict(iters=cfg.routing_iters if iterated else None, routing=cfg.routing,
-                          routing_grad=cfg.routing_grad if iterated else "full")
-        body += [arch.attention_caps(*caps, **shared, name="classcaps") if cfg.routing == "attention" else
-                 arch.dynamic_caps(*caps, **routed, **shared, name="classcaps")]
+        if cfg.routing == "attention":  # Efficient-CapsNet's routing in the paper's network: its own layer
+            body += [arch.attention_caps(*caps, share_spatial=cfg.share_spatial, init_std=0.01, name="classcaps")]
+        elif cfg.routing == "dynamic":
+            body += [arch.dynamic_caps(*caps, **routed, share_spatial=cfg.share_spatial, init_std=0.01,
+                                       name="classcaps")]
+        else:  # a routing of the registry, with its paper's head where it has one
+            own = routings.get(cfg.routing)
+            body += [arch.dynamic_caps(*caps, iters=cfg.routing_iters if own.iterated else None, routing=cfg.routing,
+                                       routing_grad=cfg.routing_grad if own.iterated else "full",
+                                       share_spatial=cfg.share_spatial, init_std=own.transform_std, name="classcaps")]
+            if own.head != ("lengths", "margin"):
+                head, loss_name = own.head
+                if head == "logits":
+                    body += [arch.capsule_logits(name="logits")]
+                    return arch.network(body, head, {"loss": loss_name}, None, cfg.input_shape, cfg.n_classes)
+                loss = {"loss": loss_name}
+                return arch.network(body, head, loss, arch.decoder(cfg.decoder_hidden, cfg.recon_weight),
+                                    cfg.input_shape, cfg.n_classes)
         head, loss = "lengths", arch.margin_loss(cfg.m_plus, cfg.m_minus, cfg.lam)
-        if cfg.routing in PAPER_HEADS:
-            head, loss = PAPER_HEADS[cfg.routing][0], {"loss": PAPER_HEADS[cfg.routing][1]}
-            if head == "logits":
-                body += [arch.capsule_logits(name="logits")]
-                return arch.network(body, head, loss, None, cfg.input_shape, cfg.n_classes)
     return arch.network(body, head, loss, arch.decoder(cfg.decoder_hidden, cfg.recon_weight),
                         cfg.input_shape, cfg.n_classes)
 

@@ -40,7 +40,10 @@ in backends/base.py, and faster ones where a backend has them.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .fusable import fusable
+from .routing_contract import Routing
 from .squash import squash, squash_backward
 
 MODES = ("full", "final")
@@ -121,3 +124,56 @@ def routing_backward_factors(B, u_hat, trace, dv, mode: str = "full", bias_grad:
             db_r = softmax_backward(xp, c, dc)
             db = db_r if db is None else db + db_r
     return (coeffs, vecs, xp.sum(dbias, axis=0)) if bias_grad else (coeffs, vecs)
+
+
+class Dynamic(Routing):
+    """Dynamic routing (Procedure 1 above), with the optional learned bias β_j on every s_j."""
+    name, iterated, modes = "dynamic", True, ("full", "final")
+    takes_bias = routes_shared = True
+
+    def forward(self, B, u_hat, p, u, fixed=None):
+        return routing_forward(B, u_hat, self.iters, fixed_coupling=fixed, bias=p.get("bias"))
+
+    def backward(self, B, u_hat, u, trace, dv, p):
+        factors, grads = self._factors(B, u_hat, trace, dv, p)
+        return B.outer_sum(*factors), grads, None
+
+    def backward_into(self, B, u_hat, u, trace, dv, p, out):
+        factors, grads = self._factors(B, u_hat, trace, dv, p)
+        B.outer_sum(*factors, out=out)  # the factors do not read û: dû may take its memory
+        return grads, None
+
+    def _factors(self, B, u_hat, trace, dv, p):
+        if "bias" not in p:
+            return routing_backward_factors(B, u_hat, trace, dv, self.gradient_mode), {}
+        coeffs, vecs, dbias = routing_backward_factors(B, u_hat, trace, dv, self.gradient_mode, bias_grad=True)
+        return (coeffs, vecs), {"bias": dbias}
+
+    @property
+    def gradient_mode(self) -> str:
+        return self.mode
+
+    def coupling(self, trace) -> list:
+        return [c for c, *_ in trace]
+
+
+class Uniform(Dynamic):
+    """c_ij = 1/J, one pass: no routing at all (Paik, Kwak & Kim 2019's baseline)."""
+    name, iterated = "uniform", False
+
+
+class Random(Dynamic):
+    """c_ij = softmax_j of N(0, 1) logits drawn for every problem from the layer's seeded generator,
+    one pass, held constant in backward (Paik et al.'s other baseline): the layer passes the draw
+    as ``fixed``, and the gradient is the "final" mode's whichever mode is asked for."""
+    name, iterated, draws, routes_shared = "random", False, True, False
+
+    @property
+    def gradient_mode(self) -> str:
+        return "final"
+
+    def draw(self, B, rng, n, J, I):
+        """c (n, J, I): softmax over j of N(0, 1) logits, drawn on the host (every backend the same)."""
+        z = rng.standard_normal((n, J, I))
+        e = np.exp(z - z.max(axis=1, keepdims=True))
+        return B.asarray(e / e.sum(axis=1, keepdims=True))

@@ -1,172 +1,294 @@
-"""The routings a vector capsule layer can run: one name each, a registry line each.
+"""The registry of routings: every routing a vector capsule layer (ClassCaps, ConvCaps) can run, by
+name, the built-in ones registered here through the same ``register`` a researcher's own goes
+through (pycapsnet.routings; the contract is routing_contract.Routing).
 
-    dynamic    Sabour et al. 2017, routing.py (the layers' own path, with its blocks and shared form)
-    uniform    c_ij = 1/J, one pass: no routing at all (Paik, Kwak & Kim 2019's baseline)
-    random     c_ij = softmax_j of N(0, 1) logits drawn for every sample from the layer's seeded
-               generator, one pass, held constant in backward (Paik et al.'s other baseline)
+    dynamic    Sabour et al. 2017 (routing.py)
+    uniform    c_ij = 1/J, one pass: no routing at all (Paik, Kwak & Kim 2019's baseline; routing.py)
+    random     c_ij drawn for every sample, one pass, held constant in backward (Paik et al.; routing.py)
+    attention  self-attention routing, Mazzia et al. 2021 (attention_routing.py)
     inverted   inverted dot-product attention, Tsai et al. 2020 (inverted_routing.py)
     self       self-routing, Hahn et al. 2019 (self_routing.py)
     vb         variational Bayes routing, Ribeiro et al. 2020 (vb_routing.py)
 
-``dynamic``, ``uniform`` and ``random`` are dynamic routing's code with its coefficients given or
-fixed; the others are an ``Algorithm`` here: its own parameters, a forward on the votes û (I, n, J, D)
-(and, for those that read them, the child capsules u (I, n, K)), and an exact backward that returns
-dû, its parameters' gradients and du.  ClassCaps (fully connected) and ConvCaps (one routing per
-window) run any of them unchanged: the batch axis n is the samples, or the samples' windows.
+EM routing (em_routing.py) routes matrix capsules, poses and activations, in layers of its own
+(matrix_capsules.py): it is not a routing of vector capsule layers, and is not registered here.
+Installed packages register theirs through the entry-point group ``pycapsnet.routings``, found
+the first time the registry is read.
 """
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
+import re
+
 import numpy as np
 
-from . import inverted_routing, self_routing, vb_routing
+from ..errors import CapsNetError
+from . import attention_routing, inverted_routing, routing, self_routing, vb_routing
 from .routing import MODES
+from .routing_contract import Routing
 
-ROUTINGS = ("dynamic", "uniform", "random", "inverted", "self", "vb")
-ITERATED = ("dynamic", "inverted", "vb")        # take ``iters``; the others route in one pass
-GRADIENT_MODES = {"dynamic": ("full", "final"), "inverted": ("full", "final"), "vb": ("full", "final"),
-                  "self": ("full",), "uniform": ("full", "final"), "random": ("full", "final")}
 DEFAULT_ITERS = 3
-# Options that belong to one routing, with their defaults (description.py checks their values).
-# VB's vb_lambda, the activation's inverse temperature: at 1, the margin loss's push on the nine absent
-# classes saturates every class's sigmoid within the first steps and the paper's network stays at
-# chance on the embedded digits; at 0.1 it trains (docs/performance.md, "The routing family").
-OPTIONS = {"inverted": {"scaled": True},
-           "vb": {"alpha0": 1.0, "kappa0": 1.0, "psi0": 1.0, "nu0": None, "vb_lambda": 0.1}}
+ENTRY_POINTS = "pycapsnet.routings"
+_REGISTRY: dict = {}
+_discovered = False
+# Options of the layers that route: a routing's own option may not take one of these names
+LAYER_OPTIONS = {"layer", "name", "capsules", "types", "dim", "kernel", "stride", "iters", "routing_grad",
+                 "share_spatial", "init_std", "bias", "routing"}
+_METHODS = ("params", "forward", "backward", "coupling")
 
 
-def options_for(routing: str, given: dict, dim: int) -> dict:
-    """``routing``'s options, the given ones over its defaults; ValueError naming an option that
-    belongs to another routing, or a VB prior that leaves the Wishart improper (ν0 ≤ D - 1)."""
-    own = OPTIONS.get(routing, {})
+def register(cls):
+    """Make ``cls.name`` a routing everywhere: descriptions, ``pycapsnet.build``, ``--routing``, the
+    study tools, the routing study.  Usable as a class decorator; returns ``cls``.  A name already
+    taken (by another class: the same one defined again replaces itself), or a class that does not
+    meet the contract (routing_contract.Routing), is refused in one CapsNetError that says what to fix."""
+    problem = _contract_problem(cls)
+    if problem:
+        raise CapsNetError(f"cannot register {getattr(cls, '__name__', cls)!r} as a routing: {problem}")
+    taken = _REGISTRY.get(cls.name)
+    again = taken is not None and (taken.__module__, taken.__qualname__) == (cls.__module__, cls.__qualname__)
+    if taken is not None and not again:  # (the same class defined again -- a notebook's cell re-run -- replaces it)
+        raise CapsNetError(f"cannot register {cls.__module__}.{cls.__qualname__} as routing {cls.name!r}: the name is "
+                           f"taken by {taken.__module__}.{taken.__qualname__}; give it another name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _contract_problem(cls) -> str | None:
+    if not (inspect.isclass(cls) and issubclass(cls, Routing)):
+        return "a routing is a subclass of pycapsnet.routings.Routing"
+    if not isinstance(cls.name, str) or not re.fullmatch(r"[a-z][a-z0-9_-]*", cls.name):
+        return f"its name must be lower-case letters, digits, '-' or '_' (starting with a letter), got {cls.name!r}"
+    for attr in ("iterated", "reads_children", "takes_bias", "draws", "routes_shared"):
+        if not isinstance(getattr(cls, attr), bool):
+            return f"{attr} must be True or False, got {getattr(cls, attr)!r}"
+    if not isinstance(cls.modes, tuple) or "full" not in cls.modes or not set(cls.modes) <= set(MODES):
+        return f"modes must be a tuple holding 'full' and optionally 'final', got {cls.modes!r}"
+    if not isinstance(cls.per_child, tuple) or not all(isinstance(k, str) for k in cls.per_child):
+        return f"per_child must be a tuple of parameter names, got {cls.per_child!r}"
+    if not isinstance(cls.options, dict):
+        return f"options must be a dict of option names and defaults, got {type(cls.options).__name__}"
+    for k, v in cls.options.items():
+        if not isinstance(k, str) or not k.isidentifier() or k in LAYER_OPTIONS:
+            return f"option {k!r} must be a Python name that is not a layer's own option ({', '.join(sorted(LAYER_OPTIONS))})"
+        if v is not None and not isinstance(v, (bool, numbers.Real, str)) or \
+                isinstance(v, float) and not math.isfinite(v):
+            return f"option {k}'s default must be a finite number, a bool, a string or None, got {v!r}"
+    for method in _METHODS:
+        if getattr(cls, method) is getattr(Routing, method) and method != "params":
+            return f"it must define {method}() (routing_contract.Routing says what each takes and returns)"
+        if not callable(getattr(cls, method)):
+            return f"{method} must be a method"
+    if not (isinstance(cls.head, tuple) and len(cls.head) == 2 and cls.head[0] in ("lengths", "logits")):
+        return f"head must be (head, loss) with head 'lengths' or 'logits', got {cls.head!r}"
+    return None
+
+
+def get(name: str):
+    """The Routing class registered as ``name``; CapsNetError naming the registered ones and how to
+    add one."""
+    _discover()
+    cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise CapsNetError(f"unknown routing {name!r}: registered are {', '.join(_REGISTRY)}; a routing of your own "
+                           "is registered by the module that defines it (import it, or --plugin MODULE on the "
+                           "command line)")
+    return cls
+
+
+def names() -> tuple:
+    """Every registered routing's name, the built-in ones first."""
+    _discover()
+    return tuple(_REGISTRY)
+
+
+def module_of(name: str) -> str:
+    return get(name).__module__
+
+
+def is_builtin(name: str) -> bool:
+    cls = _REGISTRY.get(name)
+    return cls is not None and cls.__module__.startswith("pycapsnet.")
+
+
+def _discover() -> None:
+    """Import the routings installed packages declare under the entry-point group (once); a plugin
+    that fails to load is named in one warning, and the others load."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    from importlib.metadata import entry_points
+
+    try:
+        found = entry_points(group=ENTRY_POINTS)
+    except Exception:  # pragma: no cover - a broken installation's metadata: no plugins
+        return
+    for ep in found:
+        try:
+            obj = ep.load()
+            if inspect.isclass(obj) and issubclass(obj, Routing) and obj.name not in _REGISTRY:
+                register(obj)
+        except Exception as e:  # noqa: BLE001 - any failure of a third party's import
+            import warnings
+
+            warnings.warn(f"the routing plugin {ep.name} ({ep.value}) did not load: {type(e).__name__}: {e}",
+                          stacklevel=2)
+
+
+# ---- options ------------------------------------------------------------------------------------
+def option_problem(cls, option: str, value) -> str | None:
+    """What is wrong with ``value`` for ``cls``'s option, by the type of its default: None if nothing."""
+    default = cls.options[option]
+    if value is None:
+        return None
+    if isinstance(default, bool):
+        return None if isinstance(value, (bool, np.bool_)) else "true or false"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "a string"
+    whole = isinstance(default, numbers.Integral)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or whole and not isinstance(value, numbers.Integral):
+        return "a whole number" if whole else "a finite number"
+    return None
+
+
+def options_for(name: str, given: dict, dim: int) -> dict:
+    """Routing ``name``'s options: the given ones over its defaults, each of its default's type, then
+    its own check (``check_options``); ValueError naming an option that is another routing's or none's."""
+    cls = get(name)
+    own = cls.options
     stray = sorted(k for k, v in given.items() if v is not None and k not in own)
     if stray:
-        owners = {k: r for r, opts in OPTIONS.items() for k in opts}
-        raise ValueError(", ".join(f"{k} is an option of routing '{owners[k]}'" for k in stray)
-                         + f", not of '{routing}'")
+        owners = {k: r for r, c in _REGISTRY.items() for k in c.options}
+        raise ValueError(", ".join(f"{k} is an option of routing '{owners[k]}'" if k in owners else
+                                   f"{k} is no option of any routing" for k in stray)
+                         + f", not of '{name}'" + (f" (its options: {', '.join(own)})" if own else " (it has none)"))
     values = {k: (given.get(k) if given.get(k) is not None else v) for k, v in own.items()}
-    if routing == "vb":
-        values["nu0"] = float(dim + 1) if values["nu0"] is None else float(values["nu0"])
-        if values["nu0"] <= dim - 1:
-            raise ValueError(f"nu0 must be above dim - 1 = {dim - 1} (the Wishart's degrees of freedom), "
-                             f"got {values['nu0']:g}")
-    return values
+    for k, v in values.items():
+        problem = option_problem(cls, k, v)
+        if problem:
+            raise ValueError(f"routing '{name}': {k} must be {problem}, got {v!r}")
+    checked = cls(1, "full", values).check_options(dict(values), dim)
+    return values if checked is None else checked
 
 
-class Algorithm:
-    """A routing with parameters of its own.  ``reads_children``: it reads the child capsules u
-    (poses and, by their length, activations), not only their votes."""
-    reads_children = False
-    per_child = ()  # parameters with one entry per child slot (leading axes the layer lays out)
-
-    def __init__(self, iters, mode, options):
-        self.iters, self.mode, self.options = iters, mode, options
-
-    def coupling(self, trace) -> list:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
-class Inverted(Algorithm):
-    def params(self, lead, J, D, K) -> dict:
-        return {"gamma": np.ones(D), "beta": np.zeros(D)}  # the layer norm's affine, shared by the parents
-
-    def forward(self, B, u_hat, p, u, fixed=None):
-        return inverted_routing.inverted_forward(B, u_hat, p["gamma"], p["beta"], self.iters,
-                                                 self.options["scaled"], fixed)
-
-    def backward(self, B, u_hat, u, trace, dv, p):
-        du_hat, grads = inverted_routing.inverted_backward(B, u_hat, trace, dv, p["gamma"], self.mode,
-                                                           self.options["scaled"])
-        return du_hat, grads, None
-
-    def coupling(self, trace):
-        return inverted_routing.inverted_coupling(trace)
-
-
-class SelfRouting(Algorithm):
-    reads_children = True
-    per_child = ("W_route", "b_route")
-
-    def params(self, lead, J, D, K) -> dict:
-        return {"W_route": np.zeros((*lead, J, K)), "b_route": np.zeros((*lead, J))}  # zero, as the paper's
-
-    def forward(self, B, u_hat, p, u, fixed=None):
-        return self_routing.self_forward(B, u_hat, u, p["W_route"], p["b_route"])
-
-    def backward(self, B, u_hat, u, trace, dv, p):
-        return self_routing.self_backward(B, u_hat, u, trace, dv, p["W_route"])
-
-    def coupling(self, trace):
-        return self_routing.self_coupling(trace)
-
-
-class VB(Algorithm):
-    reads_children = True
-
-    def params(self, lead, J, D, K) -> dict:
-        return {"beta_a": np.zeros(J), "beta_u": np.zeros(J)}
-
-    def forward(self, B, u_hat, p, u, fixed=None):
-        a_in = self_routing.child_activations(B.xp, u)
-        return vb_routing.vb_forward(B, u_hat, a_in, p["beta_a"], p["beta_u"], self.iters, self.options, fixed)
-
-    def backward(self, B, u_hat, u, trace, dv, p):
-        xp = B.xp
-        a_in = self_routing.child_activations(xp, u)
-        du_hat, grads, da = vb_routing.vb_backward(B, u_hat, a_in, trace, dv, p["beta_a"], p["beta_u"],
-                                                   self.options, self.mode)
-        size = xp.sqrt(xp.sum(u * u, axis=-1, keepdims=True))   # a_i = |u_i|
-        du = xp.where(size > 0, u * (xp.matrix_transpose(da)[..., None] / xp.where(size > 0, size, 1)), 0)
-        return du_hat, grads, du
-
-    def coupling(self, trace):
-        return vb_routing.vb_coupling(trace)
-
-
-ALGORITHMS = {"inverted": Inverted, "self": SelfRouting, "vb": VB}
-
-
-def algorithm(routing, iters, mode, options):
-    """The Algorithm of ``routing`` (None for dynamic routing's own three)."""
-    return ALGORITHMS[routing](iters, mode, options) if routing in ALGORITHMS else None
-
-
-def random_coupling(B, rng, n, J, I):
-    """c (n, J, I): softmax over j of N(0, 1) logits, drawn on the host (every backend the same)."""
-    z = rng.standard_normal((n, J, I))
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return B.asarray(e / e.sum(axis=1, keepdims=True))
-
-
-def set_routing(layer, routing, iters, routing_grad, options, rng, lead):
-    """A routed layer's routing (routings.py): its name, iterations, gradient mode, the Algorithm and
-    its parameters (``lead``: the leading axes of its per-child parameters), or for "random" its own
-    seeded generator.  ValueError (which the description names the layer in) for what it cannot run."""
-    if routing not in ROUTINGS:
-        raise ValueError(f"unknown routing {routing!r}: use one of {', '.join(ROUTINGS)}")
+# ---- a layer's routing ----------------------------------------------------------------------------
+def set_routing(layer, name, iters, routing_grad, options, rng, lead):
+    """A routed layer's routing: its name, iterations, gradient mode, the Routing and its
+    parameters (``lead``: the leading axes of the per-child ones), and for one that draws, a
+    seeded generator of its own.  ValueError (which the description names the layer in) for what
+    it cannot run."""
+    cls = get(name)
     if routing_grad not in MODES:
         raise ValueError(f"unknown routing gradient mode {routing_grad!r}: use one of {MODES}")
-    if routing_grad not in GRADIENT_MODES[routing]:
-        raise ValueError(f"routing '{routing}' has no gradient mode {routing_grad!r}: its coefficients are "
-                         "learned from the child alone, so holding them constant would stop that; use 'full'")
+    if routing_grad not in cls.modes:
+        raise ValueError(f"routing '{name}' has no gradient mode {routing_grad!r}: its coefficients are learned "
+                         "from the child alone, so holding them constant would stop that; use 'full'"
+                         if name == "self" else f"routing '{name}' implements the gradient modes {cls.modes} only")
     if iters is None:
-        iters = DEFAULT_ITERS if routing in ITERATED else 1
+        iters = DEFAULT_ITERS if cls.iterated else 1
     if iters < 1:
         raise ValueError(f"routing needs at least one iteration, got {iters}")
-    if routing not in ITERATED and iters != 1:
-        raise ValueError(f"routing '{routing}' routes in one pass; it takes no iters (got {iters})")
-    layer.routing, layer.iters, layer.routing_grad = routing, iters, routing_grad
-    layer.algo = algorithm(routing, iters, routing_grad, options_for(routing, options, layer.D))
-    if layer.algo is not None:
-        for k, v in layer.algo.params(lead, layer.J, layer.D, layer.K).items():
-            layer._add_param(k, v)
-    if routing == "random":
+    if not cls.iterated and iters != 1:
+        raise ValueError(f"routing '{name}' routes in one pass; it takes no iters (got {iters})")
+    layer.routing, layer.iters, layer.routing_grad = name, iters, routing_grad
+    layer.algo = cls(iters, routing_grad, options_for(name, options, layer.D))
+    own = routing_params(layer.algo, lead, layer.J, layer.D, layer.K)
+    clash = sorted(set(own) & set(layer.params))
+    if clash:
+        raise ValueError(f"routing '{name}' names a parameter {clash[0]!r}, which the layer has already: rename it")
+    for k, v in own.items():
+        layer._add_param(k, v)
+    layer.routing_param_names = tuple(own)
+    if cls.draws:
         layer.rng, layer.hold, layer.drawn = np.random.default_rng(int(rng.integers(2**63))), False, None
         layer.capturable = False  # new coefficients every step: a recorded step would replay the old
 
 
+def routing_params(algo, lead, J, D, K) -> dict:
+    """``algo.params(...)`` checked: host arrays, the per-child ones led by ``lead``."""
+    found = algo.params(tuple(lead), J, D, K)
+    if not isinstance(found, dict):
+        raise ValueError(f"routing '{algo.name}': params() must return a dict of arrays, got {type(found).__name__}")
+    out = {}
+    for k, v in found.items():
+        a = np.asarray(v, dtype=np.float64)
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ValueError(f"routing '{algo.name}': parameter names must be Python names, got {k!r}")
+        if k in algo.per_child and tuple(a.shape[:len(lead)]) != tuple(lead):
+            raise ValueError(f"routing '{algo.name}': per-child parameter {k} must start with the layer's leading "
+                             f"axes {tuple(lead)}, got shape {a.shape}")
+        if not np.isfinite(a).all():
+            raise ValueError(f"routing '{algo.name}': parameter {k} starts with NaN or inf values")
+        out[k] = a
+    return out
+
+
+def param_shapes(name, options, lead, J, D, K) -> dict:
+    """The shapes of routing ``name``'s parameters in a layer, from a call of ``params`` with one
+    child slot: nothing of the layer's size is allocated (descriptions.param_shapes)."""
+    cls = get(name)
+    unit = cls(1, "full", {**cls.options, **{k: v for k, v in options.items() if k in cls.options}})
+    found = unit.params((1,) * len(lead), J, D, K)
+    return {k: tuple(lead) + tuple(np.shape(v))[len(lead):] if k in cls.per_child else tuple(np.shape(v))
+            for k, v in found.items()}
+
+
+def run_forward(algo, B, u_hat, p, u, fixed):
+    """``algo.forward`` with what it returns checked: (v (n, J, D), trace)."""
+    try:
+        out = algo.forward(B, u_hat, p, u, fixed)
+    except Exception as e:
+        raise _failed(algo, "forward", e, B) from e
+    _, n, J, D = u_hat.shape
+    shape = tuple(getattr(out[0], "shape", ())) if isinstance(out, tuple) and len(out) == 2 else None
+    if shape != (n, J, D):
+        got = f"v of shape {shape}" if shape is not None else f"{type(out).__name__}"
+        raise CapsNetError(f"routing '{algo.name}': forward must return (v, trace) with v of shape (n, J, D) = "
+                           f"{(n, J, D)}, got {got}; check it with `pycapsnet check-routing {algo.name}`")
+    return out
+
+
+def run_backward(algo, B, u_hat, u, trace, dv, p, out):
+    """``algo.backward_into`` with what it returns checked: dL/dû written into ``out``, (the
+    parameters' gradients, dL/du or None)."""
+    try:
+        grads, du = algo.backward_into(B, u_hat, u, trace, dv, p, out)
+    except Exception as e:
+        raise _failed(algo, "backward", e, B) from e
+    wrong = [k for k, g in grads.items() if k not in p or tuple(g.shape) != tuple(p[k].shape)]
+    if wrong or (du is not None and (u is None or tuple(du.shape) != tuple(u.shape))):
+        what = f"a gradient {wrong[0]!r} that is no parameter of its, or of another shape" if wrong else \
+            "du, but it reads no child capsules" if u is None else f"du of shape {tuple(du.shape)}, not u's {tuple(u.shape)}"
+        raise CapsNetError(f"routing '{algo.name}': backward returned {what}; check it with "
+                           f"`pycapsnet check-routing {algo.name}`")
+    return grads, du
+
+
+def _failed(algo, what, e, B):
+    """The error a routing's failure becomes: the backend's own (out of memory, a refused host copy)
+    as it is, anything else one line naming the routing and how to check it."""
+    from .. import errors
+
+    if isinstance(e, (MemoryError, CapsNetError, errors.BackendError)) or B.out_of_memory(e):
+        return e
+    return CapsNetError(f"routing '{algo.name}' failed in its {what} ({type(e).__name__}: {errors.first_line(e)}); "
+                        f"check it with `pycapsnet check-routing {algo.name}`")
+
+
 def draw_coupling(layer, n, children):
-    """The coefficients of "random" routing for a batch: drawn anew, or the last ones where the layer
-    holds them (a gradient check perturbs the input under one draw, as Dropout's mask)."""
+    """The coefficients of a drawing routing for a batch: drawn anew, or the last ones where the
+    layer holds them (a gradient check perturbs the input under one draw, as Dropout's mask)."""
     if layer.hold and layer.drawn is not None and tuple(layer.drawn.shape) == (n, layer.J, children):
         return layer.drawn
-    return random_coupling(layer.B, layer.rng, n, layer.J, children)
+    return layer.algo.draw(layer.B, layer.rng, n, layer.J, children)
+
+
+# The built-in routings, through the same door as anyone's
+for _cls in (routing.Dynamic, attention_routing.Attention, routing.Uniform, routing.Random, inverted_routing.Inverted,
+             self_routing.SelfRouting, vb_routing.VB):
+    register(_cls)
+BUILT_IN = tuple(_REGISTRY)

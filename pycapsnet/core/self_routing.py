@@ -28,7 +28,10 @@ Backward from dv (N, J, D), with μ̂ = μ / |μ|:
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .routing import softmax, softmax_backward
+from .routing_contract import Routing
 
 
 def child_logits(B, u, W_r, b_r):
@@ -83,3 +86,22 @@ def self_backward(B, u_hat, u, trace, dv, W_r):
 def self_coupling(trace) -> list:
     """The routing coefficients r_ij (N, J, I): one pass."""
     return [trace[0]]
+
+
+class SelfRouting(Routing):
+    """Self-routing: the coefficients come from each child alone, so there is no "final" mode (holding
+    them constant would stop the routing map from learning); the paper's head is the NLL of the lengths."""
+    name, reads_children, per_child, symbol = "self", True, ("W_route", "b_route"), "r_ij"
+    head = ("lengths", "nll")
+
+    def params(self, lead, J, D, K) -> dict:
+        return {"W_route": np.zeros((*lead, J, K)), "b_route": np.zeros((*lead, J))}  # zero, as the paper's
+
+    def forward(self, B, u_hat, p, u, fixed=None):
+        return self_forward(B, u_hat, u, p["W_route"], p["b_route"])
+
+    def backward(self, B, u_hat, u, trace, dv, p):
+        return self_backward(B, u_hat, u, trace, dv, p["W_route"])
+
+    def coupling(self, trace) -> list:
+        return self_coupling(trace)

@@ -33,9 +33,13 @@ from __future__ import annotations
 
 import math
 
-from .routing import softmax, softmax_backward
+import numpy as np
 
-# The priors and λ arrive as ``prior``, their defaults and checks in routings.py's OPTIONS.
+from .routing import softmax, softmax_backward
+from .routing_contract import Routing
+from .self_routing import child_activations
+
+# The priors and λ arrive as ``prior``: VB.options below, checked by VB.check_options.
 
 
 def _sig(xp, z):
@@ -188,3 +192,47 @@ def vb_backward(B, u_hat, a_in, trace, dv, beta_a, beta_u, prior, mode="full"):
 def vb_coupling(trace) -> list:
     """The responsibilities R (N, J, I) each M-step used."""
     return [M["R"] for M in trace[0]]
+
+
+class VB(Routing):
+    """Variational Bayes routing.  Its options are the priors and the activation's inverse temperature
+    λ (vb_lambda): at 1, the margin loss's push on the nine absent classes saturates every class's
+    sigmoid within the first steps and the paper's network stays at chance on the embedded digits;
+    at 0.1 it trains (docs/performance.md, "The routing family").  Its network's transforms start at
+    init.routed_std: at 0.01 the votes are so small that Ψ0 swamps their spread."""
+    name, iterated, modes, reads_children, symbol = "vb", True, ("full", "final"), True, "R_ij"
+    options = {"alpha0": 1.0, "kappa0": 1.0, "psi0": 1.0, "nu0": None, "vb_lambda": 0.1}
+    transform_std = None
+    # Where the priors keep every step's numbers finite in float32: 1/ψ0 enters every precision, and
+    # beyond these bounds the Wishart's scale or the Dirichlet's counts leave float32's range.
+    BOUNDS = {"alpha0": (1e-4, 1e4), "kappa0": (1e-4, 1e4), "psi0": (1e-4, 1e4), "vb_lambda": (1e-4, 1e4)}
+    NU0_ABOVE_D = 1e4
+
+    def check_options(self, options, D):
+        for k, (lo, hi) in self.BOUNDS.items():
+            if not lo <= options[k] <= hi:
+                raise ValueError(f"{k} must be a finite number in [{lo:g}, {hi:g}] (beyond, VB routing's numbers "
+                                 f"leave float32's range), got {options[k]:g}")
+        nu0 = float(D + 1) if options["nu0"] is None else float(options["nu0"])
+        if not D - 1 < nu0 <= D - 1 + self.NU0_ABOVE_D:
+            raise ValueError(f"nu0 must be above dim - 1 = {D - 1} (the Wishart's degrees of freedom) and at most "
+                             f"{D - 1 + self.NU0_ABOVE_D:g}, got {nu0:g}")
+        return {**options, "nu0": nu0}
+
+    def params(self, lead, J, D, K) -> dict:
+        return {"beta_a": np.zeros(J), "beta_u": np.zeros(J)}
+
+    def forward(self, B, u_hat, p, u, fixed=None):
+        a_in = child_activations(B.xp, u)
+        return vb_forward(B, u_hat, a_in, p["beta_a"], p["beta_u"], self.iters, self.options, fixed)
+
+    def backward(self, B, u_hat, u, trace, dv, p):
+        xp = B.xp
+        du_hat, grads, da = vb_backward(B, u_hat, child_activations(xp, u), trace, dv, p["beta_a"], p["beta_u"],
+                                        self.options, self.mode)
+        size = xp.sqrt(xp.sum(u * u, axis=-1, keepdims=True))   # a_i = |u_i|
+        du = xp.where(size > 0, u * (xp.matrix_transpose(da)[..., None] / xp.where(size > 0, size, 1)), 0)
+        return du_hat, grads, du
+
+    def coupling(self, trace) -> list:
+        return vb_coupling(trace)

@@ -6,8 +6,11 @@
     pycapsnet train      [--backend numpy] [training flags]          the trainer of the train_*.py scripts
     pycapsnet evaluate   CHECKPOINT [--backend torch --device cuda]  test accuracy of a checkpoint
     pycapsnet plan       --input-shape 3 224 224 --classes 276       will a train step fit? memory per layer
-    pycapsnet experiment table1|affine|multimnist [--quick]          the paper's experiments (docs/experiments.md)
+    pycapsnet experiment table1|affine|multimnist|routings [--quick] the paper's experiments, does routing help?
     pycapsnet data       mnist|fashion-mnist [DIR]                   fetch the full set, verified by digest
+    pycapsnet check-routing NAME [--plugin MODULE]                   a routing checked three ways (your own too)
+
+Every command takes --plugin MODULE: a module that registers routings of your own (pycapsnet.routings).
 
 Exit codes: 0 success, 1 a check failed, 2 bad input or a damaged checkpoint (the message says
 what and how to fix it), 3 the model's numbers are not finite (train, evaluate), 130 Ctrl-C.
@@ -19,7 +22,7 @@ import sys
 
 from ..training.argtypes import OneLineParser, name_and_factor, nonnegative_int, positive_float, positive_int
 from ..errors import BackendError, CapsNetError, first_line
-from ..core.model import ROUTINGS
+from ..core.model import routing_names
 
 def format_table(rows, cols):
     """Plain-text table of dict rows (a missing key prints empty); used here and by the benchmark."""
@@ -88,6 +91,17 @@ def cmd_crosscheck(args):
     bad = [r for r in rows if r["max_rel"] > tol]
     print(f"\n{len(rows) - len(bad)} agree, {len(bad)} disagree (tolerance {tol:g} of each tensor's scale, {dtypes})")
     return 1 if bad else 0
+
+
+# ---- check-routing ---------------------------------------------------------------------------------
+def cmd_check_routing(args):
+    from ..study import check_routing
+
+    print(f"routing {args.name!r} checked three ways (float64): finite differences of its layers, numpy against "
+          "torch, and its backward against PyTorch's autograd of its own forward", flush=True)
+    report = check_routing(args.name, samples=args.samples, tol=args.tol, seed=args.seed)
+    print(repr(report))
+    return 0 if report.passed else 1
 
 
 # ---- inspect -----------------------------------------------------------------------------------
@@ -160,7 +174,7 @@ def cmd_plan(args):
 
 def _plan_builtin(args):
     """(plan, flags that would shrink the step, the measurement) of a built-in network."""
-    from ..core.model import ROUTED, CapsNetConfig, builtin_architecture
+    from ..core.model import CapsNetConfig, builtin_architecture
     from ..training.recipe import ARCHITECTURE, refuse_ignored_flags
     from .plan import measured_peak, plan
 
@@ -169,7 +183,7 @@ def _plan_builtin(args):
     refuse_ignored_flags(given, routing)   # e.g. --share-spatial with --routing em: one line, as train says
     cfg = CapsNetConfig(input_shape=tuple(args.input_shape or (1, 28, 28)), n_classes=args.classes or 10,
                         routing=routing, **given)
-    if routing in ROUTED:  # no ledger of their own: their described form, measured (plan_measured.py)
+    if routing not in ("dynamic", "em", "attention"):  # no ledger of their own: measured (plan_measured.py)
         return _plan_arch(builtin_architecture(cfg), f"CapsNet routed by {routing}", args)
     p = plan(cfg, args.batch_size, args.dtype, args.optimizer)
     c, h, w = cfg.input_shape
@@ -244,7 +258,7 @@ def build_parser():
     g.add_argument("--samples", type=positive_int, default=20, help="entries sampled per tensor (default: 20)")
     g.add_argument("--tol", type=positive_float, default=1e-6, help="max relative error (default: 1e-6)")
     g.add_argument("--seed", type=nonnegative_int, default=0)
-    g.add_argument("--routing", choices=ROUTINGS, default=None,
+    g.add_argument("--routing", choices=routing_names(), default=None,
                    help="only this routing's layers and networks (default: every layer, every network)")
     g.add_argument("--network", default=None, metavar="FILE.json",
                    help="check the network this description gives, or a built-in description (efficient, capsnet-published): "
@@ -262,7 +276,7 @@ def build_parser():
                         "backward against the float64 one (which gradcheck checks)")
     c.add_argument("--rtol", type=positive_float, default=None,
                    help="tolerance (default: 1e-9 float64, 1e-4 when a side is float32, 2e-3 for EM routing then)")
-    c.add_argument("--routing", choices=ROUTINGS, default=None,
+    c.add_argument("--routing", choices=routing_names(), default=None,
                    help="the seeded network of this routing (default: dynamic; a --checkpoint brings its own)")
     c.add_argument("--batch", type=positive_int, default=8)
     c.add_argument("--seed", type=nonnegative_int, default=0)
@@ -318,7 +332,7 @@ def build_parser():
                     help="image channels, height, width (default: a description's own, else 1 28 28)")
     pl.add_argument("--classes", type=positive_int, default=None,
                     help="number of classes (default: a description's own, else 10)")
-    pl.add_argument("--routing", choices=ROUTINGS, default=None,
+    pl.add_argument("--routing", choices=routing_names(), default=None,
                     help="the built-in network to plan (default: dynamic)")
     pl.add_argument("--share-spatial", action="store_true", default=None,
                     help="one ClassCaps transform per capsule type (dynamic and attention routing)")
@@ -355,10 +369,30 @@ def build_parser():
     da.add_argument("--quiet", action="store_true", help="no progress, only what was fetched")
     da.set_defaults(fn=cmd_data)
 
+    cr = sub.add_parser("check-routing", help="a routing (your own: --plugin MODULE) checked three ways: finite "
+                                              "differences, numpy against torch, its backward against autograd")
+    cr.add_argument("name", help="a registered routing")
+    cr.add_argument("--samples", type=positive_int, default=12, help="entries sampled per tensor (default: 12)")
+    cr.add_argument("--tol", type=positive_float, default=1e-6, help="finite differences' tolerance (default: 1e-6)")
+    cr.add_argument("--seed", type=nonnegative_int, default=0)
+    cr.set_defaults(fn=cmd_check_routing)
+
+    from .. import plugins
+
+    for parser in sub.choices.values():  # every command takes --plugin (train's has it from add_arguments)
+        if not any(plugins.FLAG in action.option_strings for action in parser._actions):
+            plugins.add_flag(parser)
     return p
 
 
 def main(argv=None) -> int:
+    from .. import plugins
+
+    try:  # before the parser is made: its --routing choices hold the routings the plugins register
+        plugins.load_from_argv(argv)
+    except CapsNetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # bare ``pycapsnet``: what it can do
         parser.print_help()

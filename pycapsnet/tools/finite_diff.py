@@ -39,16 +39,15 @@ Used by the test suite and by ``pycapsnet gradcheck``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..core import shared_routing
 from ..core.capsules import ClassCaps
-from ..core.conv_caps import ConvCaps
 from ..core.em_routing import em_forward
 from ..core.matrix_capsules import _EMLayer
-from ..core.routing import routing_forward
 
 
 @dataclass
@@ -127,23 +126,16 @@ def _freeze_final_coupling(layer):
     this instance's routing method is replaced by one that routes with c^{R-1} given (the
     routings' ``fixed_coupling`` / ``fixed_assignments``), the function whose exact gradient that
     mode computes.  The layer classes themselves know nothing of it."""
-    if getattr(layer, "routing_grad", None) != "final" or getattr(layer, "routing", None) == "random":
-        return  # random coupling: its drawn coefficients are held as Dropout's mask is (_hold_mask)
+    algo = getattr(layer, "algo", None)
+    if getattr(layer, "routing_grad", None) != "final" or getattr(algo, "draws", False):
+        return  # a drawing routing: its drawn coefficients are held as Dropout's mask is (_hold_mask)
     B = layer.B
-    if getattr(layer, "algo", None) is not None:  # a routing of routings.py: it takes the last coefficients given
-        c = layer.last_coefficients()
-        layer.route_algo = lambda u_hat, kids, sl: type(layer).route_algo(layer, u_hat, kids, sl, fixed=c)
-    elif isinstance(layer, ClassCaps) and layer.share_spatial and layer.routes_shared:
+    if isinstance(layer, ClassCaps) and layer.share_spatial and layer.routes_shared:
         c = layer.shared_coupling(-1)
         layer.route_shared = lambda ut, W: shared_routing.forward(B, ut, W, layer.iters, ut.shape[2],
                                                                   fixed_coupling=c, bias=layer.bias_j)
-    elif isinstance(layer, ClassCaps):
-        c = layer.traced(0)[-1]  # c^{R-1} (N, J, I)
-        layer.route = lambda u_hat, sl: routing_forward(B, u_hat, layer.iters, fixed_coupling=c[sl],
-                                                        bias=layer.bias_j)
-    elif isinstance(layer, ConvCaps):
-        c = layer.trace[-1][0]  # c^{R-1} (N*P, C, I): one routing per window
-        layer.route = lambda u_hat: routing_forward(B, u_hat, layer.iters, fixed_coupling=c)
+    elif algo is not None:  # a routing of routings.py: it takes the last coefficients given
+        layer.route = functools.partial(type(layer).route, layer, fixed=layer.last_coefficients())
     elif isinstance(layer, _EMLayer):
         R = layer.assignments[-1]  # R^{T-1}: what "final" holds constant
         layer.route_part = lambda V, a_in, beta_a, group, sl: em_forward(

@@ -21,7 +21,7 @@ from ..core.losses import MarginLoss, ReconstructionLoss, SpreadLoss
 from ..core.matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 from ..core.model import CapsNet
 from ..core.routing import softmax, softmax_backward
-from ..core.routings import GRADIENT_MODES
+from ..core import routings
 from ..core.squash import squash, squash_backward, squash_exp, squash_exp_backward
 from ..errors import CapsNetError
 from .finite_diff import _freeze_final_coupling, _hold_mask, _LossLayer, _FunctionLayer, check_layer, check_tensors
@@ -177,9 +177,14 @@ SMALL_BY_ROUTING = {"dynamic": SMALL, "attention": {**SMALL, "routing": "attenti
                     **{r: {**SMALL, "routing": r} for r in ROUTED}}
 
 
+def small_of(routing) -> dict:
+    """The built-in network of ``routing`` at SMALL's size (any registered routing's too)."""
+    return SMALL_BY_ROUTING.get(routing) or {**SMALL, "routing": routing}
+
+
 def model_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3, **config):
     """A built-in network's full loss (class + reconstruction) w.r.t. every parameter and the input."""
-    cfg = {**SMALL_BY_ROUTING[config.get("routing", "dynamic")], **config}
+    cfg = {**small_of(config.get("routing", "dynamic")), **config}
     model = CapsNet(B, seed=seed, **cfg)
     c = model.config
     name = "CapsNet" if c.routing == "dynamic" else f"CapsNet {c.routing}"
@@ -294,10 +299,21 @@ MODEL_CHECKS = {
     "em": [dict(routing="em", routing_grad="full"), dict(routing="em", routing_grad="final")],
     "attention": [dict(routing="attention"), dict(routing="attention", share_spatial=True),
                   dict(routing="attention", conv_stride=2)],
-    **{r: [dict(routing=r, routing_grad=mode) for mode in GRADIENT_MODES[r] if r in ("inverted", "vb") or mode == "full"]
-       for r in ROUTED},
 }
-LAYER_CHECKS.update({r: functools.partial(routing_layer_checks, r) for r in ROUTED})
+
+
+def layer_checks_of_routing(routing):
+    """The layer checks of ``routing``: the built-in ones' own, or any registered routing in the
+    fully connected and convolutional layers (gradcheck_routings.routing_layer_checks)."""
+    return LAYER_CHECKS.get(routing) or functools.partial(routing_layer_checks, routing)
+
+
+def model_checks_of_routing(routing) -> list:
+    """The full-loss checks of ``routing``'s network: each gradient mode where it iterates."""
+    if routing in MODEL_CHECKS:
+        return MODEL_CHECKS[routing]
+    own = routings.get(routing)
+    return [dict(routing=routing, routing_grad=mode) for mode in own.modes if own.iterated or mode == "full"]
 
 
 def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6, seed=0, routing=None,
@@ -307,12 +323,12 @@ def run_all(backend="numpy", device=None, dtype="float64", samples=20, tol=1e-6,
     B = _backends.get(backend, device=device, dtype=dtype)
     require_float64(B)
     eps = 1e-5
-    routings = list(MODEL_CHECKS) if routing is None else [routing]
+    chosen = ["dynamic", "em", "attention", *ROUTED] if routing is None else [routing]
     results = _Reported(report)
-    for r in routings:
-        results += LAYER_CHECKS[r](B, samples, eps, tol, seed)
-    for r in routings:
-        for config in MODEL_CHECKS[r]:
+    for r in chosen:
+        results += layer_checks_of_routing(r)(B, samples, eps, tol, seed)
+    for r in chosen:
+        for config in model_checks_of_routing(r):
             results += model_checks(B, samples, eps, tol, seed=seed, **config)
     if routing in (None, "dynamic"):
         results += composed_checks(B, samples, eps, tol, seed=seed)

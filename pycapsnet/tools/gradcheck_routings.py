@@ -13,7 +13,7 @@ from ..core.capsules import CapsuleLogits, ClassCaps
 from ..core.conv_caps import ConvCaps
 from ..core.layer_norm import LayerNorm
 from ..core.losses import NegativeLogLikelihood
-from ..core.routings import GRADIENT_MODES, ITERATED
+from ..core import routings
 from .finite_diff import _LossLayer, check_layer
 
 ROUTED = ("uniform", "random", "inverted", "self", "vb")
@@ -37,7 +37,8 @@ def routing_layer_checks(routing, B, samples=20, eps=1e-5, tol=1e-6, seed=0):
     def add(label, layer, x):
         results.extend(check_layer(B, label, layer, x, samples, eps, tol, seed))
 
-    for mode in GRADIENT_MODES[routing] if routing in ITERATED else ("full",):
+    own = routings.get(routing)
+    for mode in own.modes if own.iterated else ("full",):
         for share in (False, True):
             cc = ClassCaps(B, positions=4, types=2, in_dim=4, n_classes=3, out_dim=5, routing=routing,
                            routing_grad=mode, share_spatial=share, rng=rng)

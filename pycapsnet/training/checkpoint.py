@@ -52,6 +52,9 @@ def save(path: str, model: Network, optimizer=None, **meta) -> str:
     generators = model.generator_state()  # Dropout's and random routing's: resuming draws on from here
     if generators:
         header["generators"] = generators
+    own = routings_of(model)
+    if own:  # routings of a plugin: loading names the module to import
+        header["routings"] = own
     header["digest"] = digest(header, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
     arrays["header"] = np.array(json.dumps(header, allow_nan=False))  # strict JSON: no NaN
     try:
@@ -61,6 +64,31 @@ def save(path: str, model: Network, optimizer=None, **meta) -> str:
         raise CapsNetError(f"cannot write the checkpoint {path}: {e.strerror or e}"
                            + ("; the one written there before is intact" if os.path.exists(path) else "")) from e
     return path
+
+
+def routings_of(model: Network) -> dict:
+    """{name: module} of each routing the model's layers run that is not pycapsnet's own."""
+    from ..core import routings
+
+    used = {getattr(layer, "routing", None) for _, layer in model.routing_layers() if hasattr(layer, "algo")}
+    return {name: routings.module_of(name) for name in sorted(used - {None}) if not routings.is_builtin(name)}
+
+
+def _unregistered(header, path) -> None:
+    """Refuse, before the header's network is read, a checkpoint whose routings are not registered
+    here, naming the module that registers each."""
+    from ..core import routings
+
+    own = header.get("routings") if isinstance(header, dict) else None
+    if own is None:
+        return
+    if not (isinstance(own, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in own.items())):
+        raise CapsNetError(f"{path} is damaged: its record of routings is not an object of names and modules")
+    missing = {name: module for name, module in own.items() if name not in routings.names()}
+    if missing:
+        name, module = next(iter(missing.items()))
+        raise CapsNetError(f"{path} was trained with routing '{name}' of module {module}, which is not registered "
+                           f"here: import {module} first (on the command line: --plugin {module})")
 
 
 def load(path: str) -> dict:
@@ -146,6 +174,7 @@ def _read_checked(z, path: str, unreadable: str):
         raise CapsNetError(f"{unreadable}: its header is not JSON ({e})") from None
     if isinstance(header, dict) and header.get("format") != FORMAT:
         raise CapsNetError(f"{path}: unknown checkpoint format {header.get('format')!r} (expected {FORMAT})")
+    _unregistered(header, path)
     problem = _header_problem(header)
     if problem:
         raise CapsNetError(f"{path} is damaged: {problem}; use another checkpoint, or train afresh")

@@ -11,7 +11,8 @@ from pycapsnet import backends
 from pycapsnet.backends.base import FLOAT_DTYPES
 
 from ..core.capsules import PrimaryCaps
-from ..core.model import ROUTING_DEFAULTS, ROUTINGS, CapsNetConfig
+from ..core import routings
+from ..core.model import CapsNetConfig, routing_defaults, routing_names
 from ..core.routing import MODES as ROUTING_MODES
 from . import data, optim
 from .argtypes import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int
@@ -22,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     """The flags every training entry point shares (backend chosen by the script, or --backend): a
     table of add_argument calls, long on purpose and read top to bottom."""
     d = {**RECIPE, **ARCHITECTURE}
+    from .. import plugins
+
+    plugins.add_flag(p)
     if backend is None:
         p.add_argument("--backend", default="numpy", choices=backends.NAMES, help="array backend (default: numpy)")
     if backend in (None, "torch"):
@@ -43,17 +47,20 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                         "--resume of a run without it, the average starts from the checkpoint's weights)")
     p.add_argument("--optimizer", choices=optim.NAMES,
                    help=f"adam or sgd with momentum 0.9 (default: {d['optimizer']})")
-    p.add_argument("--routing", choices=ROUTINGS,
+    own = [r for r in routing_names() if r not in routings.BUILT_IN and r != "em"]
+    p.add_argument("--routing", choices=routing_names(),
                    help="the network: dynamic (Sabour et al. 2017, margin loss), em (matrix capsules with EM "
                         "routing, Hinton et al. 2018, spread loss), attention (self-attention routing, "
                         "Efficient-CapsNet), or the paper's network with its class layer routed by uniform or "
                         "random coupling (no routing), inverted (inverted dot-product attention, Tsai et al. "
-                        "2020, logits and cross-entropy), self (self-routing, Hahn et al. 2019, -log a_j) or vb "
-                        f"(variational Bayes, Ribeiro et al. 2020) (default: {d['routing']})")
+                        "2020, logits and cross-entropy), self (self-routing, Hahn et al. 2019, -log a_j), vb "
+                        "(variational Bayes, Ribeiro et al. 2020)"
+                        + (f" or a registered one ({', '.join(own)})" if own else "")
+                        + f"; --plugin MODULE registers your own (default: {d['routing']})")
     p.add_argument("--routing-iters", type=positive_int,
                    help="dynamic or EM routing iterations (default: "
-                        f"{ROUTING_DEFAULTS['dynamic']['routing_iters']}; --routing em: "
-                        f"{ROUTING_DEFAULTS['em']['routing_iters']}, the paper's network has 3)")
+                        f"{routing_defaults('dynamic')['routing_iters']}; --routing em: "
+                        f"{routing_defaults('em')['routing_iters']}, the paper's network has 3)")
     p.add_argument("--routing-grad", choices=ROUTING_MODES,
                    help="full: exact gradient through every routing iteration; final: the last coupling "
                         f"coefficients (EM: assignments) treated as constants (default: {d['routing_grad']})")
@@ -93,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                    help="use only N training images, for quick runs (the first N; of a folder, a seeded subset "
                         "with each class in proportion)")
     add_limit_test(p)
-    routing_default = lambda k: ", ".join(f"{v[k]} ({r})" for r, v in ROUTING_DEFAULTS.items())
+    routing_default = lambda k: ", ".join(f"{routing_defaults(r)[k]} ({r})" for r in routing_names())  # noqa: E731
     p.add_argument("--conv-channels", type=positive_int,
                    help=f"conv1 channels (default, the papers': {routing_default('conv_channels')})")
     p.add_argument("--conv-kernel", type=positive_int,

@@ -235,7 +235,7 @@ def _network(model, who: str):
     from ..core.network import Network
 
     net = getattr(model, "network", model)
-    if not isinstance(net, Network):
+    if not isinstance(net, Network) and not all(hasattr(net, k) for k in ("B", "params", "grads")):
         raise CapsNetError(f"{who} updates a network's parameters: give it a Model (pycapsnet.build(...)) or its "
                            f".network, not {type(model).__name__}")
     return net

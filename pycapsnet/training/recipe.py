@@ -209,19 +209,13 @@ def _refuse_architecture_flags(given, ckpt, cfg, network, described, values, eva
 
 
 # Architecture flags that a routing's network has no use for: given, they would be saved with the run
-# and change nothing.
+# and change nothing.  A routing of the registry's: its iterations and gradient mode where it routes in
+# one pass, and the decoder where its paper's head has none.
 IGNORED_BY = {
     "attention": {"routing_iters": "self-attention routing computes its coupling in one pass, without iterations",
                   "routing_grad": "self-attention routing has no iterations whose coupling could be held constant",
                   "em_lambda": "it is EM routing's inverse temperature"},
     "dynamic": {"em_lambda": "it is EM routing's inverse temperature"},
-    **{r: {"routing_iters": f"{r} routing routes in one pass", "routing_grad": f"{r} routing has no iterations whose "
-           "coupling could be held constant", "em_lambda": "it is EM routing's inverse temperature"}
-       for r in ("uniform", "random", "self")},
-    "inverted": {"em_lambda": "it is EM routing's inverse temperature",
-                 "recon_weight": "the inverted-attention network has its paper's head (logits, cross-entropy) and "
-                                 "no decoder", "decoder_hidden": "the inverted-attention network has no decoder"},
-    "vb": {"em_lambda": "it is EM routing's inverse temperature"},
     "em": {"share_spatial": "the EM network's convolutional capsule layers share their transforms over "
                             "positions already",
            "primary_conv": "the EM network's primary capsules are a 1x1 layer, not a convolution",
@@ -231,11 +225,28 @@ IGNORED_BY = {
 }
 
 
+def ignored_by(routing) -> dict:
+    """{setting: why it does nothing} for ``routing``'s network."""
+    from ..core import routings
+
+    if routing in IGNORED_BY:
+        return IGNORED_BY[routing]
+    own = routings.get(routing)
+    out = {} if own.iterated else {
+        "routing_iters": f"{routing} routing routes in one pass",
+        "routing_grad": f"{routing} routing has no iterations whose coupling could be held constant"}
+    out["em_lambda"] = "it is EM routing's inverse temperature"
+    if own.head[0] == "logits":
+        why = f"the {routing} network has its paper's head ({own.head[0]}, {own.head[1]}) and no decoder"
+        out.update(recon_weight=why, decoder_hidden=why)
+    return out
+
+
 def refuse_ignored_flags(given, routing, spell=flag):
     """A setting given that ``routing``'s network has no use for, refused in one line (``spell``: a
     flag on the command line, ``str`` for ``pycapsnet.build``'s keywords)."""
     where = f"--routing {routing}" if spell is flag else f"routing {routing!r}"
-    for k, why in IGNORED_BY.get(routing, {}).items():
+    for k, why in ignored_by(routing).items():
         if k in given:
             raise CapsNetError(f"{spell(k)} does nothing with {where}: {why}; drop it")
 

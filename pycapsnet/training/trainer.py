@@ -106,6 +106,13 @@ def run(args, backend_name: str) -> int:
 
 def main(backend: str | None = None, argv=None) -> int:
     """Entry point of the per-backend scripts: ``sys.exit(main("numpy"))``."""
+    from .. import plugins
+
+    try:  # before the parser is made: its --routing choices hold the routings the plugins register
+        plugins.load_from_argv(argv)
+    except CapsNetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     p = OneLineParser(
         prog=f"train_{backend}.py" if backend else "pycapsnet train",
         description="Train a CapsNet (Sabour et al. 2017) with hand-written gradients"
