@@ -206,7 +206,29 @@ BAD = [
     (dict(routing="inverted", scaled="yes"), "scaled must be true or false"),
     (dict(routing="inverted", iters=40), "iters must be a whole number from 1 to 32"),
     (dict(routing="inverted", bias=0.1), "takes none"),
+    (dict(routing="vb", psi0=1e-300), r"psi0 must be a finite number in \[0.0001, 10000\]"),
+    (dict(routing="vb", nu0=1e6), "nu0 must be above dim - 1 = 5 .* and at most"),
 ]
+
+
+@pytest.mark.parametrize("option", [dict(alpha0=1e-4), dict(alpha0=1e4), dict(kappa0=1e-4), dict(kappa0=1e4),
+                                    dict(psi0=1e-4), dict(psi0=1e4), dict(vb_lambda=1e-4), dict(vb_lambda=1e4),
+                                    dict(nu0=5.0001), dict(nu0=5 + 1e4)])
+def test_vb_priors_at_their_bounds_train_in_float32(option):
+    """95.11: every prior the check allows keeps a float32 run finite (psi0 1e-300 ended in a NaN loss)."""
+    net = A.build(A.network([A.conv2d(4, 3), A.relu(), A.primary_caps(2, 4, 3, 2),
+                             A.dynamic_caps(3, 6, routing="vb", name="classcaps", **option)],
+                            input_shape=(1, 13, 13), n_classes=3), backends.get("numpy"))
+    rng = np.random.default_rng(0)
+    x, y = rng.random((8, 1, 13, 13)).astype(np.float32), rng.integers(0, 3, 8)
+    from pycapsnet.training import optim
+
+    opt = optim.make("adam", net, 2e-3)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):  # (underflow to 0 is fine)
+        for _ in range(5):
+            assert np.isfinite(net.train_step_grads(x, y).loss)
+            opt.step()
+    assert all(np.isfinite(p).all() for p in net.params.values())
 
 
 @pytest.mark.parametrize("options, said", BAD)

@@ -43,7 +43,9 @@ from .self_routing import child_activations
 
 
 def _sig(xp, z):
-    return 1 / (1 + xp.exp(-z))
+    """The logistic sigmoid from e^-|z|, which never overflows (a large λ saturates it either way)."""
+    e = xp.exp(-xp.abs(z))
+    return xp.where(z >= 0, 1 / (1 + e), e / (1 + e))
 
 
 def m_step(B, u_hat, a_in, R, prior):
