@@ -20,8 +20,10 @@ import json
 import os
 import time
 
+import numpy as np
+
 from ..errors import CapsNetError
-from ..training.argtypes import nonnegative_int, percent, positive_float, positive_int
+from ..training.argtypes import fraction, nonnegative_int, percent, positive_float, positive_int
 from ..training.files import atomic_write
 from ..training.log import say
 from ..training.run_dir import out_dir_for
@@ -68,15 +70,48 @@ def add_parser(sub, backends_help: str):
                    help="pixels each digit moves in each direction (default: 4)")
     m.add_argument("--pairs", type=int, default=None,
                    help="pairs made per training digit per epoch (default: 2; quick: 1); the test set has 1 per digit")
-    r = x.add_argument_group("routings")
+    r = x.add_argument_group("routings (docs/experiments.md, 'Does routing help?')")
+    r.add_argument("--routings", nargs="+", default=None, metavar="ROW",
+                   help="the rows (default: uniform dynamic attention inverted self vb random em cnn): a registered "
+                        "routing (--plugin MODULE registers yours), NAME-k for k iterations, em, cnn")
+    r.add_argument("--dataset", default=None, choices=("embedded", "digits", "mnist", "fashion-mnist", "folder"),
+                   help="the data (default: embedded, or mnist with --data-dir); mnist, fashion-mnist: the IDX files "
+                        "in --data-dir; folder: images in --data-dir, one sub-folder per class")
+    r.add_argument("--limit-test", type=positive_int, default=None,
+                   help="test digits (default: the whole test split; --limit limits training digits only)")
+    r.add_argument("--val-fraction", type=fraction, default=None,
+                   help="the share of the training digits held out for validation, stratified (default: 0.1)")
     r.add_argument("--no-affine", action="store_true", default=None,
-                   help="without the affine-robustness training")
-    r.add_argument("--routings", nargs="+", default=None, metavar="NAME",
-                   help="only these (default: all): dynamic-1 dynamic-3 attention inverted self vb em uniform random")
-    r.add_argument("--no-multimnist", action="store_true", default=None,
-                   help="without MultiMNIST (the routings that reconstruct, on pairs of digits: --shift, --pairs)")
+                   help="without the affine-robustness units")
+    r.add_argument("--sweep", type=positive_int, nargs="+", default=None, metavar="K",
+                   help="the iteration sweep: dynamic and vb routing also at K iterations (their rows' chosen trials)")
+    r.add_argument("--sweep-seeds", type=positive_int, default=None, help="seeds of the sweep's rows (default: 2)")
+    r.add_argument("--shard", type=shard, default=None, metavar="K/N",
+                   help="run every N-th unit from the K-th (1-based), e.g. $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT")
+    r.add_argument("--choices", default=None, metavar="FILE",
+                   help="a merged run's choices.json: the tuning done, a shard runs its main units")
+    r.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="build the table from these output folders into --out (units of other settings or code refused)")
+    for name, what in (("conv-channels", "conv1's channels (default: 64; quick: 8)"),
+                       ("primary-types", "primary capsule types (default: 16; quick: 2)"),
+                       ("primary-dim", "primary capsule dims (default: 8)"), ("class-dim", "class capsule dims (default: 16)")):
+        r.add_argument(f"--{name}", type=positive_int, default=None, help=what)
     x.set_defaults(fn=main)
     return x
+
+
+def shard(text: str) -> tuple:
+    """K/N with 1 <= K <= N (argparse type)."""
+    import argparse
+
+    k, sep, n = text.partition("/")
+    try:
+        k, n = int(k), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K/N such as 2/8, got {text!r}") from None
+    if not sep or not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"expected K/N with 1 <= K <= N, got {text!r}")
+    return k, n
 
 
 def main(args) -> int:
@@ -86,6 +121,8 @@ def main(args) -> int:
 
     module = {"table1": table1, "affine": affine, "multimnist": multimnist, "routings": routing_study}[args.name]
     _refuse_flags_of_others(args)
+    if getattr(args, "merge", None):
+        return routing_study.merge(args)
     for k, v in OWN_FLAGS[args.name].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -102,30 +139,45 @@ def _run(args, module, out, B) -> int:
     say(f"experiment {args.name}{' (quick)' if args.quick else ''} on {B.label}: {args.epochs} epoch(s), "
         f"{args.seeds} seed(s), results in {out}")
     t0 = time.perf_counter()
-    units = Units(out, args)
+    units = None if getattr(module, "OWN_UNITS", False) else Units(out, args)  # the routing study keeps its own
     try:
         results = module.run(args, B, out, units)
     except KeyboardInterrupt:
-        say(f"interrupted: {len(units.done)} finished unit(s) kept in {units.path}; the same command goes on "
-            "from there")
+        done = f"{len(units.done)} finished unit(s)" if units is not None else "the finished units"
+        say(f"interrupted: {done} kept in {os.path.join(out, 'units.json')}; the same command goes on from there")
         raise
-    results.update(command=_command(args), data="MNIST IDX files (--data-dir)" if args.data_dir else "embedded",
+    results.update(command=_command(args), data=results.get("data") or (
+                       "MNIST IDX files (--data-dir)" if args.data_dir else "embedded"),
                    backend=B.label, lr=args.lr, epochs=args.epochs, seeds=args.seeds,
                    minutes=round((time.perf_counter() - t0) / 60, 1))
-    text = module.table(results)
-    atomic_write(os.path.join(out, "results.json"), lambda f: json.dump(results, f, indent=1), text=True)
-    atomic_write(os.path.join(out, "results.md"), lambda f: f.write(text + "\n"), text=True)
-    print(text)
+    write_results(module, results, out)
     say(f"done in {results['minutes']} min: results.json, results.md in {out}")
     return 0
+
+
+def write_results(module, results, out) -> None:
+    """results.json, results.md (and the module's figure, where it draws one), each written whole; a
+    full disk or a folder gone is one line."""
+    text = module.table(results)
+    try:
+        atomic_write(os.path.join(out, "results.json"), lambda f: json.dump(results, f, indent=1), text=True)
+        atomic_write(os.path.join(out, "results.md"), lambda f: f.write(text + "\n"), text=True)
+        if hasattr(module, "FIGURE"):  # (the others draw theirs as they run)
+            module.figure(results, os.path.join(out, module.FIGURE))
+    except OSError as e:
+        raise CapsNetError(f"cannot write the results into {out}: {e.strerror or e}; the units are kept in "
+                           f"{os.path.join(out, 'units.json')}: free some space and run the same command again") from None
+    print(text)
 
 
 # The flags each experiment reads, with their defaults (None: the experiment's own, from --quick)
 OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_shear": 45.0, "scale": (0.8, 1.2),
                                      "affine_target": None},
              "multimnist": {"canvas": 36, "shift": 4, "pairs": None},
-             "routings": {"canvas": 40, "no_affine": False, "shift": 4, "pairs": None, "no_multimnist": False,
-                          "routings": None, "affine_target": None}}
+             "routings": {"canvas": 40, "no_affine": False, "routings": None, "affine_target": None, "dataset": None,
+                          "limit_test": None, "val_fraction": 0.1, "sweep": None, "sweep_seeds": 2, "shard": None,
+                          "choices": None, "merge": None, "conv_channels": None, "primary_types": None,
+                          "primary_dim": None, "class_dim": None}}
 
 
 def _refuse_flags_of_others(args) -> None:
@@ -158,26 +210,78 @@ def _command(args) -> str:
 
 
 def routings(out: str = "experiments/routings", quick: bool = False, epochs: int | None = None,
-             seeds: int | None = None, data_dir: str | None = None, limit: int | None = None, batch_size: int = 32,
-             lr: float | None = None, backend: str = "numpy", dtype: str = "float32", canvas: int | None = None,
-             affine: bool = True, multimnist: bool = True, shift: int | None = None,
-             pairs: int | None = None, routings: list | None = None, affine_target: float | None = None) -> dict:
-    """``pycapsnet experiment routings`` from Python: every routing on one shared backbone
-    (routing_study.py); returns what results.json holds, and writes it, results.md and
-    routings.png into ``out`` (a stopped run goes on where it stopped)."""
+             seeds: int | None = None, data=None, dataset: str | None = None, data_dir: str | None = None,
+             limit: int | None = None, limit_test: int | None = None, val_fraction: float = 0.1,
+             batch_size: int = 32, lr: float | None = None, backend: str = "numpy", dtype: str = "float32",
+             canvas: int | None = None, affine: bool = True, routings: list | None = None,
+             affine_target: float | None = None, sweep: list | None = None, sweep_seeds: int = 2,
+             shard: str | None = None, choices: str | None = None, conv_channels: int | None = None,
+             primary_types: int | None = None, primary_dim: int | None = None, class_dim: int | None = None) -> dict:
+    """``pycapsnet experiment routings`` from Python (routing_study.py: the protocol, the rows, the
+    units); returns what results.json holds, and writes it, results.md and routings.png into ``out``
+    (a stopped run goes on where it stopped).  ``data``: your own, ((x, y), (x_test, y_test)) as
+    arrays or what a pycapsnet.datasets loader returns; else ``dataset`` and ``data_dir`` as the
+    command line's --dataset and --data-dir."""
     import argparse
 
+    from .. import arguments as a
+
     numbers = dict(epochs=(epochs, positive_int), seeds=(seeds, positive_int), limit=(limit, positive_int),
-                   batch_size=(batch_size, positive_int), lr=(lr, positive_float), shift=(shift, nonnegative_int),
-                   pairs=(pairs, positive_int), affine_target=(affine_target, percent))
-    args = argparse.Namespace(name="routings", quick=quick, out=out, data_dir=data_dir, backend=backend, dtype=dtype,
-                              canvas=canvas, max_rotation=None, max_shear=None, scale=None,
-                              no_affine=None if affine else True, no_multimnist=None if multimnist else True,
-                              routings=None if routings is None else list(routings),
-                              **{k: _checked(k, v, kind) for k, (v, kind) in numbers.items()})
+                   limit_test=(limit_test, positive_int), val_fraction=(val_fraction, fraction),
+                   batch_size=(batch_size, positive_int), lr=(lr, positive_float), affine_target=(affine_target, percent),
+                   sweep_seeds=(sweep_seeds, positive_int), conv_channels=(conv_channels, positive_int),
+                   primary_types=(primary_types, positive_int), primary_dim=(primary_dim, positive_int),
+                   class_dim=(class_dim, positive_int), canvas=(canvas, positive_int))
+    if routings is not None and (isinstance(routings, str) or not all(isinstance(r, str) for r in routings)):
+        raise CapsNetError(f"routings must be a list of row names such as ['uniform', 'dynamic'], got {routings!r}")
+    if sweep is not None and (isinstance(sweep, (str, int)) or not all(isinstance(k, int) and k >= 1 for k in sweep)):
+        raise CapsNetError(f"sweep must be a list of iteration counts such as [1, 2, 5], got {sweep!r}")
+    args = argparse.Namespace(
+        name="routings", quick=a.boolean(quick, "quick"), out=a.path(out, "out"), data_dir=a.path(data_dir, "data_dir", none=True),
+        backend=backend, dtype=dtype, max_rotation=None, max_shear=None, scale=None, shift=None, pairs=None,
+        no_affine=None if a.boolean(affine, "affine") else True, routings=None if routings is None else list(routings),
+        dataset=dataset, data=_data_arrays(data), sweep=None if sweep is None else list(sweep),
+        shard=None if shard is None else _checked("shard", shard, globals()["shard"]), choices=choices, merge=None,
+        **{k: _checked(k, v, kind) for k, (v, kind) in numbers.items()})
     main(args)
     with open(os.path.join(out, "results.json")) as f:
         return json.load(f)
+
+
+def merge(dirs, out: str) -> dict:
+    """``--merge``: the units of several output folders (shards, machines) into ``out``, and the
+    table they make; units of other settings or code are refused."""
+    import argparse
+
+    from .. import arguments as a
+
+    if isinstance(dirs, (str, os.PathLike)) or not dirs:
+        raise CapsNetError(f"dirs must be a list of output folders, got {dirs!r}")
+    from . import routing_study
+
+    routing_study.merge(argparse.Namespace(merge=[a.path(d, "dirs") for d in dirs], out=a.path(out, "out")))
+    with open(os.path.join(out, "results.json")) as f:
+        return json.load(f)
+
+
+def _data_arrays(data):
+    """``data`` as (train, test) Splits: ((x, y), (x_test, y_test)) arrays or a datasets loader's result."""
+    if data is None:
+        return None
+    from ..arrays import images, labels
+    from ..training.data import Split
+
+    try:
+        (x, y), (xt, yt) = data
+    except (TypeError, ValueError):
+        raise CapsNetError("data must be ((x, y), (x_test, y_test)): arrays, or what a pycapsnet.datasets loader "
+                           "returns") from None
+    x = images(x, np.shape(x)[1:] if np.ndim(x) == 4 else (1, *np.shape(x)[1:]), "x")
+    xt = images(xt, x.shape[1:], "x_test")
+    y, yt = labels(y, len(x), None, "y"), labels(yt, len(xt), None, "y_test")
+    n = int(max(y.max(), yt.max())) + 1
+    classes = tuple(str(k) for k in range(n))
+    return Split(x, y, "arrays", classes), Split(xt, yt, "arrays", classes)
 
 
 def _checked(name: str, value, kind):

@@ -1,291 +1,391 @@
-"""Does routing help?  Every routing the library has as the class layer of one shared backbone, the
-same data, recipe and epochs, several seeds (Paik, Kwak & Kim 2019; Gu & Tresp 2020):
+"""Does routing help?  Every routing as the class layer of one shared backbone, under one protocol
+fixed before anything trains (study_protocol.py): the same data, recipe, tuning budget and epochs,
+choices on validation only, the test set read once, statistics that name their tests
+(study_stats.py), the literature's diagnostics (study_diagnostics.py).
 
-    backbone   conv1 9x9/1, C channels, ReLU -> primary capsules 9x9/2, T types of 8D (EM: 1x1 matrix
-               capsules on the same convolution) -> 10 class capsules of 16D, routed by:
-    dynamic-1, dynamic-3 (Sabour et al.), attention (Efficient-CapsNet's), inverted (Tsai et al.),
-    self (Hahn et al.), vb (Ribeiro et al.), em (Hinton et al.), and the baselines uniform and random
-    coupling.  Shared head: the capsule lengths and the margin loss, no decoder (EM: its activations
-    and the spread loss).  Where a routing's paper has a head of its own, it runs with it too
-    ("inverted, its head": a shared linear map to logits and cross-entropy; "self, its head":
-    -log a_j); the table's main rows are the shared head's.
+    backbone   conv1 9x9/1, C channels, ReLU -> primary capsules 9x9/2, T types of K dims (EM: 1x1
+               matrix capsules on the same convolution) -> 10 class capsules of D dims, routed by
+               the row's routing with its paper's head (Routing.head: inverted's logits, self's NLL),
+               the transforms W_ij of every row at init.routed_std (the same rule for all; the
+               dynamic-routing paper's network starts them at 0.01), no decoder
+    rows       a registered routing by name (its default iterations), NAME-k (k iterations), "em"
+               (matrix capsules; "em-k"), "cnn" (the baseline CNN's shape, its widths scaled to the
+               parameters of the "dynamic" row's network)
 
-Per routing and seed, three units (units.py: a stopped run goes on where it stopped):
-    mnist    trained on the digits shifted by up to 2 pixels, the last epoch's test error (no epoch
-             is chosen on the test set); then the entropy of each routing iteration's coefficients
-             (c_ij; VB and EM: R_ij), per child over the parents, in units of ln J (1: uniform),
-             averaged over the first test digits -- Paik et al.'s measure of polarisation
-    affine   trained on digits placed at random on a 40x40 canvas, scored after each epoch on
-             translated held-out digits; each network is read at the first epoch that reaches one
-             target accuracy (affine.reading_target: --affine-target, else the lowest of the best
-             validation accuracies within 10 points of the highest; the same translated accuracy
-             for all, chosen without a test set), on translated and on affinely moved test
-             digits; a network that never reaches it is not read
-    multimnist the routings of vector capsules (not EM), each with the paper's decoder, trained on
-             MultiMNIST as the multimnist experiment trains CapsNet (both digits reconstructed, Adam
-             at its 1e-3); a pair counts only if its two longest capsules are its two classes
+Units (units.json, one network trained from one seed; a stopped run goes on where it stopped, a
+unit is the unit of work of ``--shard K/N`` too):
+    tune ROW TRIAL seed S   a tuning trial: the last epoch's validation accuracy
+    main ROW seed S         the row at its chosen trial: validation per epoch, then the one test pass
+                            (errors per digit, diagnostics); the iteration sweep's rows are main rows
+                            (NAME-k) at their routing's chosen trial
+    affine ROW seed S       trained on digits placed at random on a canvas, read on the translated and
+                            affine test digits at the last epoch and at the protocol's target
 """
 from __future__ import annotations
 
-import math
+import argparse
+import hashlib
+import json
 import os
+import re
 
 import numpy as np
 
-from ..core import architecture as A
+from ..core import architecture as A, routings
+from ..core.description import param_shapes
 from ..errors import CapsNetError
-from ..tools import plots
 from ..training import data
 from ..training.log import say
-from . import affine, check_fits, digits, loop, multimnist
+from . import check_fits, digits, loop, study_protocol as protocol, study_report as report
+from .networks import baseline_cnn
+from .study_diagnostics import TestPass
 
-LR = 2e-3
-QUICK_BACKBONE = dict(conv_channels=8, primary_types=2)
-BACKBONE = dict(conv_channels=64, primary_types=16)
-ROUTINGS = {"dynamic-1": ("dynamic", 1), "dynamic-3": ("dynamic", 3), "attention": ("attention", None),
-            "inverted": ("inverted", 3), "self": ("self", None), "vb": ("vb", 3), "em": ("em", 2),
-            "uniform": ("uniform", None), "random": ("random", None)}
-DECODER, QUICK_DECODER = (512, 1024), (32, 64)  # MultiMNIST's decoder: the paper's, and --quick's
-MULTIMNIST_LR = multimnist.LR  # its units' Adam rate: the multimnist experiment's (the paper's)
-OWN_HEADS = ("inverted", "self")  # rows "NAME, its head" beside the shared head's
-ENTROPY_DIGITS = 100
-VAL_FRACTION = 0.1
+LR = None  # tuned per row on validation (study_protocol); --lr fixes one rate for every row instead
+OWN_UNITS = True  # its units file holds the settings (data, code) a unit depends on: Study makes it
+FIGURE = "routings.png"
+table, figure = report.table, report.figure
+QUICK_BACKBONE = dict(conv_channels=8, primary_types=2, primary_dim=8, class_dim=16)
+BACKBONE = dict(conv_channels=64, primary_types=16, primary_dim=8, class_dim=16)
+DEFAULT_ROWS = ("uniform", "dynamic", "attention", "inverted", "self", "vb", "random", "em", "cnn")
+SWEEP_ROUTINGS = ("dynamic", "vb")  # --sweep K...: these routings at K iterations
+VERSION = 2  # of the protocol: units of another version are not reused
 
 
-def network(name, shape, conv_channels, primary_types, own_head=False, decoder=None) -> dict:
-    """The description of routing ``name``'s network on the shared backbone; ``decoder``: its hidden
-    sizes, for the reconstruction decoder MultiMNIST trains (none elsewhere)."""
-    routing, iters = ROUTINGS[name]
-    stem = [A.conv2d(conv_channels, 9, name="conv1"), A.relu(name="relu1")]
-    if routing == "em":
-        body = stem + [A.primary_matrix_caps(primary_types, name="primary"),
+def row_spec(name: str) -> tuple:
+    """("cnn" | "em" | "vector", routing, iterations or None) of a row name; CapsNetError if none."""
+    if name == "cnn":
+        return "cnn", None, None
+    m = re.fullmatch(r"(.+)-(\d+)", name)
+    base, iters = (m.group(1), int(m.group(2))) if m else (name, None)
+    if base == "em":
+        return "em", "em", iters or 2
+    if base in routings.names() and (iters is None or routings.get(base).iterated):
+        return "vector", base, iters
+    raise CapsNetError(f"--routings {name}: not a row of the study; give a registered routing "
+                       f"({', '.join(routings.names())}), NAME-k for an iterated one at k iterations, em or cnn")
+
+
+def check_rows(chosen) -> list:
+    rows = list(DEFAULT_ROWS if chosen is None else chosen)
+    if not rows:
+        raise CapsNetError("--routings needs at least one row")
+    for r in rows:
+        row_spec(r)
+    return rows
+
+
+def network(row, shape, backbone, options=None, decoder=None) -> dict:
+    """The description of ``row``'s network on the backbone (``options``: its routing's own)."""
+    kind, routing, iters = row_spec(row)
+    if kind == "cnn":
+        return matched_cnn(shape, backbone)
+    stem = [A.conv2d(backbone["conv_channels"], 9, name="conv1"), A.relu(name="relu1")]
+    if kind == "em":
+        body = stem + [A.primary_matrix_caps(backbone["primary_types"], name="primary"),
                        A.class_matrix_caps(10, iters=iters, name="classcaps")]
-        return A.network(body, head="activations", loss=A.spread_loss(), decoder=None, input_shape=shape,
-                         n_classes=10)
-    body = stem + [A.primary_caps(primary_types, 8, kernel=9, stride=2, name="primary")]
-    if routing == "attention":
-        body.append(A.attention_caps(10, 16, name="classcaps"))
-    else:
-        body.append(A.dynamic_caps(10, 16, iters=iters, routing=routing, name="classcaps"))
-    head, loss = "lengths", A.margin_loss()
-    if own_head and routing == "inverted":
+        return A.network(body, head="activations", loss=A.spread_loss(), decoder=None, input_shape=shape, n_classes=10)
+    body = stem + [A.primary_caps(backbone["primary_types"], backbone["primary_dim"], kernel=9, stride=2, name="primary"),
+                   A.dynamic_caps(10, backbone["class_dim"], iters=iters, routing=routing, name="classcaps",
+                                  **(options or {}))]
+    head, loss = routings.get(routing).head
+    if head == "logits":
         body.append(A.capsule_logits(name="logits"))
-        head, loss = "logits", A.cross_entropy()
-    elif own_head and routing == "self":
-        loss = A.nll_loss()
+    loss = A.margin_loss() if loss == "margin" else {"loss": loss}
     return A.network(body, head=head, loss=loss, decoder=decoder and A.decoder(decoder), input_shape=shape,
                      n_classes=10)
 
 
-def variants(shape, backbone, chosen=None) -> dict:
-    """Row name -> description: every routing (or those ``chosen``) with the shared head, then the
-    papers' own heads."""
-    names = [n for n in ROUTINGS if chosen is None or n in chosen]
-    rows = {name: network(name, shape, **backbone) for name in names}
-    rows.update({f"{name}, its head": network(name, shape, own_head=True, **backbone) for name in OWN_HEADS
-                 if name in names})
-    return rows
+def matched_cnn(shape, backbone) -> dict:
+    """The baseline CNN (networks.baseline_cnn) with its widths scaled by one factor so that its
+    parameters come closest to those of the "dynamic" row's network."""
+    target = _params(network("dynamic", shape, backbone))
+    best = None
+    for f in np.geomspace(0.02, 1.5, 200):
+        w = lambda n: max(1, int(round(n * f)))  # noqa: E731
+        d = baseline_cnn(shape, channels=(w(256), w(256), w(128)), hidden=(w(328), w(192)))
+        gap = abs(_params(d) - target)
+        if best is None or gap < best[0]:
+            best = (gap, d)
+    return best[1]
 
 
-def check_routings(chosen) -> None:
-    """Refuse, before anything is trained, a routing name the study does not have."""
-    unknown = [n for n in chosen or () if n not in ROUTINGS]
-    if chosen is not None and (unknown or not chosen):
-        raise CapsNetError(f"--routings {' '.join(unknown) or '(none)'}: the study's routings are "
-                           f"{', '.join(ROUTINGS)}; give one or more of them (a routing's own head runs with it)")
+def _params(description) -> int:
+    return int(sum(np.prod(s) for s in param_shapes(description).values()))
 
 
-def reconstructing(shape, backbone, quick, chosen=None) -> dict:
-    """Row name -> description with the decoder: the routings of vector capsules, shared head."""
-    hidden = QUICK_DECODER if quick else DECODER
-    return {name: network(name, shape, decoder=hidden, **backbone) for name in ROUTINGS
-            if name != "em" and (chosen is None or name in chosen)}
-
-
-def coefficients(layer) -> list:
-    """A routing layer's coefficients of each iteration, (..., parents) with rows summing to 1: what
-    ``inspect`` draws (c_ij; EM: R_ij), attention's without its learned bias."""
-    from ..core.capsules import AttentionCaps
-    from ..tools.inspect_run import _coefficients
-
-    xp = layer.B.xp
-    if isinstance(layer, AttentionCaps):  # its coupling adds the learned bias: the softmax alone
-        return [layer.B.to_numpy(xp.permute_dims(c, (0, 2, 1))) for c in layer.traced(1)]
-    return [layer.B.to_numpy(c) for c in _coefficients(layer)]
-
-
-def entropy(c) -> float:
-    """Mean over samples and children of -Σ_j c_ij ln c_ij / ln J."""
-    c = np.clip(np.asarray(c, np.float64), 1e-300, 1)
-    return float(np.mean(-np.sum(c * np.log(c), axis=-1)) / math.log(c.shape[-1]))
-
-
-def mnist_unit(args, B, description, seed, train_set, x_test, y_test, desc) -> dict:
-    losses = []
-    model, step = loop.train_network(args, B, description, seed, train_set, lambda x, r: data.random_shift(x, 2, r),
-                                     desc, curve=losses)
-    error = 100 * float(np.mean(model.predict(x_test, 100) != y_test))
-    with model.evaluating():
-        model.forward(x_test[:ENTROPY_DIGITS])
-    name, layer = model.routing_layers()[-1]
-    ent = [entropy(c) for c in coefficients(layer)]
-    model.release()
-    say(f"{desc}: test error {error:.2f}%, coupling entropy per iteration {', '.join(f'{e:.3f}' for e in ent)}")
-    return {"error": error, "entropy": ent, "step": step, "params": model.n_params(), "losses": losses}
-
-
-def affine_unit(args, B, description, seed, train_set, scored, canvas, desc) -> dict:
-    curve, losses = [], []
+# ---- the units ----------------------------------------------------------------------------------------
+def _trained(args, B, description, seed, lr, train_set, val, transform, desc, test=None):
+    """The network trained for --epochs at ``lr``; validation accuracy (%) after each epoch; with
+    ``test`` (an opened SealedTest), its one test pass after the last."""
+    val_acc, losses = [], []
 
     def score(model, epoch):
-        curve.append({k: 100 * float(np.mean(model.predict(x, 100) == y)) for k, (x, y) in scored.items()})
+        val_acc.append(float(np.mean(model.predict(val[0], 100) == val[1])))
 
-    loop.train_network(args, B, description, seed, train_set, lambda x, r: digits.place(x, canvas, r), desc,
-                       after_epoch=score, curve=losses)
-    return {"curve": curve, "losses": losses}
-
-
-def run(args, B, out, units) -> dict:
-    backbone = QUICK_BACKBONE if args.quick else BACKBONE
-    train_set, test_set = digits.source(args.limit, args.data_dir)
-    x_test = data.as_float(test_set.x)
-    check_routings(args.routings)
-    rows = variants((1, 28, 28), backbone, args.routings)
-    mnist = {name: [units.measure(f"mnist {name} seed {seed}", lambda d=d, seed=seed: mnist_unit(
-                 args, B, d, seed, train_set, x_test, test_set.y, f"mnist {name} seed {seed}"))
-                    for seed in range(args.seeds)]
-             for name, d in rows.items()}
-    results = {"backbone": backbone, "train": len(train_set), "test": len(test_set), "mnist": {}, "affine": None}
-    for name, done in mnist.items():
-        errors = [u["error"] for u in done]
-        results["mnist"][name] = {"params": done[0]["params"], "errors": errors, **_spread(errors),
-                                  "entropy": np.mean([u["entropy"] for u in done], axis=0).tolist(),
-                                  "ms_per_step": 1e3 * float(np.median([u["step"] for u in done]))}
-    if not args.no_affine:
-        results["affine"] = _affine(args, B, units, train_set, test_set, backbone)
-    results["multimnist"] = None if args.no_multimnist else _multimnist(args, B, units, train_set, test_set)
-    figure(results, os.path.join(out, "routings.png"))
-    return results
+    run = argparse.Namespace(**{**vars(args), "lr": lr})
+    model, step = loop.train_network(run, B, description, seed, train_set, transform, desc, after_epoch=score,
+                                     curve=losses)
+    out = {"val": val_acc, "loss": losses, "step": step, "params": model.n_params()}
+    if test is not None:
+        x_test = data.as_float(test.x)
+        done = TestPass(model).run(x_test, test.y)
+        out.update(test_error=100 * float(np.mean(done.wrong)), wrong=protocol_pack(done.wrong),
+                   measures=done.measures())
+        say(f"{desc}: validation {100 * val_acc[-1]:.2f}%, test error {out['test_error']:.2f}%")
+    return out
 
 
-def _affine(args, B, units, train_set, test_set, backbone) -> dict:
-    canvas = digits.check_canvas(args.canvas)
-    check_fits("routings", 3 * len(test_set) + args.batch_size, canvas, "give a smaller --canvas or --limit")
-    train_set, val_set = train_set.held_out(VAL_FRACTION, 0)
-    x_te = data.as_float(test_set.x)
-    scored = {"val": (digits.place(data.as_float(val_set.x), canvas, np.random.default_rng(776)), val_set.y),
-              "translated": (digits.place(x_te, canvas, np.random.default_rng(777)), test_set.y),
-              "affine": (digits.affine(x_te, canvas, np.random.default_rng(778)), test_set.y)}
-    curves = {name: [units.measure(f"affine {name} seed {seed}", lambda d=d, seed=seed: affine_unit(
-                  args, B, d, seed, train_set, scored, canvas, f"affine {name} seed {seed}"))["curve"]
-                     for seed in range(args.seeds)]
-              for name, d in variants((1, canvas, canvas), backbone, args.routings).items()}
-    return read_affine(curves, args.seeds, args.affine_target)
+def protocol_pack(wrong):
+    from .study_stats import pack
+
+    return pack(wrong)
 
 
-def read_affine(curves, seeds, given=None) -> dict:
-    """affine.read's readings, with each network's spread over the seeds read."""
-    read_at, rows = affine.read(curves, seeds, given)
-    for seed, target in enumerate(read_at):
-        missed = [n for n, r in rows.items() if r["stop_epoch"][seed] is None]
-        say(f"affine seed {seed}: networks read at validation {target:.2f}%"
-            + (f"; not reached by {', '.join(missed)}" if missed else ""))
-    return {"read_at": read_at, "rows": {name: {**r, "affine_mean": _spread_of_read(r["affine"]),
-                                                "translated_mean": _spread_of_read(r["translated"])}
-                                         for name, r in rows.items()}}
+def _shift(x, r):
+    return data.random_shift(data.as_float(x), 2, r)
 
 
-def _multimnist(args, B, units, train_set, test_set) -> dict:
-    """Each reconstructing routing on MultiMNIST as the multimnist experiment trains CapsNet: pairs
-    shifted by up to --shift pixels on a canvas of 28 + 2 --shift, both digits reconstructed."""
-    canvas = digits.DIGIT + 2 * args.shift
-    pairs = args.pairs if args.pairs is not None else (1 if args.quick else 2)
-    digits.check_multimnist(args.shift, canvas, pairs)
-    check_fits("routings", 3 * (len(train_set) * pairs + len(test_set)), canvas, "give fewer --pairs or a --limit")
-    x_tr = data.as_float(train_set.x)
-    test = digits.multimnist(data.as_float(test_set.x), test_set.y, 1, np.random.default_rng(12345), args.shift, canvas)
-    rows = reconstructing((1, canvas, canvas), QUICK_BACKBONE if args.quick else BACKBONE, args.quick, args.routings)
-    out = {}
-    for name, d in rows.items():
-        done = [units.measure(f"multimnist {name} seed {seed}", lambda d=d, seed=seed: multimnist.train_one(
-                    args, B, seed, x_tr, train_set.y, test, pairs, None, description=d, canvas=canvas,
-                    lr=MULTIMNIST_LR, desc=f"multimnist {name} seed {seed}")) for seed in range(args.seeds)]
-        errors = [u["error"] for u in done]
-        out[name] = {"params": done[0]["params"], "errors": errors, **_spread(errors),
-                     "ms_per_step": 1e3 * float(np.median([u["step"] for u in done]))}
-    return {"canvas": canvas, "shift": args.shift, "pairs_per_train_digit_per_epoch": pairs, "lr": MULTIMNIST_LR,
-            "test_pairs": len(test[1]), "rows": out}
+class Study:
+    """One run's data, rows, settings and units; ``run`` trains the units this process runs."""
+
+    def __init__(self, args, B, units_cls, out):
+        self.args, self.B, self.out = args, B, out
+        train, test = _source(args)
+        self.train, self.val, test, self.records = protocol.split_data(
+            train, test, args.limit, args.limit_test, args.val_fraction)
+        self.test = protocol.SealedTest(test)
+        self.rows = check_rows(args.routings)
+        self.sweep = [f"{r}-{k}" for r in SWEEP_ROUTINGS if r in self.rows for k in (args.sweep or ())
+                      if k != routings.DEFAULT_ITERS]
+        self.backbone = {k: getattr(args, k) or v for k, v in (QUICK_BACKBONE if args.quick else BACKBONE).items()}
+        self.affine_target = args.affine_target or protocol.AFFINE_TARGET
+        if not args.no_affine:  # every argument checked before the first unit trains
+            digits.check_canvas(args.canvas, "--canvas")
+            check_fits("routings", 3 * len(self.test) + 2 * len(self.val), args.canvas, "give a smaller --canvas")
+        self.settings = self._settings()
+        self.units = units_cls(out, self.settings, {"rows": self.rows, "seeds": args.seeds, "sweep": self.sweep,
+                                                    "sweep_seeds": args.sweep_seeds})
+
+    def _settings(self) -> dict:
+        a = self.args
+        return {"version": VERSION, "code": code_digest(), "backend": self.B.label, "data": self.records,
+                "epochs": a.epochs, "batch_size": a.batch_size, "backbone": self.backbone, "fixed_lr": a.lr,
+                "lr_grid": list(protocol.LR_GRID), "open_options": protocol.OPEN_OPTIONS,
+                "tune_seeds": list(protocol.TUNE_SEEDS), "val_fraction": a.val_fraction,
+                "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target}}
+
+    def trials_of(self, row) -> list:
+        if self.args.lr is not None:
+            return []
+        return [protocol.trial_name(t) for t in protocol.trials(row_spec(row)[1] or row)]
+
+    def keys(self) -> list:
+        """Every unit of the run, in the order the shards split them: tuning, main, sweep, affine."""
+        tune = [f"tune {r} {t} seed {s}" for r in self.rows for t in self.trials_of(r) for s in protocol.TUNE_SEEDS]
+        main = [f"main {r} seed {s}" for r in self.rows for s in range(self.args.seeds)]
+        sweep = [f"main {r} seed {s}" for r in self.sweep for s in range(min(self.args.sweep_seeds, self.args.seeds))]
+        affine = [] if self.args.no_affine else [f"affine {r} seed {s}" for r in self.rows for s in range(self.args.seeds)]
+        return tune + main + sweep + affine
+
+    def mine(self, key) -> bool:
+        k, n = self.args.shard or (1, 1)
+        return self.keys().index(key) % n == k - 1
+
+    def choices(self) -> dict | None:
+        """{row: the trial it runs}, once every row's tuning is done (None before); or those of a
+        merged run's choices.json (--choices), made under the same settings."""
+        if self.args.lr is not None:
+            return {r: f"lr={self.args.lr:g}" for r in self.rows}
+        if self.args.choices:
+            return self._given_choices(self.args.choices)
+        chosen, missing = report.tuning(self.units.done, self.rows, self.trials_of, protocol.TUNE_SEEDS)
+        return None if missing else {r: c["chosen"] for r, c in chosen.items()}
+
+    def run(self) -> None:
+        val = (data.as_float(self.val.x), self.val.y)
+        shape = tuple(self.train.x.shape[1:])
+        for row in self.rows:
+            for t in protocol.trials(row_spec(row)[1] or row) if self.args.lr is None else ():
+                for s in protocol.TUNE_SEEDS:
+                    key = f"tune {row} {protocol.trial_name(t)} seed {s}"
+                    if self.mine(key):
+                        self.units.measure(key, lambda t=t, s=s, key=key: _trained(
+                            self.args, self.B, network(row, shape, self.backbone, _options(t)), s, t["lr"],
+                            self.train, val, _shift, key))
+        choices = self.choices()
+        if choices is None:
+            say("tuning: this shard's trials are done; the others' are needed before any test digit is read: merge "
+                "the shards' folders (--merge), then run each shard again with --choices MERGED/choices.json")
+            return
+        self.test.fix(choices)
+        self._write_choices(choices)
+        for key in self.keys():
+            if key.startswith("tune") or not self.mine(key) or key in self.units.done:
+                continue
+            kind, row, _, s = key.split(" ")
+            base = row if row in choices else row.rsplit("-", 1)[0]
+            t = _parse_trial(choices[base])
+            if kind == "main":
+                self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: _trained(
+                    self.args, self.B, network(row, shape, self.backbone, _options(t)), s, t["lr"], self.train, val,
+                    _shift, key, test=self.test.open()))
+            else:
+                self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: self._affine_unit(row, t, s, key))
+
+    def _given_choices(self, path) -> dict:
+        try:
+            with open(path) as f:
+                given = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CapsNetError(f"--choices {path}: cannot read it ({e}); give the choices.json a merge wrote") from None
+        if not isinstance(given, dict) or given.get("settings") != json.loads(json.dumps(self.settings)):
+            raise CapsNetError(f"--choices {path}: its choices were made under other settings or code than this "
+                               "run's: give the merged folder of this study's own shards")
+        lost = [r for r in self.rows if r not in given.get("choices", {})]
+        if lost:
+            raise CapsNetError(f"--choices {path} holds no choice for {', '.join(lost)}")
+        return given["choices"]
+
+    def _write_choices(self, choices) -> None:
+        from ..training.files import atomic_write
+
+        record = {"settings": self.settings, "choices": choices}
+        atomic_write(os.path.join(self.out, "choices.json"), lambda f: json.dump(record, f, indent=1), text=True)
+
+    def _affine_unit(self, row, t, seed, desc) -> dict:
+        """Trained on digits placed at random on the canvas; translated validation after each epoch;
+        the test digits (translated, affine) read at the first epoch reaching the target and at the last."""
+        canvas = self.args.canvas
+        test = self.test.open()
+        x_te = data.as_float(test.x)
+        sets = {"translated": (digits.place(x_te, canvas, np.random.default_rng(777)), test.y),
+                "affine": (digits.affine(x_te, canvas, np.random.default_rng(778)), test.y)}
+        val = (digits.place(data.as_float(self.val.x), canvas, np.random.default_rng(776)), self.val.y)
+        read = {"target": None, "last": None}
+
+        def score(model, epoch):
+            acc = 100 * float(np.mean(model.predict(val[0], 100) == val[1]))
+            last = epoch == self.args.epochs - 1
+            reached = read["target"] is None and acc >= self.affine_target
+            if reached or last:
+                scores = {k: 100 * float(np.mean(model.predict(x, 100) == y)) for k, (x, y) in sets.items()}
+                if reached:
+                    read["target"] = {**scores, "epoch": epoch + 1, "val": acc}
+                if last:
+                    read["last"] = {**scores, "val": acc}
+
+        run = argparse.Namespace(**{**vars(self.args), "lr": t["lr"]})
+        description = network(row, (1, canvas, canvas), self.backbone, _options(t))
+        loop.train_network(run, self.B, description, seed, self.train, lambda x, r: digits.place(data.as_float(x), canvas, r),
+                           desc, after_epoch=score)
+        return read
 
 
-def _spread(values) -> dict:
-    return {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else None}
+def _options(trial: dict) -> dict:
+    return {k: v for k, v in trial.items() if k != "lr"}
 
 
-def _spread_of_read(values) -> dict:
-    """_spread over the seeds whose network was read (not None), and how many those are."""
-    read = [v for v in values if v is not None]
-    return {**(_spread(read) if read else {"mean": None, "std": None}), "read": len(read), "seeds": len(values)}
+def _parse_trial(name: str) -> dict:
+    return {k: float(v) for k, v in (part.split("=") for part in name.split(","))}
 
 
-def _affine_cell(a) -> str:
-    """The affine column: mean ± std over the seeds read; how many, where not all; where none, the
-    network's best validation accuracy, short of the target."""
-    if a is None:
-        return ""
-    m = a["affine_mean"]
-    if not m["read"]:
-        return f"not read (best validation {max(a['best_val']):.1f}%)"
-    spread = f" ± {m['std']:.2f}" if m["std"] is not None else ""
-    return f"{m['mean']:.2f}{spread}" + (f" ({m['read']} of {m['seeds']} seeds)" if m["read"] < m["seeds"] else "")
+def code_digest() -> str:
+    """A digest of the library's source (pycapsnet and its backends): units of other code are not mixed."""
+    import pycapsnet
+
+    root = os.path.dirname(os.path.abspath(pycapsnet.__file__))
+    h = hashlib.sha256()
+    for base in (root, os.path.realpath(os.path.join(root, "backends"))):
+        for d, _, files in sorted(os.walk(base)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    with open(os.path.join(d, f), "rb") as fh:
+                        h.update(os.path.relpath(os.path.join(d, f), base).encode() + fh.read())
+    return h.hexdigest()[:16]
 
 
-def table(results) -> str:
-    mnist, read = results["mnist"], (results["affine"] or {}).get("rows", {})
-    multi = (results.get("multimnist") or {}).get("rows", {})
-    best = min(mnist, key=lambda n: mnist[n]["mean"])
-    spread = lambda r: f" ± {r['std']:.2f}" if r["std"] is not None else ""  # noqa: E731
-    lines = ["| routing | parameters | test error % | within the best's spread | affine test % | MultiMNIST error % "
-             "| coupling entropy per iteration | ms/step |", "|---|---|---|---|---|---|---|---|"]
-    for name, r in mnist.items():
-        near = abs(r["mean"] - mnist[best]["mean"]) <= max(r["std"] or 0, mnist[best]["std"] or 0)
-        cell, m = _affine_cell(read.get(name)), multi.get(name)
-        multi_cell = f"{m['mean']:.2f}{spread(m)}" if m else ""
-        lines.append(f"| {name} | {r['params']:,} | {r['mean']:.2f}{spread(r)} | {'yes' if near else 'no'} | {cell} | "
-                     f"{multi_cell} | {', '.join(f'{e:.3f}' for e in r['entropy'])} | {r['ms_per_step']:.0f} |")
-    return "\n".join(lines)
+def _source(args):
+    """(train, test) Splits: arrays given in Python, or --dataset / --data-dir."""
+    if getattr(args, "data", None) is not None:
+        return args.data
+    dataset = args.dataset or ("mnist" if args.data_dir else "embedded")
+    if dataset in ("embedded", "digits"):
+        if args.data_dir:
+            raise CapsNetError("--dataset embedded reads no --data-dir: give --dataset mnist (or fashion-mnist, folder)")
+        return data.load_embedded()
+    return data.load(dataset, args.data_dir)
 
 
-def figure(results, path):
-    """Each test error per routing with its spread (MNIST; affine and MultiMNIST where run), and the
-    coupling entropy of each iteration."""
-    plt = plots.pyplot()
-    mnist = results["mnist"]
-    names = list(mnist)
-    panels = [("MNIST test error %", {n: (r["mean"], r["std"]) for n, r in mnist.items()})]
-    read = {n: (100 - r["affine_mean"]["mean"], r["affine_mean"]["std"])
-            for n, r in (results["affine"] or {}).get("rows", {}).items() if r["affine_mean"]["read"]}
-    if read:
-        panels.append(("affine test error %", read))
-    if results.get("multimnist"):
-        panels.append(("MultiMNIST test error %", {n: (r["mean"], r["std"])
-                                                   for n, r in results["multimnist"]["rows"].items()}))
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(3.6 * (len(panels) + 1), 3.6))
-    for a, (label, rows) in zip(axes, panels):
-        means = [rows[n][0] if n in rows else np.nan for n in names]
-        stds = [(rows[n][1] or 0) if n in rows else 0 for n in names]
-        a.errorbar(means, range(len(names)), xerr=stds, fmt="o", color="C0", ms=4, capsize=2)
-        a.grid(axis="x", alpha=0.3)
-        shown = [m for m in means if m == m]
-        if min(shown) > 0 and max(shown) > 10 * min(shown):  # a failed row would flatten the rest
-            a.set_xscale("log")
-        a.set_yticks(range(len(names)), names if a is axes[0] else [""] * len(names), fontsize=7)
-        a.invert_yaxis(), a.set_xlabel(f"{label}\n(mean ± std over seeds)", fontsize=8)
-    b = axes[-1]
-    for n in names:
-        ent = mnist[n]["entropy"]
-        b.plot(range(1, len(ent) + 1), ent, "o-", label=n, lw=1, ms=3)
-    b.set_xticks(range(1, 1 + max(len(mnist[n]["entropy"]) for n in names)))
-    b.set_xlabel("routing iteration", fontsize=8), b.set_ylabel("coupling entropy / ln J"), b.set_ylim(0, 1.05)
-    b.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    plots.save(fig, path)
+def run(args, B, out, units=None) -> dict:
+    from .units import Units
+
+    study = Study(args, B, lambda out, settings, layout: Units(out, flags=settings, layout=layout), out)
+    study.run()
+    return assemble(study.settings, study.units.done, study.rows, study.sweep, args.seeds, args.sweep_seeds)
+
+
+def merge(args) -> int:
+    """--merge DIR ...: the units of every folder, which must share their settings and code, into --out
+    (units.json, results); rows, seeds and the sweep are read off the units themselves."""
+    from . import write_results
+    from .units import FILE, Units
+    from ..training.files import atomic_write
+    from ..training.run_dir import out_dir_for
+
+    flags, units, layout = None, {}, None
+    for d in args.merge:
+        f, u, lay = Units.read(d)
+        if flags is None:
+            flags, first, layout = f, d, lay
+        elif f != flags:
+            what = sorted(k for k in set(f) | set(flags) if f.get(k) != flags.get(k))
+            raise CapsNetError(f"--merge: {d}'s units were run with other {' and '.join(what)} than {first}'s "
+                               "(settings or code differ): merge only the folders of one study")
+        elif lay != layout:
+            raise CapsNetError(f"--merge: {d} is a study of other rows or seeds than {first}: merge the shards of "
+                               "one command")
+        for key, value in u.items():
+            units.setdefault(key, value)
+    if layout is None:
+        raise CapsNetError(f"--merge: {first} holds no routing study's units")
+    out = args.out or "experiments/routings-merged"
+    with out_dir_for(out):
+        atomic_write(os.path.join(out, FILE), lambda fh: json.dump({"flags": flags, "layout": layout, "units": units},
+                                                                   fh, indent=1), text=True)
+        results = assemble(flags, units, layout["rows"], layout["sweep"], layout["seeds"], layout["sweep_seeds"])
+        results.update(command="pycapsnet experiment routings --merge " + " ".join(args.merge), merged=list(args.merge))
+        if results["tuning"] and set(results["tuning"]) >= set(layout["rows"]):  # every choice made: the shards' next step
+            choices = {"settings": flags, "choices": {r: t["chosen"] for r, t in results["tuning"].items()}}
+            atomic_write(os.path.join(out, "choices.json"), lambda fh: json.dump(choices, fh, indent=1), text=True)
+        write_results(__import__(__name__, fromlist=["table"]), results, out)
+    say(f"merged {len(units)} units of {len(args.merge)} folder(s) into {out}")
+    return 0
+
+
+def assemble(settings, done, rows, sweep, seeds, sweep_seeds) -> dict:
+    """results.json's content, from the units alone."""
+    trials_of = lambda row: [] if settings["fixed_lr"] is not None else [  # noqa: E731
+        protocol.trial_name(t) for t in protocol.trials(row_spec(row)[1] or row)]
+    tune, _ = report.tuning(done, rows, trials_of, protocol.TUNE_SEEDS) if settings["fixed_lr"] is None else ({}, [])
+    main, missing = report.rows_of(done, rows, seeds)
+    sweep_done, sweep_missing = report.rows_of(done, sweep, min(sweep_seeds, seeds))
+    baseline = protocol.BASELINE if protocol.BASELINE in rows else rows[0]
+    n_test = settings["data"]["test"]["digits"]
+    return {"protocol": _declared(settings, baseline), "settings": settings, "data": settings["data"],
+            "seeds": seeds, "tuning": tune, "mnist": report.mnist_rows(main, baseline, n_test),
+            "sweep": report.mnist_rows(sweep_done, None, n_test),
+            "affine": report.affine_rows(done, rows, seeds) if settings["affine"] else None,
+            "affine_canvas": (settings["affine"] or {}).get("canvas"),
+            "missing": missing + sweep_missing, "complete": not (missing or sweep_missing)}
+
+
+def _declared(settings, baseline) -> dict:
+    grid = f"lr from {settings['lr_grid']} ({len(settings['lr_grid'])} trials; VB: lr {list(protocol.OPEN_OPTION_LRS)} x " \
+           f"vb_lambda {list(protocol.OPEN_OPTIONS['vb']['vb_lambda'])})" if settings["fixed_lr"] is None else \
+        f"one lr for every row, {settings['fixed_lr']:g}, given (no tuning)"
+    return {"baseline": baseline, "affine_target": (settings["affine"] or {}).get("target"),
+            "summary": f"validation {settings['val_fraction']:g} of the training digits (stratified); {grid}, on "
+                       f"{len(settings['tune_seeds'])} tuning seed(s), the highest last-epoch validation accuracy "
+                       f"chosen (ties: the first listed); the test set read once, after the last epoch of each main "
+                       f"unit; {settings['epochs']} epochs, batch {settings['batch_size']}, Adam decayed 0.85 per epoch; "
+                       f"transforms at init.routed_std for every row; baseline {baseline}"}

@@ -19,10 +19,15 @@ NOT_FLAGS = ("seeds", "out", "fn", "command", "no_affine", "no_multimnist", "rou
 
 
 class Units:
-    def __init__(self, out: str, args):
+    def __init__(self, out: str, args=None, flags: dict | None = None, layout: dict | None = None):
+        """``flags``: what the units depend on, given (the routing study's settings); else the
+        arguments' values but those of NOT_FLAGS.  ``layout``: kept beside them, not compared (the
+        routing study's rows and seeds, which a merge reads)."""
         self.path = os.path.join(out, FILE)
-        self.flags = {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(vars(args).items())
-                      if k not in NOT_FLAGS and not callable(v)}
+        self.layout = layout
+        self.flags = json.loads(json.dumps(flags)) if flags is not None else \
+            {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(vars(args).items())
+             if k not in NOT_FLAGS and not callable(v)}
         self.done = {}
         saved = self._read()
         if saved is None:
@@ -46,13 +51,23 @@ class Units:
             raise CapsNetError(f"{self.path} is not an experiment's units file: delete it to train every unit again")
         return saved
 
+    @classmethod
+    def read(cls, out: str) -> tuple:
+        """(flags, units, layout) of the units file in ``out``; CapsNetError if there is none or it is damaged."""
+        units = cls.__new__(cls)
+        units.path = os.path.join(out, FILE)
+        saved = units._read()
+        if saved is None:
+            raise CapsNetError(f"{out} holds no {FILE}: give folders a routing study wrote")
+        return saved.get("flags"), saved.get("units", {}), saved.get("layout")
+
     def measure(self, key: str, train) -> dict:
         """What the unit ``key`` measured: recorded, if it finished; else ``train()``'s, recorded
         now, the file written whole."""
         if key in self.done:
             return self.done[key]
         measured = self.done[key] = train()
-        record = {"flags": self.flags, "units": self.done}
+        record = {"flags": self.flags, **({"layout": self.layout} if self.layout else {}), "units": self.done}
         try:
             atomic_write(self.path, lambda f: json.dump(record, f, indent=1), text=True)
         except OSError as e:

@@ -69,15 +69,16 @@ class Split:
     def head(self, n: int) -> "Split":
         return self.take(slice(0, n))
 
-    def held_out(self, fraction: float, seed: int) -> tuple:
+    def held_out(self, fraction: float, seed: int, what: str | None = None) -> tuple:
         """(the rest, the held-out share): ``fraction`` of each class (rounded, at least one of a
-        class of two or more), seeded; both keep this split's order."""
+        class of two or more), seeded; both keep this split's order.  ``what`` names the share in a
+        refusal (default: the trainer's --val-fraction)."""
         counts = np.bincount(self.y, minlength=len(self.classes))
         take = [min(n - 1, max(1, round(fraction * n))) if n > 1 else 0 for n in counts]
         mask = np.zeros(len(self), bool)
         mask[self._drawn(take, np.random.default_rng([seed, 1729]))] = True
         if mask.all() or not mask.any():
-            raise CapsNetError(f"--val-fraction {fraction} of {len(self)} training images leaves "
+            raise CapsNetError(f"{what or f'--val-fraction {fraction}'} of {len(self)} training images leaves "
                                f"{'nothing to train on' if mask.all() else 'no image to validate on'}")
         return self.take(np.flatnonzero(~mask)), self.take(np.flatnonzero(mask))
 

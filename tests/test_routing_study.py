@@ -1,0 +1,166 @@
+"""The routing study as an instrument (issue 97): the protocol keeps the test set out of every choice,
+the statistics give the textbook values, shards merge into the unsharded table, mixed settings are
+refused, your own data and routings run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import pycapsnet
+from pycapsnet import CapsNetError, experiments
+from pycapsnet.experiments import routing_study, study_diagnostics, study_protocol, study_report, study_stats as st
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--quick", "--no-affine", "--routings", "uniform", "dynamic", "--limit", "100", "--limit-test", "40"]
+
+
+def _study(out, *flags):
+    return subprocess.run([sys.executable, "-m", "pycapsnet", "experiment", "routings", *flags, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+
+
+# ---- the statistics: textbook values ---------------------------------------------------------------
+def test_mcnemar_exact_is_the_binomial_tail():
+    assert st.mcnemar(10, 2) == pytest.approx(2 * stats.binom.cdf(2, 12, 0.5)) == pytest.approx(0.03857421875)
+    assert st.mcnemar(0, 0) == 1.0 and st.mcnemar(5, 5) == 1.0 and st.mcnemar(0, 6) == pytest.approx(0.03125)
+
+
+def test_paired_t_is_scipys_and_its_interval_covers_the_mean():
+    a, b = [1.2, 1.0, 1.4, 1.1, 1.3], [1.0, 0.9, 1.0, 1.0, 1.1]
+    d = st.paired(a, b)
+    assert d["p"] == pytest.approx(stats.ttest_rel(a, b).pvalue) and d["n"] == 5
+    half = stats.t.ppf(0.975, 4) * np.std(np.subtract(a, b), ddof=1) / np.sqrt(5)
+    assert d["ci95"] == pytest.approx([d["mean"] - half, d["mean"] + half])
+
+
+def test_holm_and_wilson():
+    assert st.holm([0.01, 0.04, 0.03, None]) == pytest.approx([0.03, 0.06, 0.06, None])
+    lo, hi = st.wilson(0, 10)
+    assert lo == 0 and hi == pytest.approx(0.2775, abs=1e-4)
+    lo, hi = st.wilson(50, 100)
+    assert (lo, hi) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+
+
+def test_two_rows_with_known_per_digit_outcomes_give_the_textbook_p_values():
+    """Rows A and B on 20 digits, 3 seeds: A wrong on digits 0-5, B on 0-1 and 10 (every seed), so
+    per seed b = 4, c = 1, pooled b = 12, c = 3: McNemar p = 2 P(Binom(15, 1/2) <= 3)."""
+    n = 20
+    wrong_a, wrong_b = np.zeros(n, bool), np.zeros(n, bool)
+    wrong_a[:6], wrong_b[[0, 1, 10]] = True, True
+    unit = lambda w, e: {"test_error": e, "wrong": st.pack(w), "params": 1, "step": 0.01,  # noqa: E731
+                         "measures": {"entropy": [1.0], "dynamics": [0.0], "starved_children": 0.0,
+                                      "starved_parents": 0.0}}
+    done = {"B": [unit(wrong_b, 15.0), unit(wrong_b, 15.0), unit(wrong_b, 15.0)],
+            "A": [unit(wrong_a, 30.0), unit(wrong_a, 31.0), unit(wrong_a, 29.0)]}
+    rows = study_report.mnist_rows(done, "B", n)
+    assert rows["A"]["mcnemar"] == {"b": 12, "c": 3, "p": pytest.approx(2 * stats.binom.cdf(3, 15, 0.5))}
+    assert rows["A"]["vs_baseline"]["p"] == pytest.approx(stats.ttest_rel([30, 31, 29], [15, 15, 15]).pvalue)
+    assert rows["A"]["t_holm"] == rows["A"]["vs_baseline"]["p"]  # one comparison: Holm changes nothing
+    assert rows["A"]["wilson95"][0] == pytest.approx([100 * b for b in st.wilson(6, 20)])
+
+
+def test_diagnostics_on_known_coefficients():
+    uniform = np.full((4, 3, 5), 0.2)
+    assert study_diagnostics.entropy(uniform) == pytest.approx(1.0) and study_diagnostics.dynamics(uniform) == 0
+    one_hot = np.zeros((2, 3, 5))
+    one_hot[0, :, 0] = one_hot[1, :, 1] = 1  # two inputs, each child all to one parent, a different one
+    assert study_diagnostics.entropy(one_hot) == pytest.approx(0, abs=1e-12)
+    assert study_diagnostics.dynamics(one_hot) == pytest.approx(0.5)
+
+
+# ---- the protocol ----------------------------------------------------------------------------------
+def test_the_test_set_is_sealed_until_the_choices_are_fixed():
+    sealed = study_protocol.SealedTest(object())
+    with pytest.raises(CapsNetError, match="reads its test set only after every choice is fixed"):
+        sealed.open()
+    sealed.fix({"uniform": "lr=0.002"})
+    assert sealed.open() is not None
+
+
+def test_the_choice_rule_and_the_equal_budget():
+    assert study_protocol.choose({"lr=0.001": [0.9], "lr=0.002": [0.95], "lr=0.004": [0.95]}) == ("lr=0.002", 0.95)
+    assert len(study_protocol.trials("vb")) == len(study_protocol.trials("dynamic")) == study_protocol.BUDGET
+    assert {t.get("vb_lambda") for t in study_protocol.trials("vb")} == {0.1, 1.0}
+
+
+def test_a_shard_reads_no_test_digit_before_every_rows_tuning_is_done(tmp_path):
+    done = _study(tmp_path / "s1", *SMALL, "--shard", "1/2")
+    assert done.returncode == 0, done.stderr
+    units = json.loads((tmp_path / "s1" / "units.json").read_text())["units"]
+    assert units and all(k.startswith("tune ") for k in units) and not (tmp_path / "s1" / "choices.json").exists()
+    assert all("test_error" not in u and "wrong" not in u for u in units.values())
+    assert "merge the shards' folders" in done.stderr + done.stdout
+
+
+def test_shards_merged_give_the_unsharded_table_and_mixed_settings_are_refused(tmp_path):
+    whole = _study(tmp_path / "whole", *SMALL, "--sweep", "1")
+    assert whole.returncode == 0, whole.stderr
+    for k in (1, 2):
+        assert _study(tmp_path / f"s{k}", *SMALL, "--sweep", "1", "--shard", f"{k}/2").returncode == 0
+    merge = _study(tmp_path / "m", "--merge", str(tmp_path / "s1"), str(tmp_path / "s2"))
+    assert merge.returncode == 0, merge.stderr
+    for k in (1, 2):
+        done = _study(tmp_path / f"s{k}", *SMALL, "--sweep", "1", "--shard", f"{k}/2", "--choices",
+                      str(tmp_path / "m" / "choices.json"))
+        assert done.returncode == 0, done.stderr
+    merge = _study(tmp_path / "m", "--merge", str(tmp_path / "s1"), str(tmp_path / "s2"))
+    assert merge.returncode == 0, merge.stderr
+
+    def strip(d):
+        if isinstance(d, dict):
+            return {k: strip(v) for k, v in d.items() if k != "ms_per_step"}
+        return d
+
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("m", "whole"))
+    assert a["complete"] and strip(a["mnist"]) == strip(b["mnist"]) and strip(a["sweep"]) == strip(b["sweep"])
+    assert a["tuning"] == b["tuning"]
+    other = _study(tmp_path / "o", *SMALL, "--epochs", "2", "--shard", "1/2")
+    assert other.returncode == 0, other.stderr
+    refused = _study(tmp_path / "m2", "--merge", str(tmp_path / "s1"), str(tmp_path / "o"))
+    assert refused.returncode == 2 and "were run with other epochs" in refused.stderr
+    assert refused.stderr.count("\n") == 1
+
+
+def test_your_own_data_as_arrays_and_your_own_routing(tmp_path):
+    from tests import routing_plugin  # noqa: F401  (registers "tempered")
+
+    (x, y), (xt, yt) = pycapsnet.load_digits()
+    results = experiments.routings(out=str(tmp_path / "r"), quick=True, affine=False, data=((x[:100], y[:100]),
+                                   (xt[:30], yt[:30])), routings=["uniform", "tempered"], lr=2e-3, seeds=2)
+    assert results["complete"] and set(results["mnist"]) == {"uniform", "tempered"}
+    assert results["data"]["test"]["digits"] == 30 and results["data"]["validation"]["digits"] == 10
+    assert results["mnist"]["tempered"]["mcnemar"]["b"] >= 0 and len(results["mnist"]["tempered"]["wilson95"]) == 2
+    assert (tmp_path / "r" / "routings.png").stat().st_size > 5000
+
+
+@pytest.mark.parametrize("kwargs,said", [(dict(affine="no"), "affine must be True or False"),
+                                         (dict(routings=[1]), "routings must be a list of row names"),
+                                         (dict(out=None), "out must be a path"),
+                                         (dict(data=[1, 2, 3]), "data must be"),
+                                         (dict(routings=["warp"]), "--routings warp: not a row of the study")])
+def test_the_python_form_refuses_what_it_would_misread(tmp_path, kwargs, said):
+    args = {"out": str(tmp_path / "r"), "quick": True, **kwargs}
+    with pytest.raises(CapsNetError, match=said):
+        experiments.routings(**args)
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_cnn_row_matches_the_dynamic_rows_parameters():
+    shape, backbone = (1, 28, 28), routing_study.BACKBONE
+    caps, cnn = (routing_study._params(routing_study.network(r, shape, backbone)) for r in ("dynamic", "cnn"))
+    assert abs(cnn - caps) / caps < 0.02
+
+
+def test_the_affine_part_reads_at_the_last_epoch_and_at_the_declared_target(tmp_path):
+    done = _study(tmp_path / "a", "--quick", "--routings", "uniform", "--lr", "0.002", "--limit", "100",
+                  "--limit-test", "20", "--seeds", "1", "--affine-target", "1")
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    row = results["affine"]["uniform"]
+    assert row["target_epoch"] == [1] and row["last_affine"]["n"] == 1 and results["protocol"]["affine_target"] == 1
+    assert "at the first epoch reaching 1.0% translated validation accuracy" in (tmp_path / "a" / "results.md").read_text()
