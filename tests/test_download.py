@@ -54,6 +54,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         if kind == "slow":
             time.sleep(1.5)
+        if kind == "trickle":  # each read within the timeout, the whole never
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for k in range(len(body)):
+                try:
+                    self.wfile.write(body[k:k + 1])
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.05)
+            return
         if kind == "corrupt":
             body = b"<html>this mirror moved</html>" * 10
         if kind == "wrong":
@@ -179,3 +191,15 @@ def test_the_published_digests_are_carried():
     assert mnist["files"]["train-images-idx3-ubyte"].startswith("ba891046e650")
     assert fashion["files"]["train-images-idx3-ubyte"] == "8d4fb7e6c68d591d4c3dfef9ec88bf0d"
     assert len(mnist["mirrors"]) >= 2 and len(fashion["mirrors"]) >= 2
+
+
+def test_a_trickling_mirror_is_given_up_at_the_deadline_with_progress_said(server, tmp_path, monkeypatch, capsys):
+    """95.24: a mirror that sends a byte now and then (every read within the timeout) is left after the
+    deadline, lines of progress said meanwhile; nothing is left behind."""
+    monkeypatch.setattr(download, "DEADLINE_S", 0.6)
+    monkeypatch.setattr(download, "TELL_EVERY_S", 0.2)
+    with pytest.raises(CapsNetError, match="too slow: .* bytes in 0.6 s"):
+        download.download("mnist", str(tmp_path / "m"), mirrors=[f"{server}/trickle/"], progress=True)
+    err = capsys.readouterr().err
+    assert re.search(r"train-images-idx3-ubyte.gz: 0.0 of 0.0 MB \(\d+%\), [\d.]+ kB/s \(given up after 0.6 s\)", err)
+    assert os.listdir(tmp_path / "m") == []

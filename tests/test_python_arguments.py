@@ -179,3 +179,17 @@ def test_autograd_twin_of_the_em_network_is_its_exact_oracle(digits):
     net.backward()
     for k, g in grads.items():
         np.testing.assert_allclose(net.grads[k], g, rtol=1e-8, atol=1e-8 * np.abs(g).max(), err_msg=k)
+
+
+def test_fit_speaks_to_python_callers_in_keywords_not_flags(digits, tmp_path):
+    """95.16: fit's refusals name fit's keywords and pycapsnet.load, never --resume or --overwrite."""
+    x, y = digits
+    run = str(tmp_path / "run")
+    pycapsnet.build("capsnet", **TINY).fit(x, y, epochs=1, batch_size=16, out=run, progress=False)
+    other = pycapsnet.build("capsnet", **TINY)
+    with pytest.raises(CapsNetError, match=r"continue it with pycapsnet.load\(.*\).fit\(...\).*overwrite=True") as e:
+        other.fit(x, y, epochs=1, batch_size=16, out=run, reset=True, progress=False)
+    assert "--" not in str(e.value)
+    with pytest.raises(CapsNetError, match="use a smaller shift") as e:
+        other.fit(x, y, epochs=1, shift=40, progress=False)
+    assert "--" not in str(e.value)

@@ -357,6 +357,21 @@ def test_a_history_record_that_is_not_numbers_is_a_damaged_checkpoint(run, tmp_p
     _one_line(capsys, "is damaged", "test_acc")
 
 
+@pytest.mark.parametrize("key", ["train_loss", "lr", "train_acc"])
+def test_a_history_record_that_lacks_a_number_every_record_holds_is_a_damaged_checkpoint(run, tmp_path, capsys, key):
+    """95.18: a record without train_loss ended --resume in a KeyError while the curves were drawn."""
+    dst = tmp_path / "r"
+    dst.mkdir()
+
+    def edit(h):
+        del h["history"][-1][key]
+        return h
+
+    _rewrite_header(run / "checkpoint.npz", edit, dst=dst / "checkpoint.npz")
+    assert trainer.main("numpy", ["--resume", str(dst), "--epochs", "2", "--no-progress"]) == 2
+    _one_line(capsys, "is damaged", f"lacks {key}")
+
+
 def test_numpy_scalars_are_numbers_everywhere(tmp_path, digits):
     """16: NumPy scalars for every number fit and build take; the header records plain numbers."""
     x, y = digits

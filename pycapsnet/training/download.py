@@ -15,6 +15,7 @@ import http.client
 import os
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 import zlib
@@ -53,6 +54,8 @@ DATASETS = {
 }
 assert all(set(d["files"]) == {s for pair in IDX_FILES.values() for s in pair} for d in DATASETS.values())
 TIMEOUT_S = 30  # per connection attempt and per read: a mirror that stalls longer is skipped
+DEADLINE_S = 600  # per file: a mirror that trickles (a byte now and then, each read within TIMEOUT_S) is left
+TELL_EVERY_S = 10  # off a terminal, a line of progress at least this often while bytes arrive
 CHUNK = 1 << 16
 
 
@@ -117,11 +120,14 @@ def _fetch(url, expected, kind, path, show):
             with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
                 total = int(response.headers.get("Content-Length") or 0)
                 got = 0
+                start = time.monotonic()
                 with show(os.path.basename(path), total) as bar:
-                    while chunk := response.read(CHUNK):
+                    while chunk := response.read1(CHUNK):  # what has arrived: a slow mirror is timed
                         v.update(chunk)
                         got += len(chunk)
                         bar(len(chunk))
+                        if time.monotonic() - start > DEADLINE_S:
+                            raise _Bad(f"too slow: {got:,} of {total or '?':,} bytes in {DEADLINE_S} s")
                 if total and got != total:
                     raise _Bad(f"the transfer stopped at {got} of {total} bytes")
         except urllib.error.HTTPError as e:
@@ -207,6 +213,7 @@ class _progress:
 
     def __init__(self, label, total):
         self.label, self.total, self.got, self.shown, self.bar = label, total, 0, 0, None
+        self.start = self.told = time.monotonic()
         if sys.stderr.isatty():
             try:
                 from tqdm import tqdm
@@ -220,11 +227,15 @@ class _progress:
 
     def __call__(self, n):
         self.got += n
+        now = time.monotonic()
         if self.bar is not None:
             self.bar.update(n)
-        elif self.total > 1 << 20 and 10 * self.got // self.total > self.shown:  # lines for large files only
-            self.shown = 10 * self.got // self.total
-            print(f"  {self.label}: {self.got / 1e6:.1f} of {self.total / 1e6:.1f} MB ({10 * self.shown}%)",
+        elif (self.total > 1 << 20 and 10 * self.got // self.total > self.shown) or now - self.told >= TELL_EVERY_S:
+            # a line at each tenth of a large file, and at least every TELL_EVERY_S s of a slow one
+            self.shown, self.told = (10 * self.got // self.total if self.total else 0), now
+            rate = self.got / max(now - self.start, 1e-9)
+            of = f" of {self.total / 1e6:.1f} MB ({100 * self.got // self.total}%)" if self.total else " MB"
+            print(f"  {self.label}: {self.got / 1e6:.1f}{of}, {rate / 1e3:.1f} kB/s (given up after {DEADLINE_S} s)",
                   file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):

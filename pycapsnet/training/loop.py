@@ -193,13 +193,14 @@ class Training:
         checkpoint; first epoch None when there is nothing to train."""
         run, ckpt, group = self.run, self.run.checkpoint, self.group
         side = min(self.train_set.x.shape[2:])  # augmentation is training's only: evaluation never reads it
+        spell = self.directory.spell
         if run.augment == "efficient" and side < augment.MIN_SIDE:
-            raise CapsNetError(f"--augment efficient erases a 4x4 patch at least 4 pixels from the edges, which "
-                               f"needs images of {augment.MIN_SIDE} pixels a side or more, not {side}: use "
-                               "--augment shift")
+            raise CapsNetError(f"{spell('augment')} efficient erases a 4x4 patch at least 4 pixels from the edges, "
+                               f"which needs images of {augment.MIN_SIDE} pixels a side or more, not {side}: use "
+                               f"{spell('augment')} shift")
         if run.augment == "shift" and run.shift >= side:
-            raise CapsNetError(f"--shift {run.shift} is not less than the {side}-pixel image side: shifted "
-                               f"images could be blank; use a smaller --shift (the paper's is 2)")
+            raise CapsNetError(f"{spell('shift')} {run.shift} is not less than the {side}-pixel image side: shifted "
+                               f"images could be blank; use a smaller {spell('shift')} (the paper's is 2)")
         path = run.out or (os.path.dirname(ckpt["path"]) if ckpt else os.path.join("runs", self.model.B.name))
         opt = optim.make(run.optimizer, self.model, run.lr, run.ema)
         if ckpt and ckpt["header"].get("optimizer") == run.optimizer:

@@ -35,6 +35,7 @@ def train(run: Run, directory: RunDir | None = None, spell=flag) -> dict:
     ``str``: fit's keyword)."""
     if directory is None:
         directory = RunDir()
+    directory.spell = spell
     if run.checkpoint:  # the one to go back to if the run stops early (a NaN loss, Ctrl-C)
         directory.last_good = (run.resume, run.checkpoint["header"].get("epoch", 0))
     training = None
