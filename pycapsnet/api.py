@@ -329,7 +329,8 @@ def _recipe_values(**values) -> dict:
 
 def _input_shape(shape) -> tuple:
     """(C, H, W) as three ints: a tuple, list or array of whole numbers of at least 1."""
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list, np.ndarray)) or len(shape) != 3 \
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list, np.ndarray)) or np.ndim(shape) != 1 \
+            or len(shape) != 3 \
             or any(isinstance(d, (bool, np.bool_)) or not isinstance(d, numbers.Integral) or d < 1 for d in shape):
         raise CapsNetError(f"input_shape must be three whole numbers (channels, height, width) such as (1, 28, 28), "
                            f"got {shape!r}")
@@ -340,7 +341,8 @@ def _class_names(classes, n_classes) -> tuple | None:
     """Names for the classes as strings, one per class (whole numbers are written as names: 3 -> "3")."""
     if classes is None:
         return None
-    if isinstance(classes, (str, bytes, dict)) or not isinstance(classes, (list, tuple, range, np.ndarray)):
+    if isinstance(classes, (str, bytes, dict)) or not isinstance(classes, (list, tuple, range, np.ndarray)) \
+            or np.ndim(classes) != 1:
         raise CapsNetError(f"classes must be a list of names, one per class, got {type(classes).__name__}")
     names = []
     for k, c in enumerate(list(classes)):

@@ -363,8 +363,11 @@ def figure_4(target, x, capsule=None, reach: float = 0.25, steps: int = 11, path
     decoded = net.B.to_numpy(net.decode(tweaked, np.full(len(tweaked), chosen)))
     decoded = decoded.reshape(D, steps, *decoded.shape[1:])
     if path is not None:
-        plots.perturbation_grid(decoded, moves, os.fspath(path), f"each of the {D} dimensions of capsule {chosen} "
-                                f"moved over [-{reach:g}, {reach:g}], then decoded")
+        try:
+            plots.perturbation_grid(decoded, moves, path, f"each of the {D} dimensions of capsule {chosen} "
+                                    f"moved over [-{reach:g}, {reach:g}], then decoded")
+        except OSError as e:
+            raise CapsNetError(f"cannot write {path}: {e.strerror or e}; name another path") from None
     return decoded, moves
 
 
@@ -383,4 +386,8 @@ def inspect(model, x, y, index: int = 0, out: str = "inspect") -> list:
     index = a.whole(index, "index", 0, len(xa) - 1)
     out = a.path(out, "out")
     prepare_out_dir(out)
-    return draw(model.network, xa, index, model.classes, out, about=f"image {index}")
+    try:
+        return draw(model.network, xa, index, model.classes, out, about=f"image {index}")
+    except OSError as e:
+        raise CapsNetError(f"cannot write the pictures into {out}: {e.strerror or e}; free some space or choose "
+                           "another out") from None

@@ -104,6 +104,39 @@ def api_case(rng, x, y):
     return f"{key}={value!r}"
 
 
+def python_case(rng, x, y, model, work):
+    """One of the Python face's functions (datasets, optim, study) with one argument set to a generated
+    value, the others small: it succeeds or raises CapsNetError (issue 95 item 22)."""
+    from pycapsnet import datasets, optim, study
+
+    calls = {
+        "load_folder": (lambda **k: datasets.load_folder(work, **k), {"image_size": None, "channels": None,
+                                                                       "test_fraction": 0.2, "seed": 0}),
+        "multimnist": (lambda **k: datasets.multimnist(x, y, **k), {"pairs": 1, "seed": 0, "shift": 4, "canvas": 36}),
+        "affine": (lambda **k: datasets.affine(x[:2], **k), {"seed": 0, "canvas": 40, "max_rotation": 20.0,
+                                                               "max_shear": 45.0, "scale": (0.8, 1.2)}),
+        "batches": (lambda **k: list(optim.batches(x, y, **k)), {"batch_size": 4, "epoch": 0, "seed": 0, "shift": 2,
+                                                                  "augment": "shift"}),
+        "adam": (lambda **k: optim.Adam(model, **k), {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "ema": None}),
+        "figure_4": (lambda **k: study.figure_4(model, x[:1], **k), {"capsule": None, "reach": 0.25, "steps": 3,
+                                                                     "path": None}),
+        "gradcheck": (lambda **k: study.gradcheck(model, **k), {"samples": 1, "seed": 0, "tol": 1e-6, "batch": 1}),
+        "crosscheck": (lambda **k: study.crosscheck(model, "numpy", "numpy", **k), {"dtype": "float64", "batch": 1,
+                                                                                    "seed": 0, "rtol": None}),
+        "coupling": (lambda **k: study.coupling(model, x[:2], **k), {"batch_size": 2}),
+        "inspect": (lambda **k: study.inspect(model, x[:4], y[:4], **k), {"index": 0, "out": os.path.join(work, "i")}),
+    }
+    name = rng.choice(sorted(calls))
+    fn, kwargs = calls[name]
+    key = rng.choice(sorted(kwargs))
+    value = rng.choice(API_VALUES)
+    if name in ("multimnist", "batches", "gradcheck", "crosscheck", "coupling") and isinstance(value, (int, np.integer)) \
+            and not isinstance(value, bool) and value > 64:
+        value = np.int64(3)  # a valid large count would work for as long as it says
+    kwargs = {**kwargs, key: value}
+    return f"{name}({key}={value!r})"[:200], lambda: fn(**kwargs)
+
+
 def torch_round_trip(rng):
     """The torch wrapper's state_dict with batch norm: trained a few steps, saved, loaded into another
     network of the same description, evaluated: the same scores."""
@@ -163,6 +196,7 @@ def main():
 
     train, _ = data.load_embedded()
     x, y = train.images(slice(0, 8)), train.y[:8]
+    small = pycapsnet.build("capsnet", conv_channels=4, primary_types=2, decoder_hidden=(8, 16))
 
     for k in range(cases):
         name = rng.choice(list(BASES))
@@ -191,6 +225,14 @@ def main():
             ok &= judge(f"API case {k}", 2, f"error: {e}\n")
         except BaseException as e:  # noqa: BLE001
             ok &= judge(f"API case {k}", type(e).__name__, str(e))
+        label, call = python_case(rng, x, y, small, work)
+        try:
+            call()
+            OUTCOMES["trained or scored"] += 1
+        except CapsNetError as e:  # the documented refusal, one line
+            ok &= judge(f"Python case {k} {label}", 2, f"error: {e}\n")
+        except BaseException as e:  # noqa: BLE001
+            ok &= judge(f"Python case {k} {label}", type(e).__name__, str(e))
         if k % 5 == 0:
             try:
                 same = torch_round_trip(rng)
