@@ -125,14 +125,8 @@ class Model(Run):
         if not isinstance(reset, (bool, np.bool_)):
             raise CapsNetError(f"reset must be True or False, got {reset!r}")
         ckpt = None if reset or not self.history else self._continued()
-        done = ckpt["header"].get("epoch", 0) if ckpt else 0
-        recipe["epochs"] += done
-        if ckpt and out is None:
-            here = self._scratch_dir()
-            same = os.path.dirname(os.path.abspath(ckpt["path"])) == os.path.abspath(here)
-            out_dir = here if same else self._scratch_dir(fresh=True)
-        else:
-            out_dir = out or self._scratch_dir(fresh=True)
+        recipe["epochs"] += ckpt["header"].get("epoch", 0) if ckpt else 0
+        out_dir = self._run_dir(ckpt, out)
         run = Recipe(backend=self.B.name, device=None, dtype=self.B.dtype, dataset="arrays", data_dir=None,
                      limit=None, limit_test=None, image_size=None, channels=None, test_fraction=0.2,
                      val_fraction=None, architecture={}, model=self.network, arrays=(train, val),
@@ -152,6 +146,14 @@ class Model(Run):
         self.recipe, self._last = run.recipe, path
         self.path = None if out is None else path
         return self.history
+
+    def _run_dir(self, ckpt, out) -> str:
+        """Where fit's run goes: ``out``, else its scratch directory (the one a continued run is in)."""
+        if ckpt and out is None:
+            here = self._scratch_dir()
+            same = os.path.dirname(os.path.abspath(ckpt["path"])) == os.path.abspath(here)
+            return here if same else self._scratch_dir(fresh=True)
+        return out or self._scratch_dir(fresh=True)
 
     def _continued(self) -> dict:
         """The checkpoint this model's training goes on from: its last fit's, or the one it was loaded

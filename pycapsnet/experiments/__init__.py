@@ -70,7 +70,13 @@ def add_parser(sub, backends_help: str):
                    help="pixels each digit moves in each direction (default: 4)")
     m.add_argument("--pairs", type=int, default=None,
                    help="pairs made per training digit per epoch (default: 2; quick: 1); the test set has 1 per digit")
-    r = x.add_argument_group("routings (docs/experiments.md, 'Does routing help?')")
+    _routings_flags(x.add_argument_group("routings (docs/experiments.md, 'Does routing help?')"))
+    x.set_defaults(fn=main)
+    return x
+
+
+def _routings_flags(r) -> None:
+    """The routing study's own flags."""
     r.add_argument("--routings", nargs="+", default=None, metavar="ROW",
                    help="the rows (default: uniform dynamic attention inverted self vb random em cnn): a registered "
                         "routing (--plugin MODULE registers yours), NAME-k for k iterations, em, cnn")
@@ -96,8 +102,6 @@ def add_parser(sub, backends_help: str):
                        ("primary-types", "primary capsule types (default: 16; quick: 2)"),
                        ("primary-dim", "primary capsule dims (default: 8)"), ("class-dim", "class capsule dims (default: 16)")):
         r.add_argument(f"--{name}", type=positive_int, default=None, help=what)
-    x.set_defaults(fn=main)
-    return x
 
 
 def shard(text: str) -> tuple:
