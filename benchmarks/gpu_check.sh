@@ -37,6 +37,12 @@
 #  table1, affine, multimnist, routings   the experiments from full MNIST ($EXP_EPOCHS epochs, 5;
 #              $EXP_SEEDS seeds, 3), results in OUTDIR/NAME; one cut by its time limit goes on from
 #              its finished units (OUTDIR/NAME/units.json) when run again into the same OUTDIR
+#  routings_full  the routing study under its fixed protocol at full scale (docs/experiments.md, "Does
+#              routing help?"): all 60,000 training digits (a tenth held out, stratified, for every
+#              choice), the 10,000 test digits read once, $STUDY_EPOCHS (10) epochs, $STUDY_SEEDS (5) seeds,
+#              the record's rows and iteration sweep, on torch:$DEVICE; a call cut by its time limit goes
+#              on from its finished units when run again into the same OUTDIR: give it as many calls as
+#              it takes (each unit a few minutes); $STUDY_SHARD (K/N) splits it over machines (--merge)
 #  The runs take $DEVICE (cuda) and extra flags in $RUN_FLAGS: DEVICE=cpu RUN_FLAGS="--limit 64
 #  --limit-test 32" runs them at toy size on a CPU, to catch a typo before the GPU's minutes.
 #
@@ -180,5 +186,12 @@ for name in table1 affine multimnist routings; do
             --epochs "${EXP_EPOCHS:-5}" --seeds "${EXP_SEEDS:-3}" --out "$out/$name" ${EXP_FLAGS:-}
     fi
 done
+if want routings_full; then
+    backend=$([ "$device" = cpu ] && echo numpy || echo "torch:$device")
+    run routings_full 590 20 python -m pycapsnet experiment routings --backend "$backend" --dataset mnist \
+        --data-dir "$data" --epochs "${STUDY_EPOCHS:-10}" --seeds "${STUDY_SEEDS:-5}" --no-affine \
+        --routings uniform dynamic attention inverted self vb cnn --sweep 1 2 4 5 --sweep-seeds 2 \
+        ${STUDY_SHARD:+--shard $STUDY_SHARD} --out "$out/routings_full" ${EXP_FLAGS:-}
+fi
 echo "commands failed: $failed"
 exit "$failed"

@@ -42,6 +42,9 @@ LONG = {
     'pip install -e ".[torch]"': (None, "the test command installs torch (the [test] extra)"),
     "pycapsnet data mnist": (None, "downloads: tests/test_download.py runs it against a server on 127.0.0.1"),
     "bash benchmarks/gpu_check.sh": (None, "needs a CUDA GPU; benchmarks/gpu_check.sh is run on one"),
+    "pycapsnet train --plugin my_routing --routing even":
+        (None, "tests/test_routing_contract.py trains with a plugin module, tests/routing_plugin.py"),
+    "pycapsnet check-routing vb": "pycapsnet check-routing vb --samples 2",
     "torchrun --standalone --nproc_per_node 2 train_numpy.py --out runs/parallel":
         f"torchrun --standalone --nproc_per_node 2 train_numpy.py --out runs/parallel {QUICK_MODEL}",
 }
@@ -62,7 +65,7 @@ def readme_commands():
         else:
             out += [("bash", line.split("  #")[0].strip()) for line in body.splitlines() if line.strip()]
     text = README.read_text(encoding="utf-8")
-    for cmd in re.findall(r"`((?:python|bash|pycapsnet|pip) [^`]+)`", text):
+    for cmd in re.findall(r"`((?:python|bash|pycapsnet|pip|torchrun) [^`]+)`", text):
         if ("bash", cmd) not in out:
             out.append(("bash", cmd))
     return out

@@ -224,7 +224,8 @@ def test_a_second_copy_of_the_backends_package_is_taken(monkeypatch):
 
 
 # ---- 6. tutorials that cannot rot ------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["1-routing-by-hand", "2-train-and-look-inside", "3-your-own-layer-in-pytorch"])
+@pytest.mark.parametrize("name", ["1-routing-by-hand", "2-train-and-look-inside", "3-your-own-layer-in-pytorch",
+                                  "4-your-own-routing"])
 def test_each_tutorial_runs_at_its_small_size_and_keeps_its_outputs(name, monkeypatch):
     pytest.importorskip("torch", reason="the tutorials check against autograd and wrap layers for PyTorch")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

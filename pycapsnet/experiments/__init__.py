@@ -220,15 +220,17 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
              canvas: int | None = None, affine: bool = True, routings: list | None = None,
              affine_target: float | None = None, sweep: list | None = None, sweep_seeds: int = 2,
              shard: str | None = None, choices: str | None = None, conv_channels: int | None = None,
-             primary_types: int | None = None, primary_dim: int | None = None, class_dim: int | None = None) -> dict:
+             primary_types: int | None = None, primary_dim: int | None = None, class_dim: int | None = None,
+             progress: bool = True) -> dict:
     """``pycapsnet experiment routings`` from Python (routing_study.py: the protocol, the rows, the
     units); returns what results.json holds, and writes it, results.md and routings.png into ``out``
     (a stopped run goes on where it stopped).  ``data``: your own, ((x, y), (x_test, y_test)) as
     arrays or what a pycapsnet.datasets loader returns; else ``dataset`` and ``data_dir`` as the
-    command line's --dataset and --data-dir."""
+    command line's --dataset and --data-dir.  ``progress`` False: only the table is printed."""
     import argparse
 
     from .. import arguments as a
+    from ..training.log import speaking
 
     numbers = dict(epochs=(epochs, positive_int), seeds=(seeds, positive_int), limit=(limit, positive_int),
                    limit_test=(limit_test, positive_int), val_fraction=(val_fraction, fraction),
@@ -247,7 +249,12 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
         dataset=dataset, data=_data_arrays(data), sweep=None if sweep is None else list(sweep),
         shard=None if shard is None else _checked("shard", shard, globals()["shard"]), choices=choices, merge=None,
         **{k: _checked(k, v, kind) for k, (v, kind) in numbers.items()})
-    main(args)
+    was = speaking()
+    try:
+        speaking(was and a.boolean(progress, "progress"))
+        main(args)
+    finally:
+        speaking(was)
     with open(os.path.join(out, "results.json")) as f:
         return json.load(f)
 
