@@ -120,6 +120,19 @@ def test_inspect_writes_three_pictures(ckpt, tmp_path, capsys):
     np.testing.assert_allclose(c["iteration_3"].sum(1), 1.0, rtol=1e-5)
 
 
+def test_inspect_writes_each_iterations_coupling_gradient(ckpt, tmp_path, capsys):
+    """96.3: dL/dc per iteration from the command line: none for c^0 = 1/J (a constant), one (I, J) array
+    for each later iteration."""
+    pytest.importorskip("torch", reason="dL/dc is read by PyTorch's autograd off the routing's forward")
+    out = str(tmp_path / "ins")
+    assert cli.main(["inspect", ckpt, "--out", out, "--coupling-grad"]) == 0
+    said = capsys.readouterr().out
+    assert "classcaps: mean |dL/dc_ij| per iteration: constant, " in said
+    g = np.load(os.path.join(out, "coupling_grad.npz"))
+    assert sorted(g.files) == ["classcaps/iteration_2", "classcaps/iteration_3"]
+    assert g["classcaps/iteration_3"].shape == (6 * 6 * 4, 10) and np.abs(g["classcaps/iteration_3"]).max() > 0
+
+
 def test_bare_pycapsnet_prints_its_help_and_version_says_which(capsys):
     import pycapsnet
 

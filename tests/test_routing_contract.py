@@ -218,6 +218,28 @@ def test_a_routing_whose_forward_fails_is_named_and_nothing_is_written(tmp_path)
     assert not (tmp_path / "run" / "checkpoint.npz").exists()
 
 
+def test_a_routing_whose_forward_raises_is_named_in_one_line(tmp_path):
+    plugin = tmp_path / "raising_routing.py"
+    plugin.write_text("import pycapsnet.routings as R\n"
+                      "@R.register\nclass Raising(R.Routing):\n    name = 'raising'\n"
+                      "    def forward(self, B, u_hat, p, u, fixed=None):\n        return 1 / 0\n"
+                      "    def backward(self, B, u_hat, u, trace, dv, p):\n        return None\n"
+                      "    def coupling(self, trace):\n        return []\n")
+    done = _run("train", "--plugin", str(plugin), "--routing", "raising", *TINY_FLAGS, "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "routing 'raising' failed in its forward (ZeroDivisionError: division by zero); check it with " \
+           "`pycapsnet check-routing raising`" in done.stderr
+    assert not (tmp_path / "run" / "checkpoint.npz").exists()
+
+
+def test_the_routing_study_runs_a_plugin_routing_from_the_command_line(tmp_path):
+    done = _run("experiment", "routings", "--plugin", PLUGIN, "--routings", "tempered", "uniform", "--quick", "--lr",
+                "0.002", "--no-affine", "--limit", "60", "--limit-test", "20", "--seeds", "1", "--out", str(tmp_path / "s"))
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "s" / "results.json").read_text())
+    assert set(results["mnist"]) == {"tempered", "uniform"} and results["complete"]
+
+
 def test_installed_packages_register_through_the_entry_point_group(tmp_path):
     (tmp_path / "shipped_routing.py").write_text(Path(PLUGIN).read_text().replace('"tempered"', '"shipped"')
                                                  .replace("tempered-wrong", "shipped-wrong")

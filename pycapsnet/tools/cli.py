@@ -303,6 +303,9 @@ def build_parser():
                    help="the class capsule whose dimensions Figure 4 moves (default: the predicted one)")
     i.add_argument("--range", type=positive_float, default=0.25, dest="perturb_range",
                    help="Figure 4 moves each dimension over [-R, R], in ten steps (default: 0.25, the paper's)")
+    i.add_argument("--coupling-grad", action="store_true",
+                   help="also dL/dc_ij of every routing iteration for the image (coupling_grad.npz; autograd of the "
+                        "routing's own forward, needs PyTorch)")
     i.add_argument("--backend", default="numpy", choices=NAMES)
     i.add_argument("--device", default=None)
     _data_flags(i)

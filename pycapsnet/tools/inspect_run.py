@@ -6,6 +6,8 @@
                           routing iteration, the classes named; coupling.npz holds the arrays
     coupling_<layer>.png  the same for every other routing layer (a ConvCaps layer's averaged over
                           its window positions), with coupling_<layer>.npz
+    coupling_grad.npz     with --coupling-grad: dL/dc_ij of every iteration of every routing layer
+                          (the image's own loss; a constant coefficient, such as c^0 = 1/J, has none)
     activations.png       EM: the class activations a_j after each iteration
 """
 from __future__ import annotations
@@ -56,7 +58,27 @@ def _inspect(args) -> int:
     for p in draw(model, test, args.index, names, args.out, capsule, getattr(args, "perturb_range", 0.25),
                   f"test image {args.index}", where=f"the model in {ckpt['path']}"):
         print(p)
+    if getattr(args, "coupling_grad", False):
+        print(coupling_grads(model, test, args.index, args.out))
     return 0
+
+
+def coupling_grads(model, split, index, out) -> str:
+    """coupling_grad.npz: each routing layer's dL/dc_ij of every iteration for image ``index`` (its own
+    loss, study.coupling(..., grad=True)); returns the path, after a line per layer of mean |dL/dc|."""
+    from ..study import coupling
+    from ..training import files
+
+    x, y = split.images(slice(index, index + 1)), split.y[index:index + 1]
+    _, grads = coupling(model, x, y, grad=True)
+    arrays = {f"{layer}/iteration_{r + 1}": g[0] for layer, gs in grads.items() for r, g in enumerate(gs)
+              if g is not None}
+    for layer, gs in grads.items():
+        said = ", ".join("constant" if g is None else f"{np.abs(g).mean():.3g}" for g in gs)
+        print(f"{layer}: mean |dL/dc_ij| per iteration: {said}")
+    path = os.path.join(out, "coupling_grad.npz")
+    files.atomic_write(path, lambda f: np.savez(f, **arrays))
+    return path
 
 
 def draw(model, split, index, names, out, capsule=None, reach=0.25, about="image", where="the model") -> list:
