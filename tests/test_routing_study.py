@@ -164,3 +164,19 @@ def test_the_affine_part_reads_at_the_last_epoch_and_at_the_declared_target(tmp_
     row = results["affine"]["uniform"]
     assert row["target_epoch"] == [1] and row["last_affine"]["n"] == 1 and results["protocol"]["affine_target"] == 1
     assert "at the first epoch reaching 1.0% translated validation accuracy" in (tmp_path / "a" / "results.md").read_text()
+
+
+def test_a_full_disk_at_the_figure_is_one_line_and_the_units_are_kept(tmp_path, monkeypatch, capsys):
+    """95.19: the disk fills while routings.png is written: one line, exit 2, units.json kept."""
+    from pycapsnet.tools import cli, plots
+
+    def full(fig, path, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots, "save", full)
+    out = tmp_path / "r"
+    code = cli.main(["experiment", "routings", "--quick", "--no-affine", "--routings", "uniform", "--lr", "0.002",
+                     "--limit", "60", "--limit-test", "20", "--seeds", "1", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: cannot write the results into") and "No space left" in err[-1]
+    assert (out / "units.json").exists()
