@@ -180,3 +180,12 @@ def test_a_full_disk_at_the_figure_is_one_line_and_the_units_are_kept(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error: cannot write the results into") and "No space left" in err[-1]
     assert (out / "units.json").exists()
+
+
+def test_a_study_folder_of_other_settings_is_refused_not_replaced(tmp_path):
+    first = _study(tmp_path / "s", *SMALL, "--lr", "0.002", "--seeds", "1")
+    assert first.returncode == 0, first.stderr
+    units = (tmp_path / "s" / "units.json").read_text()
+    again = _study(tmp_path / "s", *SMALL, "--lr", "0.002", "--seeds", "1", "--epochs", "2")
+    assert again.returncode == 2 and "holds units run with other epochs" in again.stderr
+    assert (tmp_path / "s" / "units.json").read_text() == units

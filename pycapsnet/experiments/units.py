@@ -34,8 +34,14 @@ class Units:
             return
         if saved.get("flags") == self.flags:
             self.done = saved.get("units", {})
-            say(f"{len(self.done)} finished unit(s) in {self.path} reused: {', '.join(self.done)} (delete the file "
-                "to train them again)")
+            shown = ", ".join(list(self.done)[:6]) + (f" and {len(self.done) - 6} more" if len(self.done) > 6 else "")
+            say(f"{len(self.done)} finished unit(s) in {self.path} reused: {shown} (delete the file to train them "
+                "again)")
+        elif flags is not None:  # the routing study's units are hours of work: never replaced unasked
+            other = saved.get("flags") if isinstance(saved.get("flags"), dict) else {}
+            what = sorted(k for k in set(other) | set(self.flags) if other.get(k) != self.flags.get(k))
+            raise CapsNetError(f"{self.path} holds units run with other {' and '.join(what) or 'settings'} (settings "
+                               "or code): give another --out, or delete the file to train them again")
         else:
             say(f"{self.path} holds units of other flags: they are not reused, and the file is replaced")
 
