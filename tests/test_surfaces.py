@@ -358,8 +358,9 @@ def test_a_history_record_that_is_not_numbers_is_a_damaged_checkpoint(run, tmp_p
 
 
 @pytest.mark.parametrize("key", ["train_loss", "lr", "train_acc"])
-def test_a_history_record_that_lacks_a_number_every_record_holds_is_a_damaged_checkpoint(run, tmp_path, capsys, key):
-    """95.18: a record without train_loss ended --resume in a KeyError while the curves were drawn."""
+def test_a_history_record_without_a_number_resumes_and_draws(run, tmp_path, capsys, key):
+    """95.18: a record without train_loss (checkpoint.save takes any history) ended --resume in a
+    KeyError while the curves were drawn; the curves draw what the records hold."""
     dst = tmp_path / "r"
     dst.mkdir()
 
@@ -368,8 +369,8 @@ def test_a_history_record_that_lacks_a_number_every_record_holds_is_a_damaged_ch
         return h
 
     _rewrite_header(run / "checkpoint.npz", edit, dst=dst / "checkpoint.npz")
-    assert trainer.main("numpy", ["--resume", str(dst), "--epochs", "2", "--no-progress"]) == 2
-    _one_line(capsys, "is damaged", f"lacks {key}")
+    assert trainer.main("numpy", ["--resume", str(dst), "--epochs", "2", "--no-progress"]) == 0
+    assert (dst / "curves.png").stat().st_size > 1000
 
 
 def test_numpy_scalars_are_numbers_everywhere(tmp_path, digits):

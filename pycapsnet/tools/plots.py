@@ -188,8 +188,11 @@ def training_curves(metrics, path):
         if all(m.get(key) is not None for m in metrics):
             a.plot(ep, [100 * m[key] for m in metrics], "o-", label=label)
     a.set_xlabel("epoch"), a.set_ylabel("accuracy (%)"), a.grid(alpha=0.3), a.legend(fontsize=7)
-    b.plot(ep, [m["train_loss"] for m in metrics], "o-", color="C3")
-    b.set_xlabel("epoch"), b.set_ylabel("train loss"), b.set_yscale("log"), b.grid(alpha=0.3)
+    losses = [(e, m["train_loss"]) for e, m in zip(ep, metrics) if m.get("train_loss") is not None]
+    if losses:  # (a record written by checkpoint.save with a history of its own may hold none)
+        b.plot(*zip(*losses), "o-", color="C3")
+        b.set_yscale("log")
+    b.set_xlabel("epoch"), b.set_ylabel("train loss"), b.grid(alpha=0.3)
     for ax in (a, b):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()

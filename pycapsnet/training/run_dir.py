@@ -71,7 +71,7 @@ class RunDir:
         mine = os.path.join(path, CHECKPOINT)
         resumed_here = ckpt is not None and os.path.exists(mine) and os.path.samefile(ckpt["path"], mine)
         if os.path.exists(mine) and not resumed_here:
-            if not overwrite and self.spell is _flag:
+            if not overwrite and self.spell is not str:  # the command line (fit spells its keywords with str)
                 raise CapsNetError(f"{path} already holds a checkpoint from an earlier run; continue it with "
                                    f"--resume {path}, train into another directory with --out DIR, or replace "
                                    "it with --overwrite")
