@@ -205,30 +205,19 @@ def test_a_plugin_that_does_not_import_is_one_line_and_exit_2(tmp_path, plugin, 
     assert not (tmp_path / "run").exists()
 
 
-def test_a_routing_whose_forward_fails_is_named_and_nothing_is_written(tmp_path):
-    plugin = tmp_path / "broken_routing.py"
+@pytest.mark.parametrize("forward,said", [
+    ("return u_hat, []", "routing 'faulty': forward must return (v, trace) with v of shape (n, J, D)"),
+    ("return 1 / 0", "routing 'faulty' failed in its forward (ZeroDivisionError: division by zero); check it with "
+                     "`pycapsnet check-routing faulty`")])
+def test_a_routing_whose_forward_fails_is_named_in_one_line_and_nothing_is_written(tmp_path, forward, said):
+    plugin = tmp_path / "faulty_routing.py"
     plugin.write_text("import pycapsnet.routings as R\n"
-                      "@R.register\nclass Broken(R.Routing):\n    name = 'broken'\n"
-                      "    def forward(self, B, u_hat, p, u, fixed=None):\n        return u_hat, []\n"
+                      "@R.register\nclass Faulty(R.Routing):\n    name = 'faulty'\n"
+                      f"    def forward(self, B, u_hat, p, u, fixed=None):\n        {forward}\n"
                       "    def backward(self, B, u_hat, u, trace, dv, p):\n        raise ZeroDivisionError('oops')\n"
                       "    def coupling(self, trace):\n        return []\n")
-    done = _run("train", "--plugin", str(plugin), "--routing", "broken", *TINY_FLAGS, "--out", str(tmp_path / "run"))
-    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "routing 'broken': forward must return (v, trace) with v of shape (n, J, D)" in done.stderr
-    assert not (tmp_path / "run" / "checkpoint.npz").exists()
-
-
-def test_a_routing_whose_forward_raises_is_named_in_one_line(tmp_path):
-    plugin = tmp_path / "raising_routing.py"
-    plugin.write_text("import pycapsnet.routings as R\n"
-                      "@R.register\nclass Raising(R.Routing):\n    name = 'raising'\n"
-                      "    def forward(self, B, u_hat, p, u, fixed=None):\n        return 1 / 0\n"
-                      "    def backward(self, B, u_hat, u, trace, dv, p):\n        return None\n"
-                      "    def coupling(self, trace):\n        return []\n")
-    done = _run("train", "--plugin", str(plugin), "--routing", "raising", *TINY_FLAGS, "--out", str(tmp_path / "run"))
-    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "routing 'raising' failed in its forward (ZeroDivisionError: division by zero); check it with " \
-           "`pycapsnet check-routing raising`" in done.stderr
+    done = _run("train", "--plugin", str(plugin), "--routing", "faulty", *TINY_FLAGS, "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and said in done.stderr, done.stderr
     assert not (tmp_path / "run" / "checkpoint.npz").exists()
 
 
