@@ -35,3 +35,8 @@ done
 wait
 python -m pycapsnet experiment routings --merge /tmp/rec/shard1 /tmp/rec/shard2 --out /tmp/rec/merged > /tmp/rec/merge2.log 2>&1
 echo finished > /tmp/rec/DONE
+# Phase 3: the machine restarted during shard 1's last unit (vb-5 seed 1); the same shard command, run
+# again from /tmp/rec/code, reused its 39 finished units and trained that one; then the final merge.
+cd /tmp/rec/code
+python -m pycapsnet experiment routings $FLAGS --shard 1/2 --choices /tmp/rec/merged/choices.json --out /tmp/rec/shard1 > /tmp/rec/main1b.log 2>&1
+python -m pycapsnet experiment routings --merge /tmp/rec/shard1 /tmp/rec/shard2 --out /tmp/rec/final > /tmp/rec/final.log 2>&1
