@@ -24,6 +24,8 @@ for impl in ("numpy", "torch"):
     for side in ("base", "head"):
         runs = [r for f in sorted(glob.glob(f"{out}/{side}-*.json")) for r in json.load(open(f))["main"] if r["impl"] == impl]
         steps = [r["train_step_s"] for r in runs]
+        if not steps:  # a backend left out by the flags (--backends torch)
+            continue
         print(f"{impl:6s} {base if side == 'base' else 'this tree':10s} step s per round "
               f"{' '.join(f'{s:.3f}' for s in steps)}  median {statistics.median(steps):.3f}  "
               f"peak MB {max(r['peak_train_mem_mb'] for r in runs):.0f}")
