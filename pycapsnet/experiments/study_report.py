@@ -110,7 +110,9 @@ def table(results) -> str:
     if mnist:
         lines += [f"Test error on {n:,} test digits, {results['seeds']} seeds (mean ± sample sd, [t 95% CI of the "
                   f"mean]); against {base}, the same seeds: the paired difference [t 95% CI], the paired t-test "
-                  "and McNemar's exact test on the digits pooled over seeds, each Holm-adjusted over the rows.", "",
+                  f"and McNemar's exact test on the digits pooled over seeds (b: digits the row gets wrong and {base} "
+                  "right; c: the reverse), each Holm-adjusted over the rows; ms/step as the units ran, not a "
+                  "benchmark.", "",
                   "| row | params | test error % | Δ vs baseline (points) | paired t p (Holm) | McNemar b/c, p (Holm) "
                   "| entropy / iteration | dynamics / iteration | starved children | ms/step |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
