@@ -25,6 +25,7 @@ import tempfile
 
 import numpy as np
 
+from . import arguments
 from .core.checks import nearest
 from .arrays import images, labels  # noqa: F401  (images, labels: part of this module's names)
 from .errors import CapsNetError
@@ -331,8 +332,7 @@ def _recipe_values(**values) -> dict:
 
 def _input_shape(shape) -> tuple:
     """(C, H, W) as three ints: a tuple, list or array of whole numbers of at least 1."""
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list, np.ndarray)) or np.ndim(shape) != 1 \
-            or len(shape) != 3 \
+    if not arguments.is_sequence(shape, 3) \
             or any(isinstance(d, (bool, np.bool_)) or not isinstance(d, numbers.Integral) or d < 1 for d in shape):
         raise CapsNetError(f"input_shape must be three whole numbers (channels, height, width) such as (1, 28, 28), "
                            f"got {shape!r}")

@@ -55,6 +55,11 @@ def real(v, name: str, lo: float = -math.inf, hi: float = math.inf, open_lo: boo
     return float(v)
 
 
+def is_sequence(v, n: int) -> bool:
+    """Whether ``v`` is a tuple, list or 1-d array of ``n`` items (a string is none of these)."""
+    return isinstance(v, (tuple, list, np.ndarray)) and np.ndim(v) == 1 and len(v) == n
+
+
 def boolean(v, name: str) -> bool:
     """True or False (a bool, or NumPy's): never a string such as "no", which Python reads as true."""
     if not _is_bool(v):

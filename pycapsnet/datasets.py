@@ -109,8 +109,7 @@ def load_folder(path, image_size=None, channels=None, test_fraction: float = 0.2
 
     path = os.path.expanduser(a.path(path, "path"))
     if image_size is not None:
-        if isinstance(image_size, (str, bytes)) or not isinstance(image_size, (tuple, list, np.ndarray)) \
-                or np.ndim(image_size) != 1 or len(image_size) != 2:
+        if not a.is_sequence(image_size, 2):
             raise CapsNetError(f"image_size must be (height, width), two whole numbers such as (28, 28), or None, "
                                f"got {image_size!r}")
         image_size = tuple(a.whole(d, "image_size's sides", least=1) for d in image_size)
@@ -148,8 +147,7 @@ def affine(x, seed: int = 0, canvas: int = 40, max_rotation: float = 20.0, max_s
 
     seed, canvas = a.whole(seed, "seed"), _canvas(canvas)
     max_rotation, max_shear = a.real(max_rotation, "max_rotation"), a.real(max_shear, "max_shear")
-    if isinstance(scale, (str, bytes)) or not isinstance(scale, (tuple, list, np.ndarray)) or np.ndim(scale) != 1 \
-            or len(scale) != 2:
+    if not a.is_sequence(scale, 2):
         raise CapsNetError(f"scale must be (low, high), two numbers such as (0.8, 1.2), got {scale!r}")
     scale = tuple(a.real(s, "scale's bounds") for s in scale)
     digits.check_affine(max_rotation, max_shear, scale, spell=str)

@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from ..arguments import is_sequence
 from ..errors import CapsNetError
 
 
@@ -168,8 +169,7 @@ class Adam(Optimizer):
     def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, ema=None):
         super().__init__(model, lr, ema)
         model = self.model  # a Model's network
-        if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list, np.ndarray)) or np.ndim(betas) != 1 \
-                or len(betas) != 2:
+        if not is_sequence(betas, 2):
             raise CapsNetError(f"betas must be a pair (b1, b2) such as (0.9, 0.999), got {betas!r}")
         for k, beta in enumerate(betas):
             _check_hyperparameter(f"betas[{k}]", beta, 0, 1)  # beta = 1 would divide by 1 - beta^t = 0
