@@ -30,10 +30,7 @@ from ..tools import plots
 from . import checkpoint, files
 from .argtypes import make_writable_dir
 from .log import say
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+from .recipe import flag
 
 CHECKPOINT = "checkpoint.npz"
 BEST = "best.npz"  # with --val-fraction: the epoch of the best validation accuracy
@@ -59,7 +56,7 @@ class RunDir:
         self.last_good = None
         self.replacing = None
         self._lock = None
-        self.spell = _flag  # how a message names a setting: a flag, or (``str``) fit's keyword
+        self.spell = flag  # how a message names a setting: a flag, or (``str``) fit's keyword
 
     def claim(self, path: str, ckpt, overwrite: bool) -> None:
         """Make ``path`` the run's directory: made and writable, locked for this run, and not holding
@@ -71,14 +68,11 @@ class RunDir:
         mine = os.path.join(path, CHECKPOINT)
         resumed_here = ckpt is not None and os.path.exists(mine) and os.path.samefile(ckpt["path"], mine)
         if os.path.exists(mine) and not resumed_here:
-            if not overwrite and self.spell is not str:  # the command line (fit spells its keywords with str)
-                raise CapsNetError(f"{path} already holds a checkpoint from an earlier run; continue it with "
-                                   f"--resume {path}, train into another directory with --out DIR, or replace "
-                                   "it with --overwrite")
             if not overwrite:
-                raise CapsNetError(f"{path} already holds a checkpoint from an earlier run; continue it with "
-                                   f"pycapsnet.load({path!r}).fit(...), train into another directory with "
-                                   "fit(..., out=DIR), or replace it with fit(..., overwrite=True)")
+                how = (f"pycapsnet.load({path!r}).fit(...), train into another directory with fit(..., out=DIR), "
+                       "or replace it with fit(..., overwrite=True)") if self.spell is str else \
+                    f"--resume {path}, train into another directory with --out DIR, or replace it with --overwrite"
+                raise CapsNetError(f"{path} already holds a checkpoint from an earlier run; continue it with {how}")
             # Nothing is moved aside or truncated: the earlier run's files are replaced one by one when
             # this run commits its first epoch, so a run that fails before then leaves them as they were.
             self.replacing = path
