@@ -134,21 +134,14 @@ def _predict(args):
 
 # ---- plan ---------------------------------------------------------------------------------------
 def cmd_data(args):
-    import signal
-    import threading
-
     from ..training import download
+    from ..training.trainer import sigterm_as_ctrl_c
 
-    if threading.current_thread() is threading.main_thread():  # a SIGTERM as a Ctrl-C: the temporary is removed
-        signal.signal(signal.SIGTERM, _interrupted)
+    sigterm_as_ctrl_c()  # a kill ends as a Ctrl-C does: the download's temporary is removed
     folder = download.download(args.name, args.dir, progress=not args.quiet)
     print(f"{args.name}: the four files are in {folder}"
           + ("" if args.dir else f"; --dataset {args.name} now finds them there"))
     return 0
-
-
-def _interrupted(signum, frame):
-    raise KeyboardInterrupt
 
 
 def cmd_plan(args):

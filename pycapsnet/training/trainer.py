@@ -69,13 +69,19 @@ def _terminated(signum, frame):
     raise KeyboardInterrupt  # as Ctrl-C: the message names the checkpoint to resume from
 
 
+def sigterm_as_ctrl_c(handler=_terminated) -> None:
+    """Handle SIGTERM (what schedulers send before a kill) with ``handler``, by default as a Ctrl-C,
+    where a handler can be set (the main thread) and none is set already."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, handler)
+
+
 def run(args, backend_name: str) -> int:
     """Run and turn expected failures into one clear line and an exit code (no traceback).  A
     SIGTERM (what schedulers send before a kill) is handled as a Ctrl-C; in a run of several
     processes (torchrun sends it to the others when one fails) it stops this one at its next
     collective, with exit code 4 like any other failure of the group."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, distributed.note_stop if distributed.launched() else _terminated)
+    sigterm_as_ctrl_c(distributed.note_stop if distributed.launched() else _terminated)
     directory = RunDir()
     try:
         train(describe(args, backend_name), directory)
