@@ -449,6 +449,10 @@ class Backend(abc.ABC):
         finally:
             self._host_transfers_refused = False
 
+    def may_read_back(self) -> bool:
+        """Whether a value may be read back to the host now: not while a step is recorded."""
+        return not self._host_transfers_refused
+
     def _check_host_transfer(self, what: str) -> None:
         if self._host_transfers_refused:
             raise BackendError(f"{what} inside a captured step: a graph replays device work only; "

@@ -1,8 +1,9 @@
 """``--plugin MODULE``: the modules a command imports before it reads its other flags, so that the
 routings they register (pycapsnet.routings.register) are choices of ``--routing`` and ``--routings``
 and rebuild the checkpoints trained with them.  Every command and the three training scripts take
-it, as many times as there are modules.  A MODULE is an importable name (``my_routing``, searched on
-sys.path and in the current folder) or a path to a ``.py`` file."""
+it, as many times as there are modules.  A MODULE is an importable name (``my_routing``: an installed
+module of that name first, as Python resolves it; the current folder only where none is) or a path to
+a ``.py`` file (``./my_routing.py``: that file)."""
 from __future__ import annotations
 
 import importlib
@@ -10,7 +11,8 @@ import importlib.util
 import os
 import sys
 
-from .errors import CapsNetError, first_line
+from .core import routings
+from .errors import CapsNetError, first_line, printable
 
 FLAG = "--plugin"
 HELP = ("import MODULE first (a module name, or a .py file), for the routings it registers; repeatable "
@@ -61,22 +63,45 @@ def _import(name: str):
                 sys.modules.pop(stem, None)
                 raise
             return module
-        here = os.getcwd()
-        added = here not in sys.path
-        if added:
-            sys.path.insert(0, here)  # a console script's path does not hold the current folder
-        try:
-            return importlib.import_module(name)
-        finally:
-            if added:
-                sys.path.remove(here)
+        return _import_name(name)
     except CapsNetError as e:
         if str(e).startswith(FLAG):
             raise
         raise CapsNetError(f"{FLAG} {name}: {e}") from None
+    except SystemExit as e:  # a module that ends the process as it is imported would end the command silently
+        raise CapsNetError(f"{FLAG} {name}: it called sys.exit({printable(repr(e.code), 60)}) as it was imported; a "
+                           "plugin module registers its routings and returns") from None
     except Exception as e:  # noqa: BLE001 - whatever the module's own code raised
         raise CapsNetError(f"{FLAG} {name}: it did not import ({type(e).__name__}: {first_line(e)}); give a module "
                            "on the Python path or in the current folder, or a .py file") from None
+
+
+def _import_name(name: str):
+    """A module name resolved as Python resolves it, the installed module first: the current folder
+    is searched only where nothing installed has the name, and a file there of that name which the
+    installed module wins over is said in one line (``./NAME.py`` imports that file)."""
+    top = name.split(".")[0]
+    with routings.without_current_folder():
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (name + ".").startswith(e.name + "."):  # the module's own import failed
+                raise
+            module = None
+    here = os.getcwd()
+    local = next((p for p in (os.path.join(here, top + ".py"), os.path.join(here, top)) if os.path.exists(p)), None)
+    if module is None:
+        sys.path.insert(0, here)  # a console script's path does not hold the current folder
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(here)
+    found = os.path.realpath(getattr(module, "__file__", None) or "")
+    if local and not found.startswith(os.path.realpath(local)):
+        print(f"warning: {FLAG} {name}: imported the installed {printable(found or name)}, not "
+              f"{printable(os.path.relpath(local))} in the current folder (give ./{top}.py to import that file)",
+              file=sys.stderr, flush=True)
+    return module
 
 
 def load_from_argv(argv) -> None:

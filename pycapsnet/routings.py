@@ -45,10 +45,11 @@ reference runs the plain ones.
 """
 from __future__ import annotations
 
-from .core.routing import softmax, softmax_backward
+from .core.routing import MODES, softmax, softmax_backward
 from .core.routing_contract import Routing
 from .core.routings import DEFAULT_ITERS, get, is_builtin, module_of, names, register
 from .core.squash import squash, squash_backward
+from .errors import CapsNetError
 
 __all__ = ["Routing", "register", "get", "names", "is_builtin", "module_of", "DEFAULT_ITERS", "layer", "check",
            "squash", "squash_backward", "softmax", "softmax_backward"]
@@ -58,10 +59,35 @@ def layer(name, children, capsules, dim, backend="numpy", dtype="float32", seed=
           init_std=None, **options):
     """A routing layer on capsules, routed by ``name``: u (N, I, K) -> v (N, J, D), with
     ``children`` = (I, K), ``capsules`` J and ``dim`` D (ClassCaps with one position; its transforms
-    W_ij start at ``init_std``, or init.routed_std).  forward(u), backward(dv) -> du, params, grads."""
+    W_ij start at ``init_std``, or init.routed_std).  forward(u), backward(dv) -> du, params, grads.
+    Every argument is checked first: one CapsNetError naming it, and nothing allocated."""
+    from . import arguments as a
+    from .backends.host import machine_memory
     from .tools.routing_checks import layer as make
 
-    return make(name, children, capsules, dim, backend, dtype, seed, iters, routing_grad, init_std, **options)
+    if not isinstance(name, str):
+        raise CapsNetError(f"name must be a registered routing's name (a str), got {a.shown(name)}")
+    get(name)
+    if not a.is_sequence(children, 2):
+        raise CapsNetError(f"children must be (I, K): the number of child capsules and their dimensions, such as "
+                           f"(32, 8), got {a.shown(children)}")
+    I, K = (a.whole(v, f"children[{k}] ({w})", least=1) for k, (v, w) in
+            enumerate(zip(children, ("I, the child capsules", "K, their dimensions"))))
+    J, D = a.whole(capsules, "capsules", least=1), a.whole(dim, "dim", least=1)
+    seed, iters = a.whole(seed, "seed"), a.whole(iters, "iters", least=1, none=True)
+    init_std = a.real(init_std, "init_std", lo=0, open_lo=True, none=True)
+    need, have = I * J * D * K * 8 * 3, machine_memory()  # W_ij, its gradient and the float64 draw it starts from
+    if have and need > have // 2:
+        raise CapsNetError(f"children {tuple(children)}, capsules {J} and dim {D} need W_ij of {I * J * D * K:,} "
+                           f"numbers ({need / 2**30:.1f} GiB with its gradient), more than half this machine's "
+                           f"{have / 2**30:.1f} GiB: give fewer or smaller capsules")
+    try:
+        return make(name, (I, K), J, D, backend, dtype, seed, iters, a.choice(routing_grad, "routing_grad", MODES),
+                    init_std, **options)
+    except CapsNetError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise CapsNetError(f"routings.layer({name!r}): {e}") from None
 
 
 def check(name, samples: int = 12, tol: float = 1e-6, seed: int = 0):

@@ -358,6 +358,33 @@ class _Module(torch.nn.Module):
         self._bind_buffers()
         return self
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As torch's; with ``assign=True`` the module then computes in the tensors' dtype and on their
+        device (as torch keeps the state dict's properties), or, where pycapsnet cannot (float16,
+        tensors of mixed dtypes or devices), is left as it was and the error says why."""
+        params = {n: p for n, p in self.named_parameters()}
+        buffers = {n: b for n, b in self.named_buffers()}
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if not assign:
+            return result
+        tensors = [*self._params(), *(self.get_buffer(self._names[n]) for n, _, _ in self._op.buffer_slots)]
+        kinds = sorted({f"{str(t.dtype)[6:]} on {t.device}" for t in tensors})
+        try:
+            if len(kinds) > 1:
+                raise CapsNetError(f"its tensors are {' and '.join(kinds)}: give them one dtype and device")
+            self._op.move(self._params())
+        except (BackendError, CapsNetError) as e:
+            for table, old in ((params, "_parameters"), (buffers, "_buffers")):
+                for name, t in table.items():
+                    *path, leaf = name.split(".")
+                    getattr(functools.reduce(getattr, path, self), old)[leaf] = t
+            self._bind_buffers()
+            raise CapsNetError(f"load_state_dict(..., assign=True) refused, {type(self).__name__} left as it was "
+                               f"({self._op.B.dtype} on {self._op.B.device}): {e}; or load without assign=True, "
+                               "which converts the values to the module's dtype") from None
+        self._bind_buffers()
+        return result
+
     def _bind_buffers(self):
         """The layers compute with, and update, the module's own buffers: those ``.to()`` made, and
         those ``load_state_dict(..., assign=True)`` put in place of the ones registered."""
@@ -452,8 +479,6 @@ class Network(_Module):
         return self._call(self._loss_op, (x,))[0]
 
 
-
-
 @contextlib.contextmanager
 def held(module):
     """Inside the block, what the wrapped layers draw (random routing's coefficients, Dropout's
@@ -467,13 +492,14 @@ def held(module):
     if not isinstance(module, _Module):
         raise CapsNetError(f"held takes a module of pycapsnet.torch (Layer, Network), not {type(module).__name__}")
     drawing = [obj for obj in _objects(module._op.root) if hasattr(obj, "hold")]
+    was = [layer.hold for layer in drawing]  # a block inside another keeps the outer one's hold when it ends
     for layer in drawing:
         layer.hold = True
     try:
         yield module
     finally:
-        for layer in drawing:
-            layer.hold = False
-            for k in ("mask", "drawn"):  # the next draw is a new one
+        for layer, before in zip(drawing, was):
+            layer.hold = before
+            for k in ("mask", "drawn") if not before else ():  # the next draw is a new one
                 if hasattr(layer, k):
                     setattr(layer, k, None)

@@ -244,7 +244,7 @@ class ClassCaps(Layer):
 
     def coefficients(self) -> list:
         """The routing's coefficients of each iteration of the last forward, the blocks joined: (N, J, I)."""
-        per_block = [self.algo.coupling(trace) for _, trace in self.trace]
+        per_block = [routings.run_coupling(self.algo, trace, None, self.J) for _, trace in self.trace]
         return [self.B.xp.concat([block[r] for block in per_block]) for r in range(len(per_block[0]))]
 
     def backward(self, dv, input_grad=True):

@@ -79,7 +79,7 @@ class ConvCaps(Layer):
 
     def coefficients(self) -> list:
         """The routing's coefficients of each iteration of the last forward: (N*P, C, I)."""
-        return self.algo.coupling(self.trace)
+        return routings.run_coupling(self.algo, self.trace, None, self.C)
 
     def last_coefficients(self):
         return self.coefficients()[-1]

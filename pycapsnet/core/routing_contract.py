@@ -37,6 +37,8 @@ automatic check of its backward.
 """
 from __future__ import annotations
 
+from ..errors import CapsNetError
+
 
 class Routing:
     """A routing algorithm.  Subclass it, set the class attributes, write the four methods; the
@@ -96,6 +98,10 @@ class Routing:
         """backward with dL/dû written into ``out`` (the layer passes û's own memory, whose last use
         this is): (grads, du).  A routing whose backward can write there directly overrides it."""
         du_hat, grads, du = self.backward(B, u_hat, u, trace, dv, p)
+        if tuple(getattr(du_hat, "shape", ())) != tuple(out.shape):  # out[...] = would broadcast it silently
+            raise CapsNetError(f"routing '{self.name}': backward must return dû of û's shape (I, n, J, D) = "
+                               f"{tuple(out.shape)}, got {getattr(du_hat, 'shape', type(du_hat).__name__)}; check it "
+                               f"with `pycapsnet check-routing {self.name}`")
         out[...] = du_hat
         return grads, du
 

@@ -17,13 +17,17 @@ the first time the registry is read.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
+import os
 import re
+import sys
 
 import numpy as np
 
+from .. import errors
 from ..errors import CapsNetError
 from . import attention_routing, inverted_routing, routing, self_routing, vb_routing
 from .routing import MODES
@@ -37,6 +41,10 @@ _discovered = False
 LAYER_OPTIONS = {"layer", "name", "capsules", "types", "dim", "kernel", "stride", "iters", "routing_grad",
                  "share_spatial", "init_std", "bias", "routing"}
 _METHODS = ("params", "forward", "backward", "coupling")
+# Names that mean something else wherever a routing's name is read (build, --routing, the study's rows)
+RESERVED = {"capsnet": "the paper's network (build)", "em": "matrix capsules with EM routing",
+            "cnn": "the routing study's CNN baseline", "efficient": "Efficient-CapsNet (build, --network)",
+            "capsnet-published": "the paper's network as its published code builds it (build, --network)"}
 
 
 def register(cls):
@@ -61,6 +69,11 @@ def _contract_problem(cls) -> str | None:
         return "a routing is a subclass of pycapsnet.routings.Routing"
     if not isinstance(cls.name, str) or not re.fullmatch(r"[a-z][a-z0-9_-]*", cls.name):
         return f"its name must be lower-case letters, digits, '-' or '_' (starting with a letter), got {cls.name!r}"
+    if cls.name in RESERVED:
+        return f"the name {cls.name!r} means {RESERVED[cls.name]} in pycapsnet; give it another name"
+    if re.fullmatch(r".+-\d+", cls.name):
+        return (f"a name ending in '-' and a number ({cls.name!r}) means a routing at that many iterations in the "
+                "routing study; give it another name")
     for attr in ("iterated", "reads_children", "takes_bias", "draws", "routes_shared"):
         if not isinstance(getattr(cls, attr), bool):
             return f"{attr} must be True or False, got {getattr(cls, attr)!r}"
@@ -114,28 +127,86 @@ def is_builtin(name: str) -> bool:
 
 
 def _discover() -> None:
-    """Import the routings installed packages declare under the entry-point group (once); a plugin
-    that fails to load is named in one warning, and the others load."""
+    """Import the routings installed packages declare under the entry-point group (once).  Only
+    installed distributions count: the current folder, which ``python -m``, ``python -c`` and a
+    notebook put on sys.path, is not searched for them (a folder a user merely stands in must not
+    run code), and the modules they name are imported from the installed path alone.  A plugin that
+    fails to load, or names no Routing, is one line on stderr, and the others load."""
     global _discovered
     if _discovered:
         return
     _discovered = True
-    from importlib.metadata import entry_points
+    from importlib import metadata
 
+    with without_current_folder() as path:
+        seen = set()
+        for dist in metadata.distributions(path=path):
+            name = (dist.metadata["Name"] or "") if dist.metadata is not None else ""
+            if name.lower() in seen:  # the first on the path, as Python imports it
+                continue
+            seen.add(name.lower())
+            for ep in dist.entry_points:
+                if ep.group == ENTRY_POINTS:
+                    _load_entry_point(ep, name)
+    for dist in metadata.distributions(path=current_folder_entries() or [os.getcwd()]):
+        if any(ep.group == ENTRY_POINTS for ep in dist.entry_points):
+            what = f"{dist.metadata['Name']} {dist.version}" if dist.metadata is not None else "a package"
+            _notice(f"the routing entry points of {_shown(what)} in the current folder are not loaded: only installed "
+                    "packages' are (install it, or import its module: --plugin MODULE)")
+
+
+def _load_entry_point(ep, dist) -> None:
     try:
-        found = entry_points(group=ENTRY_POINTS)
-    except Exception:  # pragma: no cover - a broken installation's metadata: no plugins
+        obj = ep.load()
+    except Exception as e:  # noqa: BLE001 - any failure of a third party's import
+        _notice(f"the routing plugin {_shown(ep.name)} ({_shown(ep.value)}, from {_shown(dist)}) did not load: "
+                f"{type(e).__name__}: {_shown(errors.first_line(e))}")
         return
-    for ep in found:
-        try:
-            obj = ep.load()
-            if inspect.isclass(obj) and issubclass(obj, Routing) and obj.name not in _REGISTRY:
-                register(obj)
-        except Exception as e:  # noqa: BLE001 - any failure of a third party's import
-            import warnings
+    if not (inspect.isclass(obj) and issubclass(obj, Routing)):
+        if not inspect.ismodule(obj):  # a module registers its routings as it is imported
+            _notice(f"the routing plugin {_shown(ep.name)} ({_shown(ep.value)}, from {_shown(dist)}) names "
+                    f"{type(obj).__name__} {_shown(getattr(obj, '__name__', obj))}, not a Routing class: it is skipped")
+        return
+    taken = _REGISTRY.get(obj.name)
+    if taken is obj:
+        return
+    if taken is not None and is_builtin(obj.name):
+        _notice(f"the routing plugin {_shown(ep.name)} ({_shown(ep.value)}, from {_shown(dist)}) takes the built-in "
+                f"name {obj.name!r}: it is skipped")
+        return
+    try:
+        register(obj)
+    except CapsNetError as e:
+        _notice(f"the routing plugin {_shown(ep.name)} ({_shown(ep.value)}, from {_shown(dist)}) is skipped: {e}")
 
-            warnings.warn(f"the routing plugin {ep.name} ({ep.value}) did not load: {type(e).__name__}: {e}",
-                          stacklevel=2)
+
+def _notice(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _shown(text) -> str:
+    """A string from a file or a third party, printed as one line: control characters escaped."""
+    return errors.printable(str(text))
+
+
+def current_folder_entries() -> list:
+    """The entries of sys.path that stand for the current folder ('' and its path)."""
+    here = os.path.realpath(os.getcwd())
+    return [p for p in sys.path if p in ("", ".") or os.path.realpath(p) == here]
+
+
+@contextlib.contextmanager
+def without_current_folder():
+    """sys.path without the current folder while the block runs (yielded); restored after it, with
+    what the block added."""
+    here = current_folder_entries()
+    saved = list(sys.path)
+    sys.path[:] = [p for p in saved if p not in here]
+    try:
+        yield list(sys.path)
+    finally:
+        added = [p for p in sys.path if p not in saved]
+        sys.path[:] = saved + added
 
 
 # ---- options ------------------------------------------------------------------------------------
@@ -249,33 +320,71 @@ def run_forward(algo, B, u_hat, p, u, fixed):
         got = f"v of shape {shape}" if shape is not None else f"{type(out).__name__}"
         raise CapsNetError(f"routing '{algo.name}': forward must return (v, trace) with v of shape (n, J, D) = "
                            f"{(n, J, D)}, got {got}; check it with `pycapsnet check-routing {algo.name}`")
+    if _watched(algo, B, (u_hat, u)):
+        _finite_from_finite(algo, B, "forward", (out[0],))
     return out
+
+
+def _watched(algo, B, inputs) -> bool:
+    """Whether to check what ``algo`` makes for NaN or inf: a routing not built in (the built-in ones
+    are checked by the tests, and keep their speed), outside a recorded step, on finite inputs."""
+    return not is_builtin(algo.name) and B.may_read_back() and all(a is None or B.all_finite(a) for a in inputs)
+
+
+def _finite_from_finite(algo, B, what, outputs) -> None:
+    """Name the routing, and the pass, that made NaN or inf from finite inputs where it happens."""
+    if not all(a is None or B.all_finite(a) for a in outputs):
+        options = f" (its options: {_shown(algo.options)})" if algo.options else ""
+        raise errors.RoutingNotFinite(f"routing '{algo.name}' made NaN or inf in its {what} from finite inputs"
+                                      f"{options}", f"check it with `pycapsnet check-routing {algo.name}`")
 
 
 def run_backward(algo, B, u_hat, u, trace, dv, p, out):
     """``algo.backward_into`` with what it returns checked: dL/dû written into ``out``, (the
     parameters' gradients, dL/du or None)."""
+    watched = _watched(algo, B, (u_hat, u, dv))  # (before: out may be û's own memory)
     try:
         grads, du = algo.backward_into(B, u_hat, u, trace, dv, p, out)
     except Exception as e:
         raise _failed(algo, "backward", e, B) from e
-    wrong = [k for k, g in grads.items() if k not in p or tuple(g.shape) != tuple(p[k].shape)]
+    if not isinstance(grads, dict):
+        raise CapsNetError(f"routing '{algo.name}': backward must return its parameters' gradients as a dict "
+                           f"({{name: array}}, {{}} if it has none), got {_shown(type(grads).__name__)}; check it with "
+                           f"`pycapsnet check-routing {algo.name}`")
+    wrong = [k for k, g in grads.items() if k not in p or tuple(getattr(g, "shape", ())) != tuple(p[k].shape)]
     if wrong or (du is not None and (u is None or tuple(du.shape) != tuple(u.shape))):
         what = f"a gradient {wrong[0]!r} that is no parameter of its, or of another shape" if wrong else \
             "du, but it reads no child capsules" if u is None else f"du of shape {tuple(du.shape)}, not u's {tuple(u.shape)}"
         raise CapsNetError(f"routing '{algo.name}': backward returned {what}; check it with "
                            f"`pycapsnet check-routing {algo.name}`")
+    if watched:
+        _finite_from_finite(algo, B, "backward", (out, du, *grads.values()))
     return grads, du
+
+
+def run_coupling(algo, trace, n, J) -> list:
+    """``algo.coupling(trace)`` checked: a list of each iteration's coefficients, (n, J, I) arrays
+    (``n`` None: any)."""
+    try:
+        found = algo.coupling(trace)
+    except Exception as e:
+        raise _failed(algo, "coupling", e, None) from e
+    ok = isinstance(found, (list, tuple)) and len(found) > 0 and all(
+        len(getattr(c, "shape", ())) == 3 and c.shape[1] == J and n in (None, c.shape[0]) for c in found)
+    if not ok:
+        got = f"{type(found).__name__} of {len(found)}" if isinstance(found, (list, tuple)) else type(found).__name__
+        raise CapsNetError(f"routing '{algo.name}': coupling() must return a list of each iteration's coefficients, "
+                           f"arrays (n, J, I) with J = {J}, got {_shown(got)}; check it with "
+                           f"`pycapsnet check-routing {algo.name}`")
+    return list(found)
 
 
 def _failed(algo, what, e, B):
     """The error a routing's failure becomes: the backend's own (out of memory, a refused host copy)
     as it is, anything else one line naming the routing and how to check it."""
-    from .. import errors
-
-    if isinstance(e, (MemoryError, CapsNetError, errors.BackendError)) or B.out_of_memory(e):
+    if isinstance(e, (MemoryError, CapsNetError, errors.BackendError)) or B is not None and B.out_of_memory(e):
         return e
-    return CapsNetError(f"routing '{algo.name}' failed in its {what} ({type(e).__name__}: {errors.first_line(e)}); "
+    return CapsNetError(f"routing '{algo.name}' failed in its {what} ({type(e).__name__}: {_shown(errors.first_line(e))}); "
                         f"check it with `pycapsnet check-routing {algo.name}`")
 
 

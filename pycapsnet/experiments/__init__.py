@@ -126,6 +126,7 @@ def main(args) -> int:
     module = {"table1": table1, "affine": affine, "multimnist": multimnist, "routings": routing_study}[args.name]
     _refuse_flags_of_others(args)
     if getattr(args, "merge", None):
+        _refuse_flags_beside_merge(args)
         return routing_study.merge(args)
     for k, v in OWN_FLAGS[args.name].items():
         if getattr(args, k, None) is None:
@@ -194,6 +195,20 @@ def _refuse_flags_of_others(args) -> None:
         flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
         raise CapsNetError(f"experiment {args.name} does not read {flags} ({' and '.join(owners)} "
                            f"do{'es' if len(owners) == 1 else ''}): drop it")
+
+
+# --merge reads every setting off the units: these flags, at other values than their defaults, would be ignored
+MERGE_READS = {"name", "merge", "out", "fn", "plugin", "command"}
+FLAG_DEFAULTS = {"batch_size": 32, "backend": "numpy", "dtype": "float32", "quick": False}
+
+
+def _refuse_flags_beside_merge(args) -> None:
+    given = sorted(k for k, v in vars(args).items() if k not in MERGE_READS and v is not None
+                   and v != FLAG_DEFAULTS.get(k, None))
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise CapsNetError(f"--merge reads every setting off the merged units, so it takes no {flags}: drop "
+                           f"{'it' if len(given) == 1 else 'them'} (give only the folders and --out)")
 
 
 def check_fits(what: str, images: int, side: int, fix: str) -> None:
@@ -290,6 +305,10 @@ def _data_arrays(data):
     x = images(x, np.shape(x)[1:] if np.ndim(x) == 4 else (1, *np.shape(x)[1:]), "x")
     xt = images(xt, x.shape[1:], "x_test")
     y, yt = labels(y, len(x), None, "y"), labels(yt, len(xt), None, "y_test")
+    unseen = sorted(set(np.unique(yt).tolist()) - set(np.unique(y).tolist()))
+    if unseen:
+        raise CapsNetError(f"y_test holds label {unseen[0]}, which no training image has: a network is scored only on "
+                           "classes it was trained on; give training images of it, or leave those test images out")
     n = int(max(y.max(), yt.max())) + 1
     classes = tuple(str(k) for k in range(n))
     return Split(x, y, "arrays", classes), Split(xt, yt, "arrays", classes)

@@ -28,15 +28,16 @@ import hashlib
 import json
 import os
 import re
+import sys
 
 import numpy as np
 
 from ..core import architecture as A, routings
 from ..core.description import param_shapes
-from ..errors import CapsNetError
+from ..errors import CapsNetError, printable
 from ..training import data
 from ..training.log import say
-from . import check_fits, digits, loop, study_protocol as protocol, study_report as report
+from . import check_fits, digits, loop, study_protocol as protocol, study_report as report, study_units
 from .networks import baseline_cnn
 from .study_diagnostics import TestPass
 
@@ -74,35 +75,36 @@ def check_rows(chosen) -> list:
     return rows
 
 
-def network(row, shape, backbone, options=None, decoder=None) -> dict:
+def network(row, shape, backbone, options=None, decoder=None, n_classes=10) -> dict:
     """The description of ``row``'s network on the backbone (``options``: its routing's own)."""
     kind, routing, iters = row_spec(row)
     if kind == "cnn":
-        return matched_cnn(shape, backbone)
+        return matched_cnn(shape, backbone, n_classes)
     stem = [A.conv2d(backbone["conv_channels"], 9, name="conv1"), A.relu(name="relu1")]
     if kind == "em":
         body = stem + [A.primary_matrix_caps(backbone["primary_types"], name="primary"),
-                       A.class_matrix_caps(10, iters=iters, name="classcaps")]
-        return A.network(body, head="activations", loss=A.spread_loss(), decoder=None, input_shape=shape, n_classes=10)
+                       A.class_matrix_caps(n_classes, iters=iters, name="classcaps")]
+        return A.network(body, head="activations", loss=A.spread_loss(), decoder=None, input_shape=shape,
+                         n_classes=n_classes)
     body = stem + [A.primary_caps(backbone["primary_types"], backbone["primary_dim"], kernel=9, stride=2, name="primary"),
-                   A.dynamic_caps(10, backbone["class_dim"], iters=iters, routing=routing, name="classcaps",
+                   A.dynamic_caps(n_classes, backbone["class_dim"], iters=iters, routing=routing, name="classcaps",
                                   **(options or {}))]
     head, loss = routings.get(routing).head
     if head == "logits":
         body.append(A.capsule_logits(name="logits"))
     loss = A.margin_loss() if loss == "margin" else {"loss": loss}
     return A.network(body, head=head, loss=loss, decoder=decoder and A.decoder(decoder), input_shape=shape,
-                     n_classes=10)
+                     n_classes=n_classes)
 
 
-def matched_cnn(shape, backbone) -> dict:
+def matched_cnn(shape, backbone, n_classes=10) -> dict:
     """The baseline CNN (networks.baseline_cnn) with its widths scaled by one factor so that its
     parameters come closest to those of the "dynamic" row's network."""
-    target = _params(network("dynamic", shape, backbone))
+    target = _params(network("dynamic", shape, backbone, n_classes=n_classes))
     best = None
     for f in np.geomspace(0.02, 1.5, 200):
         w = lambda n: max(1, int(round(n * f)))  # noqa: E731
-        d = baseline_cnn(shape, channels=(w(256), w(256), w(128)), hidden=(w(328), w(192)))
+        d = baseline_cnn(shape, n_classes, channels=(w(256), w(256), w(128)), hidden=(w(328), w(192)))
         gap = abs(_params(d) - target)
         if best is None or gap < best[0]:
             best = (gap, d)
@@ -165,6 +167,9 @@ class Study:
         self.settings = self._settings()
         self.units = units_cls(out, self.settings, {"rows": self.rows, "seeds": args.seeds, "sweep": self.sweep,
                                                     "sweep_seeds": args.sweep_seeds})
+        if self.units.done:
+            study_units.check(self.units.path, self.settings, self.units.done)
+        self.given = self._given_choices(args.choices) if args.choices and args.lr is None else None
 
     def _settings(self) -> dict:
         a = self.args
@@ -173,6 +178,9 @@ class Study:
                 "lr_grid": list(protocol.LR_GRID), "open_options": protocol.OPEN_OPTIONS,
                 "tune_seeds": list(protocol.TUNE_SEEDS), "val_fraction": a.val_fraction,
                 "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target}}
+
+    def network(self, row, shape, trial) -> dict:
+        return network(row, shape, self.backbone, _options(trial), n_classes=len(self.train.classes))
 
     def trials_of(self, row) -> list:
         if self.args.lr is not None:
@@ -196,8 +204,8 @@ class Study:
         merged run's choices.json (--choices), made under the same settings."""
         if self.args.lr is not None:
             return {r: f"lr={self.args.lr:g}" for r in self.rows}
-        if self.args.choices:
-            return self._given_choices(self.args.choices)
+        if self.given is not None:
+            return self.given
         chosen, missing = report.tuning(self.units.done, self.rows, self.trials_of, protocol.TUNE_SEEDS)
         return None if missing else {r: c["chosen"] for r, c in chosen.items()}
 
@@ -209,9 +217,9 @@ class Study:
                 for s in protocol.TUNE_SEEDS:
                     key = f"tune {row} {protocol.trial_name(t)} seed {s}"
                     if self.mine(key):
-                        self.units.measure(key, lambda t=t, s=s, key=key: _trained(
-                            self.args, self.B, network(row, shape, self.backbone, _options(t)), s, t["lr"],
-                            self.train, val, _shift, key))
+                        self.units.measure(key, lambda t=t, s=s, key=key: study_units.sealed(_trained(
+                            self.args, self.B, self.network(row, shape, t), s, t["lr"],
+                            self.train, val, _shift, key)))
         choices = self.choices()
         if choices is None:
             say("tuning: this shard's trials are done; the others' are needed before any test digit is read: merge "
@@ -224,13 +232,14 @@ class Study:
                 continue
             kind, row, _, s = key.split(" ")
             base = row if row in choices else row.rsplit("-", 1)[0]
-            t = _parse_trial(choices[base])
+            t, trial = _parse_trial(choices[base]), {"trial": choices[base]}  # each unit records the trial it ran
             if kind == "main":
-                self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: _trained(
-                    self.args, self.B, network(row, shape, self.backbone, _options(t)), s, t["lr"], self.train, val,
-                    _shift, key, test=self.test.open()))
+                self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed({**_trained(
+                    self.args, self.B, self.network(row, shape, t), s, t["lr"], self.train, val,
+                    _shift, key, test=self.test.open()), **trial}))
             else:
-                self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: self._affine_unit(row, t, s, key))
+                self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed(
+                    {**self._affine_unit(row, t, s, key), **trial}))
 
     def _given_choices(self, path) -> dict:
         try:
@@ -241,10 +250,15 @@ class Study:
         if not isinstance(given, dict) or given.get("settings") != json.loads(json.dumps(self.settings)):
             raise CapsNetError(f"--choices {path}: its choices were made under other settings or code than this "
                                "run's: give the merged folder of this study's own shards")
-        lost = [r for r in self.rows if r not in given.get("choices", {})]
+        chosen = given.get("choices")
+        lost = [r for r in self.rows if not isinstance(chosen, dict) or r not in chosen]
         if lost:
             raise CapsNetError(f"--choices {path} holds no choice for {', '.join(lost)}")
-        return given["choices"]
+        for r in self.rows:
+            if chosen[r] not in self.trials_of(r):  # a value, checked as the protocol's own trials
+                raise CapsNetError(f"--choices {path}: {r}'s choice {printable(repr(chosen[r]), 60)} is none of its "
+                                   f"trials ({', '.join(self.trials_of(r))}); give the choices.json a merge wrote")
+        return {r: chosen[r] for r in self.rows}
 
     def _write_choices(self, choices) -> None:
         from ..training.files import atomic_write
@@ -275,7 +289,7 @@ class Study:
                     read["last"] = {**scores, "val": acc}
 
         run = argparse.Namespace(**{**vars(self.args), "lr": t["lr"]})
-        description = network(row, (1, canvas, canvas), self.backbone, _options(t))
+        description = self.network(row, (1, canvas, canvas), t)
         loop.train_network(run, self.B, description, seed, self.train, lambda x, r: digits.place(data.as_float(x), canvas, r),
                            desc, after_epoch=score)
         return read
@@ -317,24 +331,57 @@ def _source(args):
 
 
 def run(args, B, out, units=None) -> dict:
+    """The study's units this process runs into ``out``, which it locks meanwhile: two runs with one
+    --out (two shards) would each write the file the other is writing."""
     from .units import Units
+    from ..training.run_dir import lock, unlock
 
-    study = Study(args, B, lambda out, settings, layout: Units(out, flags=settings, layout=layout), out)
-    study.run()
-    return assemble(study.settings, study.units.done, study.rows, study.sweep, args.seeds, args.sweep_seeds)
+    held = lock(out)
+    try:
+        study = Study(args, B, lambda out, settings, layout: Units(out, flags=settings, layout=layout), out)
+        study.run()
+        return assemble(study.settings, study.units.done, study.rows, study.sweep, args.seeds, args.sweep_seeds)
+    finally:
+        unlock(out, held)
 
 
 def merge(args) -> int:
     """--merge DIR ...: the units of every folder, which must share their settings and code, into --out
-    (units.json, results); rows, seeds and the sweep are read off the units themselves."""
+    (units.json, results); rows, seeds and the sweep are read off the units themselves.  Each file is
+    checked first (study_units), and every main unit must have run the trial its tuning chose; --out
+    is locked while it is written, and a units file there of anything else is refused."""
     from . import write_results
-    from .units import FILE, Units
-    from ..training.files import atomic_write
-    from ..training.run_dir import out_dir_for
+    from .units import FILE
+    from ..training.run_dir import lock, out_dir_for, unlock
 
-    flags, units, layout = None, {}, None
-    for d in args.merge:
+    flags, units, layout, origin = _merged(args.merge)
+    out = args.out or "experiments/routings-merged"
+    with out_dir_for(out):
+        held = lock(out)
+        try:
+            _refuse_other_units(out, flags, layout, units)
+            results = assemble(flags, units, layout["rows"], layout["sweep"], layout["seeds"], layout["sweep_seeds"])
+            _refuse_other_trials(flags, units, layout, results["tuning"], origin)
+            _write(os.path.join(out, FILE), {"flags": flags, "layout": layout, "units": units})
+            results.update(command="pycapsnet experiment routings --merge " + " ".join(args.merge), merged=list(args.merge))
+            if results["tuning"] and set(results["tuning"]) >= set(layout["rows"]):  # every choice made: the shards' next step
+                _write(os.path.join(out, "choices.json"),
+                       {"settings": flags, "choices": {r: t["chosen"] for r, t in results["tuning"].items()}})
+            write_results(sys.modules[__name__], results, out)
+        finally:
+            unlock(out, held)
+    say(f"merged {len(units)} units of {len(args.merge)} folder(s) into {out}")
+    return 0
+
+
+def _merged(dirs) -> tuple:
+    """(flags, units, layout, {unit: the folder it came from}) of the folders, each file checked."""
+    from .units import FILE, Units
+
+    flags, units, layout, origin = None, {}, None, {}
+    for d in dirs:
         f, u, lay = Units.read(d)
+        study_units.check(os.path.join(d, FILE), f, u, lay)
         if flags is None:
             flags, first, layout = f, d, lay
         elif f != flags:
@@ -345,21 +392,52 @@ def merge(args) -> int:
             raise CapsNetError(f"--merge: {d} is a study of other rows or seeds than {first}: merge the shards of "
                                "one command")
         for key, value in u.items():
+            if key in units and units[key] != value:
+                raise CapsNetError(f"--merge: {origin[key]} and {d} hold different figures for unit '{key}': a unit "
+                                   "is trained once; merge the folders of one study's shards")
             units.setdefault(key, value)
+            origin.setdefault(key, d)
     if layout is None:
         raise CapsNetError(f"--merge: {first} holds no routing study's units")
-    out = args.out or "experiments/routings-merged"
-    with out_dir_for(out):
-        atomic_write(os.path.join(out, FILE), lambda fh: json.dump({"flags": flags, "layout": layout, "units": units},
-                                                                   fh, indent=1), text=True)
-        results = assemble(flags, units, layout["rows"], layout["sweep"], layout["seeds"], layout["sweep_seeds"])
-        results.update(command="pycapsnet experiment routings --merge " + " ".join(args.merge), merged=list(args.merge))
-        if results["tuning"] and set(results["tuning"]) >= set(layout["rows"]):  # every choice made: the shards' next step
-            choices = {"settings": flags, "choices": {r: t["chosen"] for r, t in results["tuning"].items()}}
-            atomic_write(os.path.join(out, "choices.json"), lambda fh: json.dump(choices, fh, indent=1), text=True)
-        write_results(__import__(__name__, fromlist=["table"]), results, out)
-    say(f"merged {len(units)} units of {len(args.merge)} folder(s) into {out}")
-    return 0
+    return flags, units, layout, origin
+
+
+def _refuse_other_units(out, flags, layout, units) -> None:
+    """A units file already in ``out`` is replaced only by a merge that holds all of it (the same study
+    merged again): hours of units are never lost to a mistyped --out."""
+    from .units import FILE, Units
+
+    path = os.path.join(out, FILE)
+    if not os.path.exists(path):
+        return
+    try:
+        f, u, lay = Units.read(out)
+    except CapsNetError:
+        f = u = lay = None
+    if not (f == flags and lay == layout and isinstance(u, dict) and all(units.get(k) == v for k, v in u.items())):
+        raise CapsNetError(f"--merge: --out {out} holds {path}, units of another study or units the merged folders "
+                           "do not hold: give another --out (or merge that folder too)")
+
+
+def _refuse_other_trials(flags, units, layout, tuning, origin) -> None:
+    """Every main and affine unit that records its trial ran the one its tuning chose (or --lr's)."""
+    for key, unit in units.items():
+        kind, row = key.split(" ")[:2]
+        if kind == "tune" or "trial" not in unit:
+            continue
+        base = row if row in layout["rows"] else row.rsplit("-", 1)[0]
+        chosen = f"lr={flags['fixed_lr']:g}" if flags.get("fixed_lr") is not None else \
+            (tuning.get(base) or {}).get("chosen")
+        if chosen is not None and unit["trial"] != chosen:
+            raise CapsNetError(f"--merge: {os.path.join(origin[key], 'units.json')}: unit '{key}' ran trial "
+                               f"{printable(unit['trial'], 60)}, not {chosen}, which its row's tuning chose: its "
+                               "figures are not this study's; train it again with the merged choices.json")
+
+
+def _write(path, record) -> None:
+    from ..training.files import atomic_write
+
+    atomic_write(path, lambda fh: json.dump(record, fh, indent=1), text=True)
 
 
 def assemble(settings, done, rows, sweep, seeds, sweep_seeds) -> dict:

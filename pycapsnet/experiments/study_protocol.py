@@ -94,17 +94,30 @@ def record_of(split) -> dict:
 
 def split_data(train, test, limit, limit_test, val_fraction, seed=0):
     """(train, validation, test, {their records}): the protocol's data, step 1."""
+    _check_classes(train, test)
     if limit is not None:
         train = stratified(train, limit, seed)
     if limit_test is not None:
         test = stratified(test, limit_test, seed)
-    counts = np.bincount(train.y, minlength=len(train.classes))
-    if (counts > 0).sum() < 2 or min(c for c in counts if c) < 2:
+    if min(np.bincount(train.y, minlength=len(train.classes))) < 2:
         raise CapsNetError(f"the study's {len(train)} training digits leave a class with fewer than 2: give more "
                            "(--limit)")
     train, val = train.held_out(val_fraction, seed, what=f"the study's validation share {val_fraction}")
     return train, val, test, {"train": record_of(train), "validation": record_of(val), "test": record_of(test),
                               "validation_of": "a stratified, seeded share of the training digits"}
+
+
+def _check_classes(train, test) -> None:
+    """Every class the network scores has training images, and every label names one of them."""
+    counts = np.bincount(train.y, minlength=len(train.classes))
+    if len(counts) > len(train.classes) or test.y.size and int(test.y.max()) >= len(train.classes):
+        raise CapsNetError(f"the labels name {max(len(counts), int(test.y.max(initial=0)) + 1)} classes but the data "
+                           f"have {len(train.classes)}: give labels 0 to {len(train.classes) - 1}")
+    absent = [train.classes[k] for k in np.flatnonzero(counts == 0)]
+    if absent:
+        raise CapsNetError(f"class {absent[0]!r} has no training image (of {len(train.classes)} classes, labels 0 to "
+                           f"{len(train.classes) - 1}): every class the network scores needs training images; give "
+                           "them, or labels without that class")
 
 
 class SealedTest:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..errors import CapsNetError
+from ..errors import CapsNetError, first_line, printable
 from ..training.files import atomic_write
 from ..training.log import say
 
@@ -51,8 +51,9 @@ class Units:
         try:
             with open(self.path) as f:
                 saved = json.load(f)
-        except (OSError, ValueError) as e:
-            raise CapsNetError(f"cannot read {self.path} ({e}): delete it to train every unit again") from None
+        except (OSError, ValueError, RecursionError) as e:  # (JSON nested deeper than Python's stack)
+            why = "nested too deep" if isinstance(e, RecursionError) else printable(first_line(e))
+            raise CapsNetError(f"cannot read {self.path} ({why}): delete it to train every unit again") from None
         if not isinstance(saved, dict) or not isinstance(saved.get("units", {}), dict):
             raise CapsNetError(f"{self.path} is not an experiment's units file: delete it to train every unit again")
         return saved

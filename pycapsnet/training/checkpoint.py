@@ -19,7 +19,7 @@ import numpy as np
 from ..core import architecture, description
 
 from . import files
-from ..errors import CapsNetError
+from ..errors import CapsNetError, printable
 from ..userfiles import open_regular, refuse_special
 from ..core.model import CapsNet, CapsNetConfig
 from ..core.network import Network
@@ -84,9 +84,14 @@ def _unregistered(header, path) -> None:
         return
     if not (isinstance(own, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in own.items())):
         raise CapsNetError(f"{path} is damaged: its record of routings is not an object of names and modules")
+    odd = next(((k, v) for k, v in own.items() if not all(p.isidentifier() for p in v.split("."))), None)
+    if odd:
+        raise CapsNetError(f"{path} is damaged: its record of routings names the module {printable(odd[1], 80)!s} for "
+                           f"routing {printable(odd[0], 40)!s}, which is no Python module name")
     missing = {name: module for name, module in own.items() if name not in routings.names()}
     if missing:
         name, module = next(iter(missing.items()))
+        name = printable(name, 40)
         raise CapsNetError(f"{path} was trained with routing '{name}' of module {module}, which is not registered "
                            f"here: import {module} first (on the command line: --plugin {module})")
 

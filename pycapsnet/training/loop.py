@@ -22,7 +22,7 @@ from pycapsnet.backends.base import CompileWarning
 
 from ..core import architecture
 from ..core.model import CapsNet, CapsNetConfig
-from ..errors import CapsNetError, NotFinite, TrainingDiverged  # noqa: F401 (NotFinite: the trainer's)
+from ..errors import CapsNetError, NotFinite, RoutingNotFinite, TrainingDiverged  # noqa: F401 (NotFinite: the trainer's)
 from . import augment, checkpoint, data, distributed, optim, report
 from .graph import CapturedEval, CapturedStep
 from .log import progress, say, speaking
@@ -358,7 +358,11 @@ class Training:
                 if group is not None:
                     step_loss, step_correct = distributed.data_parallel_grads(model, group, x, y, n)
                 else:  # a recorded step includes the update, which is checked by the next step's loss
-                    out = captured(x, y) if replayed else model.train_step_grads(x, y)
+                    try:
+                        out = captured(x, y) if replayed else model.train_step_grads(x, y)
+                    except RoutingNotFinite as e:  # a routing of the user's own: named, not "try a lower lr"
+                        raise TrainingDiverged(self.directory.stopped(
+                            f"at epoch {epoch + 1}, step {step + 1}, {e.what}", e.fix)) from None
                     step_loss, step_correct = out.loss * n, int((out.predictions == y).sum())
                 if not np.isfinite(step_loss):
                     raise TrainingDiverged(self.directory.stopped(

@@ -174,8 +174,11 @@ class Adam(Optimizer):
         for k, beta in enumerate(betas):
             _check_hyperparameter(f"betas[{k}]", beta, 0, 1)  # beta = 1 would divide by 1 - beta^t = 0
         _check_hyperparameter("eps", eps, 0, math.inf, low_included=False)  # eps 0: 0/0 where a gradient is 0
-        self.b1, self.b2, self.eps = betas[0], betas[1], eps
         B = model.B
+        if not np.asarray(eps, dtype=B.dtype) > 0:  # the same 0/0, where the weights' dtype rounds eps to 0
+            raise CapsNetError(f"eps must be a number that {B.dtype} holds above 0 (the least is "
+                               f"{float(np.finfo(B.dtype).smallest_subnormal):.3g}), got {eps!r}: it rounds to 0")
+        self.b1, self.b2, self.eps = betas[0], betas[1], eps
         self.state.update({"m": {k: B.zeros(p.shape) for k, p in model.params.items()},
                            "v": {k: B.zeros(p.shape) for k, p in model.params.items()}})
         self._step_size, self._c2 = self._scalars(2)  # lr / (1 - b1^t) and 1 - b2^t, on the device

@@ -164,14 +164,15 @@ class RunDir:
         self._drop_what_is_not_this_checkpoints(history, older_than=_mtime(ckpt["path"]))
         return history
 
-    def stopped(self, what: str) -> str:
-        """The message of a run stopped by a non-finite number: what happened, and where to go back to."""
+    def stopped(self, what: str, fix: str | None = None) -> str:
+        """The message of a run stopped by a non-finite number: what happened, where to go back to,
+        and what to try (``fix``; by default a lower learning rate)."""
         if self.last_good:
             back = "The last good checkpoint is {} (epoch {})".format(*self.last_good)
         else:
             back = "This run wrote no checkpoint yet" + (
                 f" (the earlier run's files in {self.replacing} are as they were)" if self.replacing else "")
-        return f"{what}; stopped. {back}; try a lower {self.spell('lr')}."
+        return f"{what}; stopped. {back}; {fix or 'try a lower ' + self.spell('lr')}."
 
 
 def lock(path: str):
@@ -197,6 +198,19 @@ def lock(path: str):
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def unlock(path: str, fd) -> None:
+    """Release ``lock(path)``'s lock; its file goes too where it is all the folder holds (a command
+    refused before it wrote anything leaves no folder behind: out_dir_for removes an empty one)."""
+    if fd is None:
+        return
+    os.close(fd)
+    try:
+        if os.listdir(path) == [LOCK]:
+            os.remove(os.path.join(path, LOCK))
+    except OSError:
+        pass
 
 
 def read_header(path) -> dict | None:

@@ -1,0 +1,129 @@
+"""A routing study's units file read as evidence, not on trust: before its units are merged or
+reused, every one is checked to be what the study writes (its fields, their types and ranges), to
+agree with itself (a main unit's test error is the share of the test digits its own record of wrong
+digits marks) and, where it carries one, with its digest, which the study writes as the unit ends.
+A file that fails is refused in one line that names it and the unit."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+import re
+
+import numpy as np
+
+from ..errors import CapsNetError, printable
+from . import study_stats
+
+MAX_SEEDS = 10_000  # a layout beyond this is no study's: refused before anything is made for its seeds
+KEY = re.compile(r"(tune (?P<trow>\S+) (?P<trial>\S+)|(?P<kind>main|affine) (?P<row>\S+)) seed (?P<seed>\d+)")
+
+
+def digest(unit: dict) -> str:
+    """A digest of a unit's figures (the unit without its own digest), as JSON writes them."""
+    body = {k: v for k, v in unit.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def sealed(unit: dict) -> dict:
+    """The unit with its digest, as the study records it."""
+    return {**unit, "digest": digest(unit)}
+
+
+def check(path: str, flags, units, layout=None) -> None:
+    """Refuse, naming ``path``, a units file that is not what a routing study writes."""
+    def refuse(what: str):
+        raise CapsNetError(f"{path} is damaged or not a routing study's units file: {what}; give the folder the "
+                           "study wrote, or run its units again")
+
+    if not isinstance(flags, dict) or not isinstance(flags.get("data"), dict):
+        refuse("its flags are not the study's settings")
+    n_test = _get(flags, ("data", "test", "digits"))
+    if not _whole(n_test, 1):
+        refuse("its settings hold no count of test digits")
+    if layout is not None:
+        _check_layout(layout, refuse)
+    if not isinstance(units, dict):
+        refuse("its units are not an object of named units")
+    for key, unit in units.items():
+        m = KEY.fullmatch(key) if isinstance(key, str) else None
+        if m is None:
+            refuse(f"{printable(repr(key), 80)} is no unit's name")
+        problem = "it is not an object" if not isinstance(unit, dict) else _unit_problem(
+            "tune" if m.group("trial") else m.group("kind"), unit, n_test)
+        if problem:
+            refuse(f"unit '{printable(key, 80)}': {problem}")
+
+
+def _check_layout(layout, refuse) -> None:
+    if not isinstance(layout, dict):
+        refuse("its layout is not an object")
+    rows, sweep = layout.get("rows"), layout.get("sweep")
+    for name, value in (("rows", rows), ("sweep", sweep)):
+        if not isinstance(value, list) or not all(isinstance(r, str) and KEY.fullmatch(f"main {r} seed 0")
+                                                  for r in value):
+            refuse(f"its layout's {name} are not a list of row names")
+    if not rows:
+        refuse("its layout names no row")
+    for name in ("seeds", "sweep_seeds"):
+        if not _whole(layout.get(name), 1, MAX_SEEDS):
+            refuse(f"its layout's {name} is not a whole number from 1 to {MAX_SEEDS:,} "
+                   f"(got {printable(repr(layout.get(name)), 40)})")
+
+
+def _unit_problem(kind: str, unit: dict, n_test: int) -> str | None:
+    if "digest" in unit and unit["digest"] != digest(unit):
+        return "its figures do not match its digest (edited after it was recorded)"
+    if kind == "affine":
+        for reading in ("last", "target"):
+            r = unit.get(reading)
+            if r is not None and not (isinstance(r, dict) and all(_real(r.get(t), 0, 100)
+                                                                  for t in ("translated", "affine"))):
+                return f"its {reading} reading is not a pair of accuracies in [0, 100]"
+        return None
+    val = unit.get("val")
+    if not (isinstance(val, list) and val and all(_real(v, 0, 1) for v in val)):
+        return "its validation accuracies are not a list of numbers in [0, 1]"
+    if not (_real(unit.get("step"), 0, math.inf) and _whole(unit.get("params"), 1)):
+        return "its step time or parameter count is not a number"
+    if kind == "tune":
+        return None
+    if "trial" in unit and not isinstance(unit["trial"], str):
+        return "its trial is not a trial's name"
+    if not _real(unit.get("test_error"), 0, 100) or not isinstance(unit.get("wrong"), str):
+        return "it holds no test error and record of wrong digits"
+    try:
+        wrong = study_stats.unpack(unit["wrong"], n_test)
+    except ValueError:
+        return "its record of wrong digits is not hexadecimal"
+    if len(wrong) != n_test:
+        return f"its record of wrong digits covers {len(wrong)} of the {n_test} test digits"
+    if not math.isclose(unit["test_error"], 100 * float(np.mean(wrong)), abs_tol=1e-9):
+        return (f"its test error {unit['test_error']:g}% is not what its own record of wrong digits says "
+                f"({100 * float(np.mean(wrong)):g}%)")
+    measures = unit.get("measures")
+    if not isinstance(measures, dict) or not all(_numbers(measures.get(k)) for k in
+                                                 ("entropy", "dynamics", "starved_children", "starved_parents")):
+        return "its diagnostics are not numbers"
+    return None
+
+
+def _get(d, path):
+    for k in path:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
+def _whole(v, least, most=math.inf) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and least <= v <= most
+
+
+def _real(v, lo, hi) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+
+
+def _numbers(v) -> bool:
+    """None, a finite number, or a list of them (a diagnostic per iteration)."""
+    return v is None or _real(v, -math.inf, math.inf) or isinstance(v, list) and all(
+        _real(x, -math.inf, math.inf) for x in v)
