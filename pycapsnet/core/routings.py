@@ -281,7 +281,14 @@ def set_routing(layer, name, iters, routing_grad, options, rng, lead):
 
 def routing_params(algo, lead, J, D, K) -> dict:
     """``algo.params(...)`` checked: host arrays, the per-child ones led by ``lead``."""
-    found = algo.params(tuple(lead), J, D, K)
+    try:
+        found = algo.params(tuple(lead), J, D, K)
+    except MemoryError:
+        raise CapsNetError(f"routing '{algo.name}': params() ran out of memory making the parameters of a layer of "
+                           f"{'x'.join(map(str, lead))} children and {J} capsules of {D} dimensions: make them "
+                           "smaller (or the layer)") from None
+    except Exception as e:
+        raise _failed(algo, "params", e, None) from e
     if not isinstance(found, dict):
         raise ValueError(f"routing '{algo.name}': params() must return a dict of arrays, got {type(found).__name__}")
     out = {}
