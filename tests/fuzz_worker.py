@@ -11,11 +11,13 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 
 import numpy as np
 
 import pycapsnet
+import pycapsnet.routings as routings
 from pycapsnet import BackendError, CapsNetError, TrainingDiverged
 from pycapsnet.core import architecture as A
 from pycapsnet.training import data, trainer
@@ -125,6 +127,9 @@ def python_case(rng, x, y, model, work):
                                                                                     "seed": 0, "rtol": None}),
         "coupling": (lambda **k: study.coupling(model, x[:2], **k), {"batch_size": 2}),
         "inspect": (lambda **k: study.inspect(model, x[:4], y[:4], **k), {"index": 0, "out": os.path.join(work, "i")}),
+        "routings.layer": (lambda **k: routings.layer(k.pop("name"), **k),
+                           {"name": "dynamic", "children": (6, 4), "capsules": 3, "dim": 4, "seed": 0, "iters": None,
+                            "init_std": None, "routing_grad": "full"}),
     }
     name = rng.choice(sorted(calls))
     fn, kwargs = calls[name]
@@ -135,6 +140,36 @@ def python_case(rng, x, y, model, work):
         value = np.int64(3)  # a valid large count would work for as long as it says
     kwargs = {**kwargs, key: value}
     return f"{name}({key}={value!r})"[:200], lambda: fn(**kwargs)
+
+
+STUDY = ["experiment", "routings", "--quick", "--seeds", "1", "--epochs", "1", "--limit", "40", "--limit-test", "20",
+         "--no-affine", "--routings", "uniform", "--lr", "0.001"]
+
+
+def study_file_case(rng, k, work):
+    """A finished tiny study's units.json or choices.json with one field set to a generated value, then
+    merged or run with --choices: it succeeds or is refused in one line (issue 103 items 6, 7, 15, 16)."""
+    base = os.path.join(work, "study")
+    folder = os.path.join(work, f"study{k}")
+    shutil.copytree(base, folder)
+    which = rng.choice(["units.json", "choices.json"])
+    path = os.path.join(folder, which)
+    with open(path) as f:
+        record = json.load(f)
+    places = [(record, key) for key in record]
+    for key, value in list(record.items()):
+        if isinstance(value, dict):
+            places += [(value, k2) for k2 in value]
+            places += [(v2, k3) for v2 in value.values() if isinstance(v2, dict) for k3 in v2]
+    target, key = rng.choice(places)
+    target[key] = rng.choice(VALUES + ["lr=0.002,iters=7", "lr=1e+09", "zz", [1], {"a": None}])
+    with open(path, "w") as f:
+        json.dump(record, f)
+    if which == "units.json":
+        argv = ["experiment", "routings", "--merge", folder, "--out", os.path.join(work, f"merged{k}")]
+    else:  # the study made with --choices (the tuning skipped by --lr is not: the protocol's own choices)
+        argv = [*STUDY[:-2], "--out", os.path.join(work, f"chosen{k}"), "--choices", path]
+    return f"{which}: {key} = {target[key]!r}"[:200], argv
 
 
 def torch_round_trip(rng):
@@ -192,6 +227,7 @@ def main():
     base_run = os.path.join(work, "base")
     (open(os.path.join(work, "base.json"), "w")).write(json.dumps(BASES["dynamic"]))
     assert trainer.main("numpy", [*DATA, "--network", os.path.join(work, "base.json"), "--out", base_run]) == 0
+    assert run([*STUDY, "--out", os.path.join(work, "study")], cli.main)[0] == 0
     from tests.test_faults import _rewrite_header
 
     train, _ = data.load_embedded()
@@ -233,6 +269,12 @@ def main():
             ok &= judge(f"Python case {k} {label}", 2, f"error: {e}\n")
         except BaseException as e:  # noqa: BLE001
             ok &= judge(f"Python case {k} {label}", type(e).__name__, str(e))
+        label, argv = study_file_case(rng, k, work)
+        try:
+            code, err = run(argv, cli.main)
+        except BaseException as e:  # noqa: BLE001
+            code, err = f"{type(e).__name__}", str(e)
+        ok &= judge(f"study file {k} {label}", code, err)
         if k % 5 == 0:
             try:
                 same = torch_round_trip(rng)

@@ -228,10 +228,16 @@ class Study:
         self.test.fix(choices)
         self._write_choices(choices)
         for key in self.keys():
-            if key.startswith("tune") or not self.mine(key) or key in self.units.done:
+            if key.startswith("tune") or not self.mine(key):
                 continue
             kind, row, _, s = key.split(" ")
             base = row if row in choices else row.rsplit("-", 1)[0]
+            if key in self.units.done:
+                ran = self.units.done[key].get("trial", choices[base])
+                if ran != choices[base]:  # a finished unit is reused only where it ran the trial chosen now
+                    raise CapsNetError(f"{self.units.path}: unit '{key}' ran trial {printable(ran, 60)}, not "
+                                       f"{choices[base]}, which is chosen now: give another --out")
+                continue
             t, trial = _parse_trial(choices[base]), {"trial": choices[base]}  # each unit records the trial it ran
             if kind == "main":
                 self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed({**_trained(

@@ -42,6 +42,9 @@ def check(path: str, flags, units, layout=None) -> None:
     n_test = _get(flags, ("data", "test", "digits"))
     if not _whole(n_test, 1):
         refuse("its settings hold no count of test digits")
+    problem = _settings_problem(flags)
+    if problem:
+        refuse(f"its settings' {problem}")
     if layout is not None:
         _check_layout(layout, refuse)
     if not isinstance(units, dict):
@@ -54,6 +57,21 @@ def check(path: str, flags, units, layout=None) -> None:
             "tune" if m.group("trial") else m.group("kind"), unit, n_test)
         if problem:
             refuse(f"unit '{printable(key, 80)}': {problem}")
+
+
+def _settings_problem(flags: dict) -> str | None:
+    """What of the settings the table is made from is not what the study writes."""
+    lr, affine = flags.get("fixed_lr"), flags.get("affine")
+    if lr is not None and not _real(lr, 0, math.inf):
+        return "fixed_lr is not a rate"
+    if not (_whole(flags.get("epochs"), 1) and _whole(flags.get("batch_size"), 1) and _real(flags.get("val_fraction"), 0, 1)):
+        return "epochs, batch size or validation share is not a number"
+    if not all(isinstance(flags.get(k), list) and flags[k] for k in ("lr_grid", "tune_seeds")):
+        return "grid or tuning seeds are not lists"
+    if affine is not None and not (isinstance(affine, dict) and _whole(affine.get("canvas"), 1)
+                                   and _real(affine.get("target"), 0, 100)):
+        return "affine part is not a canvas and a target"
+    return None
 
 
 def _check_layout(layout, refuse) -> None:
