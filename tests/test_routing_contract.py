@@ -226,7 +226,7 @@ def test_the_routing_study_runs_a_plugin_routing_from_the_command_line(tmp_path)
                 "0.002", "--no-affine", "--limit", "60", "--limit-test", "20", "--seeds", "1", "--out", str(tmp_path / "s"))
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "s" / "results.json").read_text())
-    assert set(results["mnist"]) == {"tempered", "uniform"} and results["complete"]
+    assert set(results[results["dataset"]]) == {"tempered", "uniform"} and results["complete"]
 
 
 def test_installed_packages_register_through_the_entry_point_group(tmp_path):

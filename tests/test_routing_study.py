@@ -47,21 +47,57 @@ def test_holm_and_wilson():
 
 
 def test_two_rows_with_known_per_digit_outcomes_give_the_textbook_p_values():
-    """Rows A and B on 20 digits, 3 seeds: A wrong on digits 0-5, B on 0-1 and 10 (every seed), so
-    per seed b = 4, c = 1, pooled b = 12, c = 3: McNemar p = 2 P(Binom(15, 1/2) <= 3)."""
-    n = 20
+    """Rows A and B on 40 digits, 3 seeds: A wrong on digits 0-11, B on 0-1 and 30 (every seed), so
+    per seed b = 10, c = 1: McNemar p = 2 P(Binom(11, 1/2) <= 1), described per seed."""
+    n = 40
     wrong_a, wrong_b = np.zeros(n, bool), np.zeros(n, bool)
-    wrong_a[:6], wrong_b[[0, 1, 10]] = True, True
+    wrong_a[:12], wrong_b[[0, 1, 30]] = True, True
     unit = lambda w, e: {"test_error": e, "wrong": st.pack(w), "params": 1, "step": 0.01,  # noqa: E731
                          "measures": {"entropy": [1.0], "dynamics": [0.0], "starved_children": 0.0,
                                       "starved_parents": 0.0}}
-    done = {"B": [unit(wrong_b, 15.0), unit(wrong_b, 15.0), unit(wrong_b, 15.0)],
-            "A": [unit(wrong_a, 30.0), unit(wrong_a, 31.0), unit(wrong_a, 29.0)]}
-    rows = study_report.mnist_rows(done, "B", n)
-    assert rows["A"]["mcnemar"] == {"b": 12, "c": 3, "p": pytest.approx(2 * stats.binom.cdf(3, 15, 0.5))}
-    assert rows["A"]["vs_baseline"]["p"] == pytest.approx(stats.ttest_rel([30, 31, 29], [15, 15, 15]).pvalue)
-    assert rows["A"]["t_holm"] == rows["A"]["vs_baseline"]["p"]  # one comparison: Holm changes nothing
-    assert rows["A"]["wilson95"][0] == pytest.approx([100 * b for b in st.wilson(6, 20)])
+    done = {"B": [unit(wrong_b, 7.5)] * 3, "A": [unit(wrong_a, 30.0), unit(wrong_a, 31.0), unit(wrong_a, 29.0)]}
+    rows = study_report.main_rows(done, "B", n, margin=1.0, resamples=2000)
+    assert rows["A"]["mcnemar_per_seed"] == [{"b": 10, "c": 1, "p": pytest.approx(2 * stats.binom.cdf(1, 11, 0.5))}] * 3
+    assert rows["A"]["vs_baseline"]["t"]["p"] == pytest.approx(stats.ttest_rel([30, 31, 29], [7.5] * 3).pvalue)
+    assert rows["A"]["t_holm"] == rows["A"]["vs_baseline"]["t"]["p"]  # one comparison: Holm changes nothing
+    assert rows["A"]["vs_baseline"]["mean"] == pytest.approx(22.5)  # from the digits' own record: (12 - 3) / 40
+    assert rows["A"]["word"] == "worse" and rows["A"]["tost"]["margin"] == 1.0
+    assert rows["A"]["wilson95"][0] == pytest.approx([100 * b for b in st.wilson(12, 40)])
+
+
+def test_the_bootstrap_is_reproducible_by_seed_and_holds_both_sources_of_variation():
+    rng = np.random.default_rng(1)
+    wa, wb = rng.random((6, 500)) < 0.3, rng.random((6, 500)) < 0.2
+    one, again, other = st.bootstrap(wa, wb, 4000, 7), st.bootstrap(wa, wb, 4000, 7), st.bootstrap(wa, wb, 4000, 8)
+    assert one == again and one["ci95"] != other["ci95"] and one["resamples"] == 4000
+    assert one["mean"] == pytest.approx(100 * (wa.mean() - wb.mean()))
+    assert one["ci95"][0] < one["mean"] < one["ci95"][1] and one["p"] < 0.05
+    same_seeds = np.repeat(wa[:1], 6, axis=0), np.repeat(wb[:1], 6, axis=0)  # no training variation: images alone
+    images = st.bootstrap(*same_seeds, 4000, 7)
+    seeds = st.bootstrap(np.tile(wa[:, :1], (1, 500)), np.tile(wb[:, :1], (1, 500)), 4000, 7)  # seeds alone
+    assert images["ci95"][1] - images["ci95"][0] > 0 and seeds["ci95"][1] - seeds["ci95"][0] > 0
+
+
+def test_tost_and_the_planner_agree_with_statsmodels():
+    weightstats = pytest.importorskip("statsmodels.stats.weightstats", reason="statsmodels is the oracle")
+    power = pytest.importorskip("statsmodels.stats.power", reason="statsmodels is the oracle")
+    rng = np.random.default_rng(3)
+    for margin in (0.05, 0.1, 0.3):
+        a = rng.normal(1.2, 0.2, 15)
+        b = a + rng.normal(0.02, 0.19, 15)
+        assert st.tost(a, b, margin)["p"] == pytest.approx(weightstats.ttost_paired(a, b, -margin, margin)[0], rel=1e-9)
+    for sd, effect, want in ((0.19, 0.1, 0.8), (0.19, 0.1, 0.9), (1.0, 0.5, 0.8), (0.3, 0.25, 0.9)):
+        n = power.TTestPower().solve_power(effect_size=effect / sd, alpha=0.05, power=want)
+        assert st.seeds_for(sd, effect, want) == int(np.ceil(n))
+    assert st.detectable(0.19, 15) == pytest.approx(
+        0.19 * power.TTestPower().solve_power(effect_size=None, nobs=15, alpha=0.05, power=0.8), rel=1e-6)
+    assert st.seeds_for(0.19, 0.1) == 31 and st.seeds_for(0.19, 0.1, 0.9) == 40  # the review's ~30 and ~39
+
+
+def test_the_four_words():
+    assert st.word(-0.3, 0.01, 0.5, 0.1) == "better" and st.word(0.3, 0.01, None, None) == "worse"
+    assert st.word(0.02, 0.6, 0.01, 0.1) == "equivalent" and st.word(0.02, 0.6, 0.2, 0.1) == "inconclusive"
+    assert st.word(0.0, 0.9, 0.0, None) == "inconclusive"  # no margin declared: never equivalent
 
 
 def test_diagnostics_on_known_coefficients():
@@ -117,7 +153,7 @@ def test_shards_merged_give_the_unsharded_table_and_mixed_settings_are_refused(t
         return d
 
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("m", "whole"))
-    assert a["complete"] and strip(a["mnist"]) == strip(b["mnist"]) and strip(a["sweep"]) == strip(b["sweep"])
+    assert a["complete"] and strip(a["embedded"]) == strip(b["embedded"]) and strip(a["sweep"]) == strip(b["sweep"])
     assert a["tuning"] == b["tuning"]
     other = _study(tmp_path / "o", *SMALL, "--epochs", "2", "--shard", "1/2")
     assert other.returncode == 0, other.stderr
@@ -132,9 +168,10 @@ def test_your_own_data_as_arrays_and_your_own_routing(tmp_path):
     (x, y), (xt, yt) = pycapsnet.load_digits()
     results = experiments.routings(out=str(tmp_path / "r"), quick=True, affine=False, data=((x[:100], y[:100]),
                                    (xt[:30], yt[:30])), routings=["uniform", "tempered"], lr=2e-3, seeds=2)
-    assert results["complete"] and set(results["mnist"]) == {"uniform", "tempered"}
+    assert results["complete"] and results["dataset"] == "arrays" and set(results["arrays"]) == {"uniform", "tempered"}
     assert results["data"]["test"]["digits"] == 30 and results["data"]["validation"]["digits"] == 10
-    assert results["mnist"]["tempered"]["mcnemar"]["b"] >= 0 and len(results["mnist"]["tempered"]["wilson95"]) == 2
+    row = results["arrays"]["tempered"]
+    assert len(row["mcnemar_per_seed"]) == 2 and len(row["wilson95"]) == 2 and row["word"] == "inconclusive"
     assert (tmp_path / "r" / "routings.png").stat().st_size > 5000
 
 

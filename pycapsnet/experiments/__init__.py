@@ -89,6 +89,9 @@ def _routings_flags(r) -> None:
                    help="the share of the training digits held out for validation, stratified (default: 0.1)")
     r.add_argument("--no-affine", action="store_true", default=None,
                    help="without the affine-robustness units")
+    r.add_argument("--margin", type=positive_float, default=None, metavar="POINTS",
+                   help="the equivalence margin in points of test error, declared before the run: a row is called "
+                        "equivalent to the baseline only where the TOST at it passes (default: none, never)")
     r.add_argument("--sweep", type=positive_int, nargs="+", default=None, metavar="K",
                    help="the iteration sweep: dynamic and vb routing also at K iterations (their rows' chosen trials)")
     r.add_argument("--sweep-seeds", type=positive_int, default=None, help="seeds of the sweep's rows (default: 2)")
@@ -180,7 +183,8 @@ OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_s
                                      "affine_target": None},
              "multimnist": {"canvas": 36, "shift": 4, "pairs": None},
              "routings": {"canvas": 40, "no_affine": False, "routings": None, "affine_target": None, "dataset": None,
-                          "limit_test": None, "val_fraction": 0.1, "sweep": None, "sweep_seeds": 2, "shard": None,
+                          "limit_test": None, "val_fraction": 0.1, "margin": None, "sweep": None, "sweep_seeds": 2,
+                          "shard": None,
                           "choices": None, "merge": None, "conv_channels": None, "primary_types": None,
                           "primary_dim": None, "class_dim": None}}
 
@@ -234,7 +238,8 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
              batch_size: int = 32, lr: float | None = None, backend: str = "numpy", dtype: str = "float32",
              canvas: int | None = None, affine: bool = True, routings: list | None = None,
              affine_target: float | None = None, sweep: list | None = None, sweep_seeds: int = 2,
-             shard: str | None = None, choices: str | None = None, conv_channels: int | None = None,
+             shard: str | None = None, choices: str | None = None, margin: float | None = None,
+             conv_channels: int | None = None,
              primary_types: int | None = None, primary_dim: int | None = None, class_dim: int | None = None,
              progress: bool = True) -> dict:
     """``pycapsnet experiment routings`` from Python (routing_study.py: the protocol, the rows, the
@@ -250,7 +255,8 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
     numbers = dict(epochs=(epochs, positive_int), seeds=(seeds, positive_int), limit=(limit, positive_int),
                    limit_test=(limit_test, positive_int), val_fraction=(val_fraction, fraction),
                    batch_size=(batch_size, positive_int), lr=(lr, positive_float), affine_target=(affine_target, percent),
-                   sweep_seeds=(sweep_seeds, positive_int), conv_channels=(conv_channels, positive_int),
+                   sweep_seeds=(sweep_seeds, positive_int), margin=(margin, positive_float),
+                   conv_channels=(conv_channels, positive_int),
                    primary_types=(primary_types, positive_int), primary_dim=(primary_dim, positive_int),
                    class_dim=(class_dim, positive_int), canvas=(canvas, positive_int))
     if routings is not None and (isinstance(routings, str) or not all(isinstance(r, str) for r in routings)):

@@ -155,6 +155,7 @@ class Study:
         train, test = _source(args)
         self.train, self.val, test, self.records = protocol.split_data(
             train, test, args.limit, args.limit_test, args.val_fraction)
+        self.records["dataset"] = dataset_name(args)
         self.test = protocol.SealedTest(test)
         self.rows = check_rows(args.routings)
         self.sweep = [f"{r}-{k}" for r in SWEEP_ROUTINGS if r in self.rows for k in (args.sweep or ())
@@ -176,7 +177,7 @@ class Study:
         return {"version": VERSION, "code": code_digest(), "backend": self.B.label, "data": self.records,
                 "epochs": a.epochs, "batch_size": a.batch_size, "backbone": self.backbone, "fixed_lr": a.lr,
                 "lr_grid": list(protocol.LR_GRID), "open_options": protocol.OPEN_OPTIONS,
-                "tune_seeds": list(protocol.TUNE_SEEDS), "val_fraction": a.val_fraction,
+                "tune_seeds": list(protocol.TUNE_SEEDS), "val_fraction": a.val_fraction, "margin": a.margin,
                 "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target}}
 
     def network(self, row, shape, trial) -> dict:
@@ -324,6 +325,13 @@ def code_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def dataset_name(args) -> str:
+    """The data's name in the records and the tables: the --dataset, or "arrays" for data given in Python."""
+    if getattr(args, "data", None) is not None:
+        return "arrays"
+    return args.dataset or ("mnist" if args.data_dir else "embedded")
+
+
 def _source(args):
     """(train, test) Splits: arrays given in Python, or --dataset / --data-dir."""
     if getattr(args, "data", None) is not None:
@@ -346,6 +354,7 @@ def run(args, B, out, units=None) -> dict:
     try:
         study = Study(args, B, lambda out, settings, layout: Units(out, flags=settings, layout=layout), out)
         study.run()
+        write_long_form(study.units.done, out)
         return assemble(study.settings, study.units.done, study.rows, study.sweep, args.seeds, args.sweep_seeds)
     finally:
         unlock(out, held)
@@ -369,6 +378,7 @@ def merge(args) -> int:
             results = assemble(flags, units, layout["rows"], layout["sweep"], layout["seeds"], layout["sweep_seeds"])
             _refuse_other_trials(flags, units, layout, results["tuning"], origin)
             _write(os.path.join(out, FILE), {"flags": flags, "layout": layout, "units": units})
+            write_long_form(units, out)
             results.update(command="pycapsnet experiment routings --merge " + " ".join(args.merge), merged=list(args.merge))
             if results["tuning"] and set(results["tuning"]) >= set(layout["rows"]):  # every choice made: the shards' next step
                 _write(os.path.join(out, "choices.json"),
@@ -440,6 +450,13 @@ def _refuse_other_trials(flags, units, layout, tuning, origin) -> None:
                                "figures are not this study's; train it again with the merged choices.json")
 
 
+def write_long_form(units, out) -> None:
+    """units.csv beside units.json: a unit a line, its row, routing, trial, options and seed as fields."""
+    from ..training.files import atomic_write
+
+    atomic_write(os.path.join(out, "units.csv"), lambda fh: fh.write(study_units.long_form(units)), text=True)
+
+
 def _write(path, record) -> None:
     from ..training.files import atomic_write
 
@@ -454,10 +471,11 @@ def assemble(settings, done, rows, sweep, seeds, sweep_seeds) -> dict:
     main, missing = report.rows_of(done, rows, seeds)
     sweep_done, sweep_missing = report.rows_of(done, sweep, min(sweep_seeds, seeds))
     baseline = protocol.BASELINE if protocol.BASELINE in rows else rows[0]
-    n_test = settings["data"]["test"]["digits"]
+    n_test, margin = settings["data"]["test"]["digits"], settings.get("margin")
+    dataset = settings["data"].get("dataset", "mnist")
     return {"protocol": _declared(settings, baseline), "settings": settings, "data": settings["data"],
-            "seeds": seeds, "tuning": tune, "mnist": report.mnist_rows(main, baseline, n_test),
-            "sweep": report.mnist_rows(sweep_done, None, n_test),
+            "dataset": dataset, "seeds": seeds, "tuning": tune, dataset: report.main_rows(main, baseline, n_test, margin),
+            "sweep": report.main_rows(sweep_done, None, n_test),
             "affine": report.affine_rows(done, rows, seeds) if settings["affine"] else None,
             "affine_canvas": (settings["affine"] or {}).get("canvas"),
             "missing": missing + sweep_missing, "complete": not (missing or sweep_missing)}
@@ -468,6 +486,7 @@ def _declared(settings, baseline) -> dict:
            f"vb_lambda {list(protocol.OPEN_OPTIONS['vb']['vb_lambda'])})" if settings["fixed_lr"] is None else \
         f"one lr for every row, {settings['fixed_lr']:g}, given (no tuning)"
     return {"baseline": baseline, "affine_target": (settings["affine"] or {}).get("target"),
+            "margin": settings.get("margin"),
             "summary": f"validation {settings['val_fraction']:g} of the training digits (stratified); {grid}, on "
                        f"{len(settings['tune_seeds'])} tuning seed(s), the highest last-epoch validation accuracy "
                        f"chosen (ties: the first listed); the test set read once, after the last epoch of each main "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import study_stats as st
+from ..core.routings import DEFAULT_ITERS
 from .study_protocol import BASELINE, choose
 
 
@@ -41,30 +42,39 @@ def rows_of(units: dict, rows, seeds) -> tuple:
     return done, missing
 
 
-def mnist_rows(done: dict, baseline: str, n_test: int) -> dict:
-    """Per row: its test error (%, each seed with its Wilson interval), mean, sample sd and t interval
-    over seeds, and against the baseline (same seeds): the paired difference with its t interval and
-    paired t-test, and McNemar's exact test on the discordant digits pooled over seeds; both Holm-
-    adjusted over the rows compared."""
+def main_rows(done: dict, baseline: str | None, n_test: int, margin: float | None = None, seed: int = 0,
+              resamples: int = st.BOOTSTRAP) -> dict:
+    """Per row: its test error (%, each seed with its Wilson interval; mean, sample sd, and the 95%
+    bootstrap interval over seeds and test images, which stays within [0, 100]); against the
+    baseline (same seeds and images) the primary comparison -- the paired difference with its 95%
+    bootstrap interval and p -- beside the paired t-test, the TOST at ``margin`` (points, declared
+    before the run; None: none), each Holm-adjusted over the rows compared, and the protocol's word;
+    McNemar's counts per seed, a description."""
     out = {}
+    wrong = {row: np.array([st.unpack(u["wrong"], n_test) for u in us]) for row, us in done.items()}
     base = done.get(baseline)
     for row, us in done.items():
         errors = [u["test_error"] for u in us]
         wilson = [[100 * b for b in st.wilson(round(e * n_test / 100), n_test)] for e in errors]
+        own = st.bootstrap(wrong[row], np.zeros_like(wrong[row]), resamples, seed)
         r = {"params": us[0]["params"], "errors": errors, "wilson95": wilson, **st.spread(errors),
-             "ms_per_step": 1e3 * float(np.median([u["step"] for u in us])), "measures": _measures(us)}
+             "ci95": own["ci95"], "interval": "bootstrap over seeds and test images, 95% percentile",
+             "measures": _measures(us)}
         if base is not None and row != baseline:
-            r["vs_baseline"] = st.paired(errors, [u["test_error"] for u in base])
-            b = c = 0
-            for u, v in zip(us, base):
-                db, dc = st.discordant(st.unpack(u["wrong"], n_test), st.unpack(v["wrong"], n_test))
-                b, c = b + db, c + dc
-            r["mcnemar"] = {"b": b, "c": c, "p": st.mcnemar(b, c)}
+            b_errors = [u["test_error"] for u in base]
+            r["vs_baseline"] = {**st.bootstrap(wrong[row], wrong[baseline], resamples, seed),
+                                "t": st.paired(errors, b_errors)}
+            r["tost"] = st.tost(errors, b_errors, margin) if margin is not None else None
+            r["mcnemar_per_seed"] = st.mcnemar_per_seed(wrong[row], wrong[baseline])
         out[row] = r
     compared = [row for row in out if "vs_baseline" in out[row]]
-    for key, get in (("t_holm", lambda r: r["vs_baseline"]["p"]), ("mcnemar_holm", lambda r: r["mcnemar"]["p"])):
+    for key, get in (("p_holm", lambda r: r["vs_baseline"]["p"]), ("t_holm", lambda r: r["vs_baseline"]["t"]["p"]),
+                     ("tost_holm", lambda r: (r["tost"] or {}).get("p"))):
         for row, p in zip(compared, st.holm([get(out[row]) for row in compared])):
             out[row][key] = p
+    for row in compared:
+        r = out[row]
+        r["word"] = st.word(r["vs_baseline"]["mean"], r["p_holm"], r["tost_holm"], margin)
     return out
 
 
@@ -105,22 +115,30 @@ def table(results) -> str:
         lines += [f"| {row} | " + ", ".join(f"{n}: {100 * np.mean(a):.2f}" for n, a in t["trials"].items())
                   + f" | {t['chosen']} |" for row, t in tune.items()]
         lines.append("")
-    mnist = results.get("mnist") or {}
-    base, n = results["protocol"]["baseline"], results["data"]["test"]["digits"]
-    if mnist:
-        lines += [f"Test error on {n:,} test digits, {results['seeds']} seeds (mean ± sample sd, [t 95% CI of the "
-                  f"mean]); against {base}, the same seeds: the paired difference [t 95% CI], the paired t-test "
-                  f"and McNemar's exact test on the digits pooled over seeds (b: digits the row gets wrong and {base} "
-                  "right; c: the reverse), each Holm-adjusted over the rows; ms/step as the units ran, not a "
-                  "benchmark.", "",
-                  "| row | params | test error % | Δ vs baseline (points) | paired t p (Holm) | McNemar b/c, p (Holm) "
-                  "| entropy / iteration | dynamics / iteration | starved children | ms/step |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for row, r in mnist.items():
-            lines.append(f"| {row} | {r['params']:,} | {_pm(r)} | {_delta(r)} | {_p(r, 'vs_baseline', 't_holm')} | "
+    main = rows_table(results)
+    base, n, what = results["protocol"]["baseline"], results["data"]["test"]["digits"], noun(results)
+    margin = results["protocol"].get("margin")
+    if main:
+        lines += [f"Test error on {n:,} test {what}, {results['seeds']} seeds: mean ± sample sd [95% bootstrap interval "
+                  f"over seeds and test {what}]. Against {base}, on the same seeds and {what}: the paired difference "
+                  f"[95% bootstrap interval] and its bootstrap p, the paired t-test over seeds, and "
+                  + (f"the TOST at ±{margin:g} points (declared before the run)" if margin is not None else
+                     "no equivalence test (no margin declared)")
+                  + ", each Holm-adjusted over the rows; the word is the protocol's (better or worse by the bootstrap "
+                  "test, equivalent by the TOST, else inconclusive). McNemar b/c per seed (b: images the row gets "
+                  f"wrong and {base} right; c: the reverse) describe, not test. Entropy: Paik et al.'s, the coupling's "
+                  "entropy over parents / ln J; dynamics (this project's measure): mean total variation of each "
+                  "input's coupling from the mean coupling; starved: capsules never active on any test image.", "",
+                  "| row | params | test error % | Δ vs baseline (points) | bootstrap p (Holm) | paired t p (Holm) "
+                  "| TOST p (Holm) | word | McNemar b/c per seed | entropy / iteration | dynamics / iteration "
+                  "| starved children / parents |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row, r in main.items():
+            lines.append(f"| {row} | {r['params']:,} | {_pm(r)} | {_delta(r)} | {_p(r, 'p', 'p_holm')} | "
+                         f"{_p(r, 't', 't_holm')} | {_p(r, 'tost', 'tost_holm')} | {r.get('word', '(baseline)')} | "
                          f"{_mc(r)} | {_iters(r['measures']['entropy'])} | {_iters(r['measures']['dynamics'])} | "
-                         f"{_share(r['measures']['starved_children'])} | {r['ms_per_step']:.0f} |")
-        notes = sorted({r["measures"]["note"] for r in mnist.values() if r["measures"].get("note")})
+                         f"{_share(r['measures']['starved_children'])} / {_share(r['measures']['starved_parents'])} |")
+        notes = sorted({r["measures"]["note"] for r in main.values() if r["measures"].get("note")})
         lines += [""] + [f"Note: {note}." for note in notes]
     sweep = results.get("sweep") or {}
     if sweep:
@@ -162,15 +180,26 @@ def _delta(r) -> str:
 
 
 def _p(r, key, holm) -> str:
-    d = r.get(key)
-    if not d or d.get("p") is None:
+    d = r.get("vs_baseline") or {}
+    d = d if key == "p" else (d.get(key) if key == "t" else r.get(key))
+    if not d or d.get("p") is None or r.get(holm) is None:
         return ""
     return f"{d['p']:.3g} ({r[holm]:.3g})"
 
 
 def _mc(r) -> str:
-    m = r.get("mcnemar")
-    return "" if not m else f"{m['b']}/{m['c']}, {m['p']:.3g} ({r['mcnemar_holm']:.3g})"
+    per_seed = r.get("mcnemar_per_seed")
+    return "" if not per_seed else ", ".join(f"{m['b']}/{m['c']}" for m in per_seed)
+
+
+def rows_table(results) -> dict:
+    """The main table of a results.json: keyed by its dataset's name (records before that: "mnist")."""
+    return results.get(results.get("dataset", "mnist")) or {}
+
+
+def noun(results) -> str:
+    """What the images are called in the tables: digits where the data are digits."""
+    return "digits" if results.get("dataset", "mnist") in ("mnist", "embedded", "digits") else "images"
 
 
 def _iters(values) -> str:
@@ -181,40 +210,80 @@ def _share(v) -> str:
     return "" if v is None else f"{100 * v:.1f}%"
 
 
+WORD_COLOURS = {"better": "C2", "worse": "C3", "equivalent": "C0", "inconclusive": "0.45"}
+
+
 def figure(results, path) -> None:
-    """Test error per row with its t interval and each seed; the difference from the baseline with
-    its interval; entropy and dynamics per iteration; the iteration sweep."""
+    """The answer at a glance: each row's difference from the baseline with its bootstrap interval,
+    coloured and labelled by the protocol's word (the margin shaded); each row's test error with its
+    interval and every seed; coupling entropy and dynamics per iteration; the iteration sweep.  The
+    caption says the seeds, the data and the test."""
+    from matplotlib.ticker import MaxNLocator
+
     from ..tools import plots
 
     plt = plots.pyplot()
-    mnist = results.get("mnist") or {}
-    if not mnist:
+    main = rows_table(results)
+    if not main:
         return
-    names = list(mnist)
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
-    a = axes[0]
+    names, base = list(main), results["protocol"]["baseline"]
+    margin, what = results["protocol"].get("margin"), noun(results)
+    sweep = results.get("sweep") or {}
+    fig, axes = plt.subplots(1, 5 if sweep else 4, figsize=(19 if sweep else 15.5, 4.4))
+    d = axes[0]
+    if margin is not None:
+        d.axvspan(-margin, margin, color="C0", alpha=0.12, label=f"±{margin:g} (equivalence margin)")
     for k, n in enumerate(names):
-        r = mnist[n]
-        a.plot(r["errors"], [k] * len(r["errors"]), ".", color="0.6", ms=4)
-        lo, hi = r["ci95"] if r["ci95"][0] is not None else (r["mean"], r["mean"])
-        a.errorbar([r["mean"]], [k], xerr=[[r["mean"] - lo], [hi - r["mean"]]], fmt="o", color="C0", capsize=3)
+        v = main[n].get("vs_baseline")
+        if not v:
+            continue
+        colour = WORD_COLOURS[main[n]["word"]]
+        d.errorbar([v["mean"]], [k], xerr=[[v["mean"] - v["ci95"][0]], [v["ci95"][1] - v["mean"]]], fmt="o",
+                   color=colour, capsize=3)
+    d.axvline(0, color="0.5", lw=0.8)
+    d.set_yticks(range(len(names)), [f"{n}: {main[n].get('word', 'baseline')}" for n in names], fontsize=7)
+    for label, n in zip(d.get_yticklabels(), names):
+        label.set_color(WORD_COLOURS.get(main[n].get("word"), "black"))
+    d.set_ylim(len(names) - 0.5, -0.5 - 0.12 * len(names))  # room above the first row for the legend
+    d.set_xlabel(f"test error − {base}'s (points)\n95% bootstrap over seeds and {what}", fontsize=8)
+    d.set_title("difference from the baseline", fontsize=9)
+    if margin is not None:
+        d.legend(fontsize=6, loc="upper center")
+    a = axes[1]
+    for k, n in enumerate(names):
+        r = main[n]
+        a.plot(r["errors"], [k] * len(r["errors"]), ".", color="0.6", ms=4, label="a seed" if k == 0 else None)
+        a.errorbar([r["mean"]], [k], xerr=[[r["mean"] - r["ci95"][0]], [r["ci95"][1] - r["mean"]]], fmt="o",
+                   color="C0", capsize=3, label="mean, 95% bootstrap" if k == 0 else None)
     a.set_yticks(range(len(names)), names, fontsize=7), a.invert_yaxis()
-    a.set_xlabel("test error %\n(mean, t 95% CI; grey: each seed)", fontsize=8)
-    b = axes[1]
-    for k, n in enumerate(names):
-        d = mnist[n].get("vs_baseline")
-        if d and d["ci95"][0] is not None:
-            b.errorbar([d["mean"]], [k], xerr=[[d["mean"] - d["ci95"][0]], [d["ci95"][1] - d["mean"]]], fmt="o",
-                       color="C3" if mnist[n]["t_holm"] < 0.05 else "C0", capsize=3)
-    b.axvline(0, color="0.5", lw=0.8)
-    b.set_yticks(range(len(names)), [""] * len(names)), b.invert_yaxis()
-    b.set_xlabel(f"error − {results['protocol']['baseline']}'s (points)\n(paired, t 95% CI; red: Holm p < 0.05)", fontsize=8)
-    for ax, key, label in ((axes[2], "entropy", "coupling entropy / ln J"), (axes[3], "dynamics", "dynamics (TV from the mean)")):
-        for n in names:
-            v = mnist[n]["measures"][key]
+    a.set_xlabel("test error %", fontsize=8), a.set_title("each row", fontsize=9), a.legend(fontsize=6)
+    for ax, key, label in ((axes[2], "entropy", "coupling entropy / ln J (Paik et al.)"),
+                           (axes[3], "dynamics", "dynamics: TV from the mean coupling\n(this project's measure)")):
+        for k, n in enumerate(names):
+            v = main[n]["measures"][key]
             if v:
-                ax.plot(range(1, len(v) + 1), v, "o-", label=n, lw=1, ms=3)
+                ax.plot(range(1, len(v) + 1), v, marker="o", label=n, lw=1, ms=4 - 0.3 * (k % 4),
+                        ls=("-", "--", ":", "-.")[k % 4])
         ax.set_xlabel("routing iteration", fontsize=8), ax.set_ylabel(label, fontsize=8)
-    axes[2].set_ylim(0, 1.05), axes[2].legend(fontsize=6, ncol=2)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True)), ax.legend(fontsize=6, ncol=2)
+    axes[2].set_ylim(0, 1.05)
+    if sweep:
+        s = axes[4]
+        at = {**sweep, **{f"{n}-{DEFAULT_ITERS}": main[n] for n in main}}  # each routing's own row: its default k
+        for routing in sorted({n.rsplit("-", 1)[0] for n in sweep}):
+            ks = sorted((int(n.rsplit("-", 1)[1]), n) for n in at if n.rsplit("-", 1)[0] == routing)
+            s.errorbar([k for k, _ in ks], [at[n]["mean"] for _, n in ks],
+                       yerr=[[at[n]["mean"] - at[n]["ci95"][0] for _, n in ks],
+                             [at[n]["ci95"][1] - at[n]["mean"] for _, n in ks]], fmt="o-", capsize=3,
+                       label=routing)
+        s.margins(x=0.15)
+        s.set_xlabel("routing iterations", fontsize=8), s.set_ylabel("test error % (95% bootstrap)", fontsize=8)
+        s.xaxis.set_major_locator(MaxNLocator(integer=True)), s.legend(fontsize=6)
+        s.set_title(f"iteration sweep ({min(results['seeds'], max(r['n'] for r in sweep.values()))} seeds)",
+                    fontsize=9)
+    n_test, n_train = results["data"]["test"]["digits"], results["data"]["train"]["digits"]
+    fig.suptitle(f"{results.get('dataset', 'mnist')}: {n_train:,} training {what}, {n_test:,} test {what}, "
+                 f"{results['seeds']} seeds" + (f" (this figure: seeds {results['figure_seeds']})"
+                                                if results.get("figure_seeds") else ""), fontsize=9)
     fig.tight_layout()
     plots.save(fig, path)

@@ -5,7 +5,9 @@ digits marks) and, where it carries one, with its digest, which the study writes
 A file that fails is refused in one line that names it and the unit."""
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import math
 import numbers
@@ -145,3 +147,30 @@ def _numbers(v) -> bool:
     """None, a finite number, or a list of them (a diagnostic per iteration)."""
     return v is None or _real(v, -math.inf, math.inf) or isinstance(v, list) and all(
         _real(x, -math.inf, math.inf) for x in v)
+
+
+COLUMNS = ("unit", "kind", "row", "routing", "iterations", "trial", "lr", "options", "seed", "val_last", "test_error",
+           "translated_last", "affine_last", "params", "step_s")
+
+
+def long_form(units: dict) -> str:
+    """The units as a long-form CSV (a unit a line; ``pandas.read_csv`` reads it as it is): the row,
+    the routing and its iterations, the trial and its options, the seed, and what was measured."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for key, unit in units.items():
+        m = KEY.fullmatch(key)
+        kind = "tune" if m.group("trial") else m.group("kind")
+        row = m.group("trow") or m.group("row")
+        routing, _, k = row.rpartition("-") if re.fullmatch(r".+-\d+", row) else (row, "", "")
+        trial = m.group("trial") or unit.get("trial", "")
+        parts = dict(p.split("=", 1) for p in trial.split(",") if "=" in p)
+        writer.writerow({"unit": key, "kind": kind, "row": row, "routing": routing, "iterations": k, "trial": trial,
+                         "lr": parts.pop("lr", ""), "options": json.dumps(parts) if parts else "",
+                         "seed": m.group("seed"), "val_last": (unit.get("val") or [""])[-1],
+                         "test_error": unit.get("test_error", ""),
+                         "translated_last": (unit.get("last") or {}).get("translated", ""),
+                         "affine_last": (unit.get("last") or {}).get("affine", ""),
+                         "params": unit.get("params", ""), "step_s": unit.get("step", "")})
+    return out.getvalue()
