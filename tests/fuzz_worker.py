@@ -143,7 +143,7 @@ def python_case(rng, x, y, model, work):
 
 
 STUDY = ["experiment", "routings", "--quick", "--seeds", "1", "--epochs", "1", "--limit", "40", "--limit-test", "20",
-         "--no-affine", "--routings", "uniform", "--lr", "0.001"]
+         "--no-affine", "--routings", "uniform"]
 
 
 def study_file_case(rng, k, work):
@@ -167,8 +167,8 @@ def study_file_case(rng, k, work):
         json.dump(record, f)
     if which == "units.json":
         argv = ["experiment", "routings", "--merge", folder, "--out", os.path.join(work, f"merged{k}")]
-    else:  # the study made with --choices (the tuning skipped by --lr is not: the protocol's own choices)
-        argv = [*STUDY[:-2], "--out", os.path.join(work, f"chosen{k}"), "--choices", path]
+    else:  # a new folder's run with the merged choices: refused, or the main units trained under them
+        argv = [*STUDY, "--out", os.path.join(work, f"chosen{k}"), "--choices", path]
     return f"{which}: {key} = {target[key]!r}"[:200], argv
 
 

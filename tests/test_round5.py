@@ -179,14 +179,15 @@ def test_15_a_units_file_nested_too_deep_is_one_line(study, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("choice", ["lr=1e+09", "lr=0.003", 5, "lr=0.002,iters=7", None])
-def test_6_16_a_choice_is_checked_as_one_of_the_rows_trials_before_any_unit(study, tmp_path, capsys, choice):
-    record = json.loads((study / "choices.json").read_text())
+def test_6_16_a_choice_is_checked_against_its_tuning_units_before_any_unit(study, tmp_path, capsys, choice):
+    d = _copy(study, tmp_path)
+    record = json.loads((d / "choices.json").read_text())
     record["choices"]["uniform"] = choice
-    forged = tmp_path / "choices.json"
+    forged = d / "choices.json"
     forged.write_text(json.dumps(record))
     out = tmp_path / "run"
     assert cli.main(["experiment", "routings", *Q, "--seeds", "2", "--out", str(out), "--choices", str(forged)]) == 2
-    _one_line(capsys.readouterr().err, f"--choices {forged}", "none of its trials")
+    _one_line(capsys.readouterr().err, f"--choices {forged}", "do not follow from its tuning units")
     assert not out.exists()
 
 

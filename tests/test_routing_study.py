@@ -14,6 +14,7 @@ from scipy import stats
 import pycapsnet
 from pycapsnet import CapsNetError, experiments
 from pycapsnet.experiments import routing_study, study_diagnostics, study_protocol, study_report, study_stats as st
+from pycapsnet.experiments import study_tuning as tuning
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--quick", "--no-affine", "--routings", "uniform", "dynamic", "--limit", "100", "--limit-test", "40"]
@@ -110,18 +111,51 @@ def test_diagnostics_on_known_coefficients():
 
 
 # ---- the protocol ----------------------------------------------------------------------------------
-def test_the_test_set_is_sealed_until_the_choices_are_fixed():
+def test_the_test_set_is_sealed_until_every_rows_choice_is_fixed():
     sealed = study_protocol.SealedTest(object())
     with pytest.raises(CapsNetError, match="reads its test set only after every choice is fixed"):
         sealed.open()
-    sealed.fix({"uniform": "lr=0.002"})
+    for partial in ({}, {"uniform": "lr=0.002"}, {"uniform": "lr=0.002", "dynamic": 5}):
+        with pytest.raises(CapsNetError, match="every row's choice"):
+            sealed.fix(partial, ["uniform", "dynamic"])
+        with pytest.raises(CapsNetError):
+            sealed.open()
+    with pytest.raises(CapsNetError, match="no row"):
+        sealed.fix({}, [])
+    sealed.fix({"uniform": "lr=0.002", "dynamic": "lr=0.001"}, ["uniform", "dynamic"])
     assert sealed.open() is not None
 
 
-def test_the_choice_rule_and_the_equal_budget():
-    assert study_protocol.choose({"lr=0.001": [0.9], "lr=0.002": [0.95], "lr=0.004": [0.95]}) == ("lr=0.002", 0.95)
-    assert len(study_protocol.trials("vb")) == len(study_protocol.trials("dynamic")) == study_protocol.BUDGET
-    assert {t.get("vb_lambda") for t in study_protocol.trials("vb")} == {0.1, 1.0}
+def test_the_choice_rule_breaks_ties_by_the_worst_seed_then_a_fixed_order_not_the_listing():
+    assert tuning.choose({"lr=0.001": [0.9, 0.9], "lr=0.002": [0.95, 0.93], "lr=0.004": [0.94, 0.94]}) == \
+        ("lr=0.004", pytest.approx(0.94))  # equal means: the higher worst seed
+    tie = {"lr=0.001,vb_lambda=0.1": [0.9], "lr=0.001,vb_lambda=1": [0.9]}
+    flipped = dict(reversed(list(tie.items())))
+    assert tuning.choose(tie) == tuning.choose(flipped)  # the listing order does not decide
+    assert {t.get("vb_lambda") for t in tuning.trials("vb")} == {0.1, 1.0}
+    assert len(tuning.trials("vb")) == 2 * len(tuning.trials("dynamic")) == 2 * len(tuning.LR_GRID)
+
+
+def _known(row, accuracy_of_lr, seeds=tuning.TUNE_SEEDS):
+    """Tuning units of ``row`` whose validation accuracy is a function of the rate."""
+    return {f"tune {row} lr={lr:g} seed {s}": {"val": [accuracy_of_lr(lr)]}
+            for lr in (tuning.LR_LIMITS[0] * 2 ** k for k in range(8)) for s in seeds}
+
+
+@pytest.mark.parametrize("best,chosen,extended,capped", [
+    (1e-3, "lr=0.001", [], None),                              # interior: the grid as it is
+    (8e-3, "lr=0.008", [0.008, 0.016], None),                  # the top: x2 until the choice is interior
+    (1, "lr=0.016", [0.008, 0.016], "highest"),                # rising to the limit: capped, and said
+    (2.5e-4, "lr=0.00025", [0.000125, 0.00025], None)])        # the bottom: /2
+def test_a_choice_at_the_grids_edge_extends_the_grid(best, chosen, extended, capped):
+    known = _known("uniform", lambda lr: 1 - abs(np.log(lr / best)) / 100)
+    keys, results = tuning.plan(["uniform"], lambda row: row, known)
+    r = results["uniform"]
+    assert (r["chosen"], r["extended"], r["capped"]) == (chosen, extended, capped)
+    assert r["lead"]["se"] == 0 and r["lead"]["mean"] > 0 and len(r["trials"]) == 4 + len(extended)
+    if 0.016 in extended:  # without the last round's units, the row waits for them, and the plan lists them
+        keys, results = tuning.plan(["uniform"], lambda row: row, {k: v for k, v in known.items() if "0.016" not in k})
+        assert results["uniform"] is None and sum("lr=0.016" in k for k in keys) == len(tuning.TUNE_SEEDS)
 
 
 def test_a_shard_reads_no_test_digit_before_every_rows_tuning_is_done(tmp_path):
@@ -133,33 +167,58 @@ def test_a_shard_reads_no_test_digit_before_every_rows_tuning_is_done(tmp_path):
     assert "merge the shards' folders" in done.stderr + done.stdout
 
 
+def _sharded(tmp_path, *flags, shards=2, rounds=5):
+    """The shards' loop: run each, merge, run each again with the merged choices.json, until the
+    merged table is complete (the tuning's rounds, then the main units)."""
+    for _ in range(rounds):
+        choices = tmp_path / "m" / "choices.json"
+        for k in range(1, shards + 1):
+            done = _study(tmp_path / f"s{k}", *flags, "--shard", f"{k}/{shards}",
+                          *(["--choices", str(choices)] if choices.exists() else []))
+            assert done.returncode == 0, done.stderr
+        merge = _study(tmp_path / "m", "--merge", *(str(tmp_path / f"s{k}") for k in range(1, shards + 1)))
+        assert merge.returncode == 0, merge.stderr
+        results = json.loads((tmp_path / "m" / "results.json").read_text())
+        if results["complete"]:
+            return results
+    raise AssertionError("the shards never completed the study")
+
+
 def test_shards_merged_give_the_unsharded_table_and_mixed_settings_are_refused(tmp_path):
     whole = _study(tmp_path / "whole", *SMALL, "--sweep", "1")
     assert whole.returncode == 0, whole.stderr
-    for k in (1, 2):
-        assert _study(tmp_path / f"s{k}", *SMALL, "--sweep", "1", "--shard", f"{k}/2").returncode == 0
-    merge = _study(tmp_path / "m", "--merge", str(tmp_path / "s1"), str(tmp_path / "s2"))
-    assert merge.returncode == 0, merge.stderr
-    for k in (1, 2):
-        done = _study(tmp_path / f"s{k}", *SMALL, "--sweep", "1", "--shard", f"{k}/2", "--choices",
-                      str(tmp_path / "m" / "choices.json"))
-        assert done.returncode == 0, done.stderr
-    merge = _study(tmp_path / "m", "--merge", str(tmp_path / "s1"), str(tmp_path / "s2"))
-    assert merge.returncode == 0, merge.stderr
-
-    def strip(d):
-        if isinstance(d, dict):
-            return {k: strip(v) for k, v in d.items() if k != "ms_per_step"}
-        return d
-
-    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("m", "whole"))
-    assert a["complete"] and strip(a["embedded"]) == strip(b["embedded"]) and strip(a["sweep"]) == strip(b["sweep"])
-    assert a["tuning"] == b["tuning"]
+    a = _sharded(tmp_path, *SMALL, "--sweep", "1")
+    b = json.loads((tmp_path / "whole" / "results.json").read_text())
+    assert any(t["extended"] for t in b["tuning"].values())  # (the quick networks want rates past the grid)
+    assert a["embedded"] == b["embedded"] and a["sweep"] == b["sweep"] and a["tuning"] == b["tuning"]
+    units = json.loads((tmp_path / "m" / "units.json").read_text())["units"]
+    chosen = json.loads((tmp_path / "m" / "choices.json").read_text())["choices"]
+    for key, unit in units.items():  # every unit names its trial, and the choices it ran under
+        if not key.startswith("tune"):
+            assert unit["trial"] == chosen[key.split(" ")[1]] and unit["choices"] == tuning.digest(chosen)
     other = _study(tmp_path / "o", *SMALL, "--epochs", "2", "--shard", "1/2")
     assert other.returncode == 0, other.stderr
     refused = _study(tmp_path / "m2", "--merge", str(tmp_path / "s1"), str(tmp_path / "o"))
     assert refused.returncode == 2 and "were run with other epochs" in refused.stderr
     assert refused.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("forge,said", [
+    (lambda c, u: c["choices"].update(uniform="lr=0.0005"), "do not follow from its tuning units"),
+    (lambda c, u: c["choices"].pop("dynamic"), "do not follow from its tuning units"),
+    (lambda c, u: c["tuning_units"].update({k: "0" * 16 for k in list(c["tuning_units"])[:1]}), "absent"),
+    (lambda c, u: u["units"].pop(next(iter(c["tuning_units"]))), "absent"),
+    (lambda c, u: c.pop("tuning_units"), "lists no tuning units")])
+def test_a_forged_or_partial_choices_file_is_refused_before_any_unit(tmp_path, forge, said):
+    assert _study(tmp_path / "whole", *SMALL).returncode == 0
+    c = json.loads((tmp_path / "whole" / "choices.json").read_text())
+    u = json.loads((tmp_path / "whole" / "units.json").read_text())
+    forge(c, u)
+    (tmp_path / "whole" / "choices.json").write_text(json.dumps(c))
+    (tmp_path / "whole" / "units.json").write_text(json.dumps(u))
+    done = _study(tmp_path / "new", *SMALL, "--choices", str(tmp_path / "whole" / "choices.json"))
+    assert done.returncode == 2 and said in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert not (tmp_path / "new").exists()
 
 
 def test_your_own_data_as_arrays_and_your_own_routing(tmp_path):

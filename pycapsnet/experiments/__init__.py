@@ -124,13 +124,13 @@ def shard(text: str) -> tuple:
 def main(args) -> int:
     from pycapsnet import backends
 
-    from . import affine, multimnist, routing_study, table1
+    from . import affine, multimnist, routing_study, study_merge, table1
 
     module = {"table1": table1, "affine": affine, "multimnist": multimnist, "routings": routing_study}[args.name]
     _refuse_flags_of_others(args)
     if getattr(args, "merge", None):
         _refuse_flags_beside_merge(args)
-        return routing_study.merge(args)
+        return study_merge.merge(args)
     for k, v in OWN_FLAGS[args.name].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -289,9 +289,9 @@ def merge(dirs, out: str) -> dict:
 
     if isinstance(dirs, (str, os.PathLike)) or not dirs:
         raise CapsNetError(f"dirs must be a list of output folders, got {dirs!r}")
-    from . import routing_study
+    from . import study_merge
 
-    routing_study.merge(argparse.Namespace(merge=[a.path(d, "dirs") for d in dirs], out=a.path(out, "out")))
+    study_merge.merge(argparse.Namespace(merge=[a.path(d, "dirs") for d in dirs], out=a.path(out, "out")))
     with open(os.path.join(out, "results.json")) as f:
         return json.load(f)
 

@@ -28,16 +28,16 @@ import hashlib
 import json
 import os
 import re
-import sys
 
 import numpy as np
 
 from ..core import architecture as A, routings
 from ..core.description import param_shapes
-from ..errors import CapsNetError, printable
+from ..errors import CapsNetError, first_line, printable
 from ..training import data
 from ..training.log import say
-from . import check_fits, digits, loop, study_protocol as protocol, study_report as report, study_units
+from . import check_fits, digits, loop, study_protocol as protocol, study_report as report, study_tuning as tuning, \
+    study_units
 from .networks import baseline_cnn
 from .study_diagnostics import TestPass
 
@@ -49,7 +49,7 @@ QUICK_BACKBONE = dict(conv_channels=8, primary_types=2, primary_dim=8, class_dim
 BACKBONE = dict(conv_channels=64, primary_types=16, primary_dim=8, class_dim=16)
 DEFAULT_ROWS = ("uniform", "dynamic", "attention", "inverted", "self", "vb", "random", "em", "cnn")
 SWEEP_ROUTINGS = ("dynamic", "vb")  # --sweep K...: these routings at K iterations
-VERSION = 2  # of the protocol: units of another version are not reused
+VERSION = 3  # of the protocol: units of another version are not reused
 
 
 def row_spec(name: str) -> tuple:
@@ -170,107 +170,133 @@ class Study:
                                                     "sweep_seeds": args.sweep_seeds})
         if self.units.done:
             study_units.check(self.units.path, self.settings, self.units.done)
-        self.given = self._given_choices(args.choices) if args.choices and args.lr is None else None
+        self.merged = {}
+        self.merged = self._given_choices(args.choices) if args.choices and args.lr is None else {}
 
     def _settings(self) -> dict:
         a = self.args
         return {"version": VERSION, "code": code_digest(), "backend": self.B.label, "data": self.records,
                 "epochs": a.epochs, "batch_size": a.batch_size, "backbone": self.backbone, "fixed_lr": a.lr,
-                "lr_grid": list(protocol.LR_GRID), "open_options": protocol.OPEN_OPTIONS,
-                "tune_seeds": list(protocol.TUNE_SEEDS), "val_fraction": a.val_fraction, "margin": a.margin,
+                "lr_grid": list(tuning.LR_GRID), "lr_limits": list(tuning.LR_LIMITS),
+                "open_options": tuning.OPEN_OPTIONS, "tune_seeds": list(tuning.TUNE_SEEDS), "rule": tuning.RULE,
+                "val_fraction": a.val_fraction, "margin": a.margin,
                 "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target}}
 
     def network(self, row, shape, trial) -> dict:
         return network(row, shape, self.backbone, _options(trial), n_classes=len(self.train.classes))
 
-    def trials_of(self, row) -> list:
-        if self.args.lr is not None:
-            return []
-        return [protocol.trial_name(t) for t in protocol.trials(row_spec(row)[1] or row)]
+    def tuned(self) -> list:
+        """The rows that are tuned: every row, and each row of the sweep on its own."""
+        return [*self.rows, *self.sweep]
 
-    def keys(self) -> list:
-        """Every unit of the run, in the order the shards split them: tuning, main, sweep, affine."""
-        tune = [f"tune {r} {t} seed {s}" for r in self.rows for t in self.trials_of(r) for s in protocol.TUNE_SEEDS]
-        main = [f"main {r} seed {s}" for r in self.rows for s in range(self.args.seeds)]
-        sweep = [f"main {r} seed {s}" for r in self.sweep for s in range(min(self.args.sweep_seeds, self.args.seeds))]
-        affine = [] if self.args.no_affine else [f"affine {r} seed {s}" for r in self.rows for s in range(self.args.seeds)]
-        return tune + main + sweep + affine
+    def known(self) -> dict:
+        """Every finished unit this run knows: its folder's, and the merged tuning units of --choices."""
+        return {**self.merged, **self.units.done}
 
-    def mine(self, key) -> bool:
+    def main_keys(self) -> list:
+        """The units after the tuning, in the order the shards split them: main, sweep, affine."""
+        seeds, sweep_seeds = range(self.args.seeds), range(min(self.args.sweep_seeds, self.args.seeds))
+        return ([f"main {r} seed {s}" for r in self.rows for s in seeds]
+                + [f"main {r} seed {s}" for r in self.sweep for s in sweep_seeds]
+                + ([] if self.args.no_affine else [f"affine {r} seed {s}" for r in self.rows for s in seeds]))
+
+    def mine(self, key, keys) -> bool:
         k, n = self.args.shard or (1, 1)
-        return self.keys().index(key) % n == k - 1
+        return keys.index(key) % n == k - 1
 
     def choices(self) -> dict | None:
-        """{row: the trial it runs}, once every row's tuning is done (None before); or those of a
-        merged run's choices.json (--choices), made under the same settings."""
+        """{row: the trial it runs} once every tuned row's choice is made (None before)."""
         if self.args.lr is not None:
-            return {r: f"lr={self.args.lr:g}" for r in self.rows}
-        if self.given is not None:
-            return self.given
-        chosen, missing = report.tuning(self.units.done, self.rows, self.trials_of, protocol.TUNE_SEEDS)
-        return None if missing else {r: c["chosen"] for r, c in chosen.items()}
+            return {r: f"lr={self.args.lr:g}" for r in self.tuned()}
+        results = tuning.plan(self.tuned(), routing_of, self.known())[1]
+        return None if any(r is None for r in results.values()) else {r: t["chosen"] for r, t in results.items()}
 
     def run(self) -> None:
         val = (data.as_float(self.val.x), self.val.y)
         shape = tuple(self.train.x.shape[1:])
-        for row in self.rows:
-            for t in protocol.trials(row_spec(row)[1] or row) if self.args.lr is None else ():
-                for s in protocol.TUNE_SEEDS:
-                    key = f"tune {row} {protocol.trial_name(t)} seed {s}"
-                    if self.mine(key):
-                        self.units.measure(key, lambda t=t, s=s, key=key: study_units.sealed(_trained(
-                            self.args, self.B, self.network(row, shape, t), s, t["lr"],
-                            self.train, val, _shift, key)))
+        if self.args.lr is None:
+            self._tune(val, shape)
         choices = self.choices()
+        if choices is not None and self.args.lr is None:
+            self._write_choices()
         if choices is None:
-            say("tuning: this shard's trials are done; the others' are needed before any test digit is read: merge "
-                "the shards' folders (--merge), then run each shard again with --choices MERGED/choices.json")
+            say("tuning: this shard's trials are done; the others' are needed before the next round or any test "
+                "image is read: merge the shards' folders (--merge), then run each shard again with --choices "
+                "MERGED/choices.json")
             return
-        self.test.fix(choices)
-        self._write_choices(choices)
-        for key in self.keys():
-            if key.startswith("tune") or not self.mine(key):
+        self.test.fix(choices, self.tuned())
+        digest, keys = tuning.digest(choices), self.main_keys()
+        for key in keys:
+            if not self.mine(key, keys):
                 continue
             kind, row, _, s = key.split(" ")
-            base = row if row in choices else row.rsplit("-", 1)[0]
+            chosen = choices[row] if row in choices else choices[row.rsplit("-", 1)[0]]
             if key in self.units.done:
-                ran = self.units.done[key].get("trial", choices[base])
-                if ran != choices[base]:  # a finished unit is reused only where it ran the trial chosen now
-                    raise CapsNetError(f"{self.units.path}: unit '{key}' ran trial {printable(ran, 60)}, not "
-                                       f"{choices[base]}, which is chosen now: give another --out")
+                unit = self.units.done[key]
+                if (unit.get("trial"), unit.get("choices")) != (chosen, digest):  # reused only under today's choices
+                    raise CapsNetError(f"{self.units.path}: unit '{key}' ran trial {printable(unit.get('trial'), 60)} "
+                                       f"under other choices than this run's ({chosen}): give another --out")
                 continue
-            t, trial = _parse_trial(choices[base]), {"trial": choices[base]}  # each unit records the trial it ran
+            t, ran = tuning.parse(chosen), {"trial": chosen, "choices": digest}  # each unit records what it ran
             if kind == "main":
                 self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed({**_trained(
                     self.args, self.B, self.network(row, shape, t), s, t["lr"], self.train, val,
-                    _shift, key, test=self.test.open()), **trial}))
+                    _shift, key, test=self.test.open()), **ran}))
             else:
                 self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed(
-                    {**self._affine_unit(row, t, s, key), **trial}))
+                    {**self._affine_unit(row, t, s, key), **ran}))
+
+    def _tune(self, val, shape) -> None:
+        """This run's share of the tuning units, round after round while the next round is known."""
+        while True:
+            keys, _ = tuning.plan(self.tuned(), routing_of, self.known())
+            todo = [k for k in keys if k not in self.known() and self.mine(k, keys)]
+            if not todo:
+                return
+            for key in todo:
+                _, row, name, _, s = key.split(" ")
+                t = tuning.parse(name)
+                self.units.measure(key, lambda t=t, s=int(s), key=key, row=row: study_units.sealed(_trained(
+                    self.args, self.B, self.network(row, shape, t), s, t["lr"], self.train, val, _shift, key)))
 
     def _given_choices(self, path) -> dict:
+        """The tuning units a merged run's choices.json was made from (its units.json beside it), each
+        checked against the digest the file lists, and the file's choices recomputed from them by the
+        rule: a file that does not follow from its units, or whose units are absent, is refused."""
+        from .units import FILE, Units
+
+        def refuse(what):
+            raise CapsNetError(f"--choices {path}: {what}; give the choices.json a merge wrote, beside its units.json")
+
         try:
             with open(path) as f:
                 given = json.load(f)
-        except (OSError, ValueError) as e:
-            raise CapsNetError(f"--choices {path}: cannot read it ({e}); give the choices.json a merge wrote") from None
+        except (OSError, ValueError, RecursionError) as e:
+            refuse(f"cannot read it ({printable(first_line(e) if not isinstance(e, RecursionError) else 'nested')})")
         if not isinstance(given, dict) or given.get("settings") != json.loads(json.dumps(self.settings)):
-            raise CapsNetError(f"--choices {path}: its choices were made under other settings or code than this "
-                               "run's: give the merged folder of this study's own shards")
-        chosen = given.get("choices")
-        lost = [r for r in self.rows if not isinstance(chosen, dict) or r not in chosen]
-        if lost:
-            raise CapsNetError(f"--choices {path} holds no choice for {', '.join(lost)}")
-        for r in self.rows:
-            if chosen[r] not in self.trials_of(r):  # a value, checked as the protocol's own trials
-                raise CapsNetError(f"--choices {path}: {r}'s choice {printable(repr(chosen[r]), 60)} is none of its "
-                                   f"trials ({', '.join(self.trials_of(r))}); give the choices.json a merge wrote")
-        return {r: chosen[r] for r in self.rows}
+            refuse("its choices were made under other settings or code than this run's")
+        listed = given.get("tuning_units")
+        if not (isinstance(listed, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in listed.items())):
+            refuse("it lists no tuning units")
+        folder = os.path.dirname(os.path.abspath(path))
+        flags, units, _ = Units.read(folder)
+        study_units.check(os.path.join(folder, FILE), flags, units)
+        absent = [k for k, d in listed.items() if not isinstance(units.get(k), dict) or units[k].get("digest") != d]
+        if absent:
+            refuse(f"its tuning unit '{printable(absent[0], 80)}' is absent from {os.path.join(folder, FILE)} or differs")
+        merged = {k: units[k] for k in listed}
+        record = choices_record(self.settings, self.tuned(), merged)
+        if {k: given.get(k) for k in ("choices", "pending")} != {k: record[k] for k in ("choices", "pending")}:
+            refuse("its choices do not follow from its tuning units by the protocol's rule")
+        clash = [k for k in merged if k in self.units.done and self.units.done[k] != merged[k]]
+        if clash:
+            refuse(f"its unit '{clash[0]}' differs from the one in {self.units.path}")
+        return merged
 
-    def _write_choices(self, choices) -> None:
+    def _write_choices(self) -> None:
         from ..training.files import atomic_write
 
-        record = {"settings": self.settings, "choices": choices}
+        record = choices_record(self.settings, self.tuned(), self.known())
         atomic_write(os.path.join(self.out, "choices.json"), lambda f: json.dump(record, f, indent=1), text=True)
 
     def _affine_unit(self, row, t, seed, desc) -> dict:
@@ -306,8 +332,18 @@ def _options(trial: dict) -> dict:
     return {k: v for k, v in trial.items() if k != "lr"}
 
 
-def _parse_trial(name: str) -> dict:
-    return {k: float(v) for k, v in (part.split("=") for part in name.split(","))}
+def routing_of(row) -> str:
+    """The routing a row's grid is drawn for ("cnn" and "em" for theirs)."""
+    return row_spec(row)[1] or row
+
+
+def choices_record(settings, tuned, known) -> dict:
+    """choices.json: the settings, the digest of every tuning unit the choices follow from, each
+    tuned row's choice where its tuning is done, and the rows still waiting for a round."""
+    keys, results = tuning.plan(tuned, routing_of, known)
+    return {"settings": settings, "tuning_units": {k: known[k].get("digest", "") for k in keys if k in known},
+            "choices": {r: t["chosen"] for r, t in results.items() if t},
+            "pending": [r for r, t in results.items() if t is None]}
 
 
 def code_digest() -> str:
@@ -354,141 +390,8 @@ def run(args, B, out, units=None) -> dict:
     try:
         study = Study(args, B, lambda out, settings, layout: Units(out, flags=settings, layout=layout), out)
         study.run()
-        write_long_form(study.units.done, out)
-        return assemble(study.settings, study.units.done, study.rows, study.sweep, args.seeds, args.sweep_seeds)
+        study_units.write_long_form(study.units.done, out)
+        return report.assemble(study.settings, study.units.done, study.rows, study.sweep, args.seeds,
+                               args.sweep_seeds, routing_of)
     finally:
         unlock(out, held)
-
-
-def merge(args) -> int:
-    """--merge DIR ...: the units of every folder, which must share their settings and code, into --out
-    (units.json, results); rows, seeds and the sweep are read off the units themselves.  Each file is
-    checked first (study_units), and every main unit must have run the trial its tuning chose; --out
-    is locked while it is written, and a units file there of anything else is refused."""
-    from . import write_results
-    from .units import FILE
-    from ..training.run_dir import lock, out_dir_for, unlock
-
-    flags, units, layout, origin = _merged(args.merge)
-    out = args.out or "experiments/routings-merged"
-    with out_dir_for(out):
-        held = lock(out)
-        try:
-            _refuse_other_units(out, flags, layout, units)
-            results = assemble(flags, units, layout["rows"], layout["sweep"], layout["seeds"], layout["sweep_seeds"])
-            _refuse_other_trials(flags, units, layout, results["tuning"], origin)
-            _write(os.path.join(out, FILE), {"flags": flags, "layout": layout, "units": units})
-            write_long_form(units, out)
-            results.update(command="pycapsnet experiment routings --merge " + " ".join(args.merge), merged=list(args.merge))
-            if results["tuning"] and set(results["tuning"]) >= set(layout["rows"]):  # every choice made: the shards' next step
-                _write(os.path.join(out, "choices.json"),
-                       {"settings": flags, "choices": {r: t["chosen"] for r, t in results["tuning"].items()}})
-            write_results(sys.modules[__name__], results, out)
-        finally:
-            unlock(out, held)
-    say(f"merged {len(units)} units of {len(args.merge)} folder(s) into {out}")
-    return 0
-
-
-def _merged(dirs) -> tuple:
-    """(flags, units, layout, {unit: the folder it came from}) of the folders, each file checked."""
-    from .units import FILE, Units
-
-    flags, units, layout, origin = None, {}, None, {}
-    for d in dirs:
-        f, u, lay = Units.read(d)
-        study_units.check(os.path.join(d, FILE), f, u, lay)
-        if flags is None:
-            flags, first, layout = f, d, lay
-        elif f != flags:
-            what = sorted(k for k in set(f) | set(flags) if f.get(k) != flags.get(k))
-            raise CapsNetError(f"--merge: {d}'s units were run with other {' and '.join(what)} than {first}'s "
-                               "(settings or code differ): merge only the folders of one study")
-        elif lay != layout:
-            raise CapsNetError(f"--merge: {d} is a study of other rows or seeds than {first}: merge the shards of "
-                               "one command")
-        for key, value in u.items():
-            if key in units and units[key] != value:
-                raise CapsNetError(f"--merge: {origin[key]} and {d} hold different figures for unit '{key}': a unit "
-                                   "is trained once; merge the folders of one study's shards")
-            units.setdefault(key, value)
-            origin.setdefault(key, d)
-    if layout is None:
-        raise CapsNetError(f"--merge: {first} holds no routing study's units")
-    return flags, units, layout, origin
-
-
-def _refuse_other_units(out, flags, layout, units) -> None:
-    """A units file already in ``out`` is replaced only by a merge that holds all of it (the same study
-    merged again): hours of units are never lost to a mistyped --out."""
-    from .units import FILE, Units
-
-    path = os.path.join(out, FILE)
-    if not os.path.exists(path):
-        return
-    try:
-        f, u, lay = Units.read(out)
-    except CapsNetError:
-        f = u = lay = None
-    if not (f == flags and lay == layout and isinstance(u, dict) and all(units.get(k) == v for k, v in u.items())):
-        raise CapsNetError(f"--merge: --out {out} holds {path}, units of another study or units the merged folders "
-                           "do not hold: give another --out (or merge that folder too)")
-
-
-def _refuse_other_trials(flags, units, layout, tuning, origin) -> None:
-    """Every main and affine unit that records its trial ran the one its tuning chose (or --lr's)."""
-    for key, unit in units.items():
-        kind, row = key.split(" ")[:2]
-        if kind == "tune" or "trial" not in unit:
-            continue
-        base = row if row in layout["rows"] else row.rsplit("-", 1)[0]
-        chosen = f"lr={flags['fixed_lr']:g}" if flags.get("fixed_lr") is not None else \
-            (tuning.get(base) or {}).get("chosen")
-        if chosen is not None and unit["trial"] != chosen:
-            raise CapsNetError(f"--merge: {os.path.join(origin[key], 'units.json')}: unit '{key}' ran trial "
-                               f"{printable(unit['trial'], 60)}, not {chosen}, which its row's tuning chose: its "
-                               "figures are not this study's; train it again with the merged choices.json")
-
-
-def write_long_form(units, out) -> None:
-    """units.csv beside units.json: a unit a line, its row, routing, trial, options and seed as fields."""
-    from ..training.files import atomic_write
-
-    atomic_write(os.path.join(out, "units.csv"), lambda fh: fh.write(study_units.long_form(units)), text=True)
-
-
-def _write(path, record) -> None:
-    from ..training.files import atomic_write
-
-    atomic_write(path, lambda fh: json.dump(record, fh, indent=1), text=True)
-
-
-def assemble(settings, done, rows, sweep, seeds, sweep_seeds) -> dict:
-    """results.json's content, from the units alone."""
-    trials_of = lambda row: [] if settings["fixed_lr"] is not None else [  # noqa: E731
-        protocol.trial_name(t) for t in protocol.trials(row_spec(row)[1] or row)]
-    tune, _ = report.tuning(done, rows, trials_of, protocol.TUNE_SEEDS) if settings["fixed_lr"] is None else ({}, [])
-    main, missing = report.rows_of(done, rows, seeds)
-    sweep_done, sweep_missing = report.rows_of(done, sweep, min(sweep_seeds, seeds))
-    baseline = protocol.BASELINE if protocol.BASELINE in rows else rows[0]
-    n_test, margin = settings["data"]["test"]["digits"], settings.get("margin")
-    dataset = settings["data"].get("dataset", "mnist")
-    return {"protocol": _declared(settings, baseline), "settings": settings, "data": settings["data"],
-            "dataset": dataset, "seeds": seeds, "tuning": tune, dataset: report.main_rows(main, baseline, n_test, margin),
-            "sweep": report.main_rows(sweep_done, None, n_test),
-            "affine": report.affine_rows(done, rows, seeds) if settings["affine"] else None,
-            "affine_canvas": (settings["affine"] or {}).get("canvas"),
-            "missing": missing + sweep_missing, "complete": not (missing or sweep_missing)}
-
-
-def _declared(settings, baseline) -> dict:
-    grid = f"lr from {settings['lr_grid']} ({len(settings['lr_grid'])} trials; VB: lr {list(protocol.OPEN_OPTION_LRS)} x " \
-           f"vb_lambda {list(protocol.OPEN_OPTIONS['vb']['vb_lambda'])})" if settings["fixed_lr"] is None else \
-        f"one lr for every row, {settings['fixed_lr']:g}, given (no tuning)"
-    return {"baseline": baseline, "affine_target": (settings["affine"] or {}).get("target"),
-            "margin": settings.get("margin"),
-            "summary": f"validation {settings['val_fraction']:g} of the training digits (stratified); {grid}, on "
-                       f"{len(settings['tune_seeds'])} tuning seed(s), the highest last-epoch validation accuracy "
-                       f"chosen (ties: the first listed); the test set read once, after the last epoch of each main "
-                       f"unit; {settings['epochs']} epochs, batch {settings['batch_size']}, Adam decayed 0.85 per epoch; "
-                       f"transforms at init.routed_std for every row; baseline {baseline}"}

@@ -5,11 +5,10 @@ the test set out of every choice.
        stratified share (``--val-fraction``, 10%) is held out for validation; the test set is the
        dataset's whole test split (``--limit-test`` only where asked).  Each split is recorded by its
        class counts and a digest of its images and labels.
-    2. Tuning, on validation only.  Every row gets the same budget: BUDGET trials from its grid
-       (the learning rates LR_GRID; a row whose paper leaves an option open, OPEN_OPTIONS, spends its
-       trials on rates and that option), each trained on TUNE_SEEDS seeds for the study's epochs and
-       scored on validation after its last epoch.  The rule, stated here: the trial with the highest
-       mean last-epoch validation accuracy; a tie goes to the trial listed first.
+    2. Tuning, on validation only (study_tuning.py): every row, and every row of the iteration
+       sweep, gets the same grid of rates (and any option its paper leaves open), each trial on
+       three tuning seeds; a choice at the grid's edge extends it until the choice is interior or a
+       declared limit is reached; the rule and its tie-break are fixed there, before any run.
     3. The test set, read once, after every choice is fixed (``SealedTest``): each row trained on
        the main seeds with its chosen trial, scored on the test digits after its last epoch, which is
        the reading (no epoch is chosen); the affine part reads each network at its last epoch and at
@@ -20,49 +19,17 @@ the test set out of every choice.
 from __future__ import annotations
 
 import hashlib
-import itertools
 
 import numpy as np
 
 from ..errors import CapsNetError
 
 BASELINE = "uniform"
-LR_GRID = (5e-4, 1e-3, 2e-3, 4e-3)
-BUDGET = len(LR_GRID)  # trials per row
-# An option a routing's paper leaves open (or whose library default was set with the test set in view):
-# tuned on validation within the same budget: two rates and each of its values.
-OPEN_OPTIONS = {"vb": {"vb_lambda": (0.1, 1.0)}}
-OPEN_OPTION_LRS = (1e-3, 2e-3)
-TUNE_SEEDS = (1000,)  # seeds of the tuning trials: none is a main seed
 VAL_FRACTION = 0.1
 AFFINE_TARGET = 97.0  # % translated validation accuracy at which the affine part reads a network
 DIAGNOSTIC_DIGITS = 1000  # coupling entropy and dynamics on the first this many test digits
 CHILD_ACTIVE = 0.05  # a child capsule is active on a digit where its length (EM: activation) exceeds this
 PARENT_ACTIVE = 0.5  # a class capsule is, where its length exceeds this (the margin loss's middle)
-
-
-def trials(row_routing: str, grid=LR_GRID) -> list:
-    """The row's tuning trials, in the order a tie is broken: [{"lr": .., option: ..}, ...]."""
-    open_ = OPEN_OPTIONS.get(row_routing)
-    if not open_ or len(grid) != BUDGET:
-        return [{"lr": lr} for lr in grid]
-    (option, values), = open_.items()
-    return [{"lr": lr, option: v} for lr, v in itertools.product(OPEN_OPTION_LRS, values)]
-
-
-def trial_name(trial: dict) -> str:
-    return ",".join(f"{k}={v:g}" for k, v in trial.items())
-
-
-def choose(scores: dict) -> tuple:
-    """The rule: {trial name: [last-epoch validation accuracy per tuning seed]} (in grid order) ->
-    (the chosen trial's name, its mean).  Highest mean; a tie goes to the one listed first."""
-    best, best_mean = None, -1.0
-    for name, accs in scores.items():
-        m = float(np.mean(accs))
-        if m > best_mean:
-            best, best_mean = name, m
-    return best, best_mean
 
 
 def digest(*arrays) -> str:
@@ -126,7 +93,12 @@ class SealedTest:
     def __init__(self, split):
         self._split, self.choices = split, None
 
-    def fix(self, choices: dict) -> None:
+    def fix(self, choices: dict, rows) -> None:
+        """Every row's choice fixed (a trial's name each): then, and only then, the test set opens."""
+        lost = [r for r in rows if not isinstance((choices or {}).get(r), str)]
+        if not rows or lost:
+            raise CapsNetError(f"the routing study reads its test set only after every row's choice is fixed; "
+                               f"{', '.join(lost) or 'no row'} has none")
         self.choices = dict(choices)
 
     def open(self):

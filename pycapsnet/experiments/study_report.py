@@ -6,28 +6,45 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import study_stats as st
 from ..core.routings import DEFAULT_ITERS
-from .study_protocol import BASELINE, choose
+from . import study_stats as st, study_tuning as tuning
+from .study_protocol import BASELINE
 
 
-def tuning(units: dict, rows, trials_of, tune_seeds) -> tuple:
-    """({row: {"trials": {name: [val acc per tuning seed]}, "chosen": name, "val": mean}} for rows whose
-    trials are all done, [rows still missing trials])."""
-    chosen, missing = {}, []
-    for row in rows:
-        scores = {}
-        for trial in trials_of(row):
-            keys = [f"tune {row} {trial} seed {s}" for s in tune_seeds]
-            if not all(k in units for k in keys):
-                break
-            scores[trial] = [units[k]["val"][-1] for k in keys]
-        else:
-            name, mean = choose(scores)
-            chosen[row] = {"trials": scores, "chosen": name, "val": mean}
-            continue
-        missing.append(row)
-    return chosen, missing
+def assemble(settings, done, rows, sweep, seeds, sweep_seeds, routing_of) -> dict:
+    """results.json's content, from the units alone (``routing_of``: a row's routing, for its grid)."""
+    fixed = settings["fixed_lr"] is not None
+    tune = {} if fixed else {r: t for r, t in tuning.plan([*rows, *sweep], routing_of, done)[1].items() if t}
+    main, missing = rows_of(done, rows, seeds)
+    sweep_done, sweep_missing = rows_of(done, sweep, min(sweep_seeds, seeds))
+    baseline = BASELINE if BASELINE in rows else rows[0]
+    n_test, margin = settings["data"]["test"]["digits"], settings.get("margin")
+    dataset = settings["data"].get("dataset", "mnist")
+    return {"protocol": declared(settings, baseline), "settings": settings, "data": settings["data"],
+            "dataset": dataset, "seeds": seeds, "tuning": tune, dataset: main_rows(main, baseline, n_test, margin),
+            "sweep": main_rows(sweep_done, None, n_test),
+            "affine": affine_rows(done, rows, seeds) if settings["affine"] else None,
+            "affine_canvas": (settings["affine"] or {}).get("canvas"),
+            "missing": missing + sweep_missing, "complete": not (missing or sweep_missing)}
+
+
+def declared(settings, baseline) -> dict:
+    """The protocol as it ran, in one paragraph: what ran, and nothing that did not."""
+    if settings["fixed_lr"] is None:
+        tuned = (f"each row's lr from {settings['lr_grid']} (VB: every lr with vb_lambda "
+                 f"{list(tuning.OPEN_OPTIONS['vb']['vb_lambda'])}), extended at an edge choice by x2 or /2 up to "
+                 f"{settings['lr_limits']}, on {len(settings['tune_seeds'])} tuning seeds; the rule: {tuning.RULE}; "
+                 "each sweep row tuned on its own")
+    else:
+        tuned = f"one lr for every row, {settings['fixed_lr']:g}, given (no tuning)"
+    margin = settings.get("margin")
+    return {"baseline": baseline, "affine_target": (settings["affine"] or {}).get("target"), "margin": margin,
+            "summary": f"validation {settings['val_fraction']:g} of the training images (stratified); {tuned}; "
+                       f"the test set read once, after the last epoch of each main unit; {settings['epochs']} epochs, "
+                       f"batch {settings['batch_size']}, Adam decayed 0.85 per epoch; transforms at init.routed_std "
+                       f"for every row; baseline {baseline}; "
+                       + (f"equivalence margin ±{margin:g} points, declared before the run" if margin is not None
+                          else "no equivalence margin declared")}
 
 
 def rows_of(units: dict, rows, seeds) -> tuple:
@@ -111,9 +128,12 @@ def table(results) -> str:
     lines = [f"Protocol: {results['protocol']['summary']}", ""]
     tune = results.get("tuning") or {}
     if tune:
-        lines += ["| row | trials on validation (last-epoch accuracy %) | chosen |", "|---|---|---|"]
+        lines += ["Tuning on validation: each trial's mean last-epoch accuracy % over the tuning seeds; the chosen "
+                  "trial's lead over the runner-up, paired over those seeds (± its standard error); where the grid "
+                  "was extended, and where a limit stopped it.", "",
+                  "| row | trials | chosen | lead (points) | grid |", "|---|---|---|---|---|"]
         lines += [f"| {row} | " + ", ".join(f"{n}: {100 * np.mean(a):.2f}" for n, a in t["trials"].items())
-                  + f" | {t['chosen']} |" for row, t in tune.items()]
+                  + f" | {t['chosen']} | {_lead(t.get('lead'))} | {_grid(t)} |" for row, t in tune.items()]
         lines.append("")
     main = rows_table(results)
     base, n, what = results["protocol"]["baseline"], results["data"]["test"]["digits"], noun(results)
@@ -169,6 +189,18 @@ def _pm(r) -> str:
     sd = f" ± {r['sd']:.2f}" if r.get("sd") is not None else ""
     ci = r.get("ci95") or [None, None]
     return f"{r['mean']:.2f}{sd}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci[0] is not None else "")
+
+
+def _lead(lead) -> str:
+    if not lead:
+        return ""
+    return f"{lead['mean']:+.2f}" + (f" ± {lead['se']:.2f}" if lead.get("se") is not None else "") + f" over {lead['over']}"
+
+
+def _grid(t) -> str:
+    extended = ", ".join(f"{lr:g}" for lr in t.get("extended") or [])
+    capped = f"capped at its {t['capped']} limit" if t.get("capped") else ""
+    return "; ".join(x for x in (f"extended to {extended}" if extended else "", capped) if x) or "interior"
 
 
 def _delta(r) -> str:

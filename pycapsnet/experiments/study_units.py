@@ -11,11 +11,13 @@ import io
 import json
 import math
 import numbers
+import os
 import re
 
 import numpy as np
 
 from ..errors import CapsNetError, printable
+from ..training.files import atomic_write
 from . import study_stats
 
 MAX_SEEDS = 10_000  # a layout beyond this is no study's: refused before anything is made for its seeds
@@ -63,9 +65,20 @@ def check(path: str, flags, units, layout=None) -> None:
 
 def _settings_problem(flags: dict) -> str | None:
     """What of the settings the table is made from is not what the study writes."""
-    lr, affine = flags.get("fixed_lr"), flags.get("affine")
+    lr, affine, margin, dataset = flags.get("fixed_lr"), flags.get("affine"), flags.get("margin"), flags["data"].get("dataset")
     if lr is not None and not _real(lr, 0, math.inf):
         return "fixed_lr is not a rate"
+    if margin is not None and not _real(margin, 0, math.inf):
+        return "margin is not a number of points"
+    if dataset is not None and not (isinstance(dataset, str) and re.fullmatch(r"[a-z0-9_-]{1,40}", dataset)):
+        return "dataset is not a dataset's name"
+    if not all(_whole(s, 0) for s in flags.get("tune_seeds") or [None]):
+        return "tuning seeds are not whole numbers"
+    for part in ("train", "validation", "test"):
+        record = flags["data"].get(part)
+        if not (isinstance(record, dict) and _whole(record.get("digits"), 1) and isinstance(record.get("per_class"), list)
+                and all(_whole(c, 0) for c in record["per_class"])):
+            return f"{part} split is not counted"
     if not (_whole(flags.get("epochs"), 1) and _whole(flags.get("batch_size"), 1) and _real(flags.get("val_fraction"), 0, 1)):
         return "epochs, batch size or validation share is not a number"
     if not all(isinstance(flags.get(k), list) and flags[k] for k in ("lr_grid", "tune_seeds")):
@@ -174,3 +187,8 @@ def long_form(units: dict) -> str:
                          "affine_last": (unit.get("last") or {}).get("affine", ""),
                          "params": unit.get("params", ""), "step_s": unit.get("step", "")})
     return out.getvalue()
+
+
+def write_long_form(units: dict, out: str) -> None:
+    """units.csv beside units.json, written whole."""
+    atomic_write(os.path.join(out, "units.csv"), lambda fh: fh.write(long_form(units)), text=True)
