@@ -92,6 +92,12 @@ def _routings_flags(r) -> None:
     r.add_argument("--margin", type=positive_float, default=None, metavar="POINTS",
                    help="the equivalence margin in points of test error, declared before the run: a row is called "
                         "equivalent to the baseline only where the TOST at it passes (default: none, never)")
+    r.add_argument("--plan-seeds", action="store_true", default=None,
+                   help="plan a record's seeds instead of running one: from --pilot DIR's paired spread, the seeds "
+                        "that detect --effect POINTS with 80%% and 90%% power (study_plan.py)")
+    r.add_argument("--pilot", default=None, metavar="DIR", help="--plan-seeds: a finished record's folder")
+    r.add_argument("--effect", type=positive_float, default=None, metavar="POINTS",
+                   help="--plan-seeds: the difference in test error to detect, in points")
     r.add_argument("--sweep", type=positive_int, nargs="+", default=None, metavar="K",
                    help="the iteration sweep: dynamic and vb routing also at K iterations (their rows' chosen trials)")
     r.add_argument("--sweep-seeds", type=positive_int, default=None, help="seeds of the sweep's rows (default: 2)")
@@ -131,6 +137,8 @@ def main(args) -> int:
     if getattr(args, "merge", None):
         _refuse_flags_beside_merge(args)
         return study_merge.merge(args)
+    if getattr(args, "plan_seeds", None):
+        return _plan_seeds(args)
     for k, v in OWN_FLAGS[args.name].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -183,7 +191,8 @@ OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_s
                                      "affine_target": None},
              "multimnist": {"canvas": 36, "shift": 4, "pairs": None},
              "routings": {"canvas": 40, "no_affine": False, "routings": None, "affine_target": None, "dataset": None,
-                          "limit_test": None, "val_fraction": 0.1, "margin": None, "sweep": None, "sweep_seeds": 2,
+                          "limit_test": None, "val_fraction": 0.1, "margin": None, "plan_seeds": None, "pilot": None,
+                          "effect": None, "sweep": None, "sweep_seeds": 2,
                           "shard": None,
                           "choices": None, "merge": None, "conv_channels": None, "primary_types": None,
                           "primary_dim": None, "class_dim": None}}
@@ -213,6 +222,15 @@ def _refuse_flags_beside_merge(args) -> None:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         raise CapsNetError(f"--merge reads every setting off the merged units, so it takes no {flags}: drop "
                            f"{'it' if len(given) == 1 else 'them'} (give only the folders and --out)")
+
+
+def _plan_seeds(args) -> int:
+    from . import study_plan
+
+    if not args.pilot or args.effect is None:
+        raise CapsNetError("--plan-seeds needs --pilot DIR (a finished record) and --effect POINTS (such as 0.1)")
+    print(study_plan.table(study_plan.plan(args.pilot, args.effect)))
+    return 0
 
 
 def check_fits(what: str, images: int, side: int, fix: str) -> None:

@@ -1,0 +1,101 @@
+"""The cost of each row of the routing study: one training step (forward, backward, Adam) of each
+row's network at the study's backbone, in process CPU time, the rows in alternating rounds so that
+a busy machine slows them all alike; float32, batch 32 (the study's), one thread unless the
+environment says otherwise.  Prints a table (ms of CPU time per step: the median over rounds, and
+each row's ratio to uniform coupling's) with the CPU and the commit, and writes it as JSON:
+
+    OMP_NUM_THREADS=1 PYCAPSNET_THREADS=1 python benchmarks/study_rows.py --out benchmarks/results-study-rows.json
+
+Any "x times uniform's step" claim about the study comes from here (docs/performance.md), not from
+the units' timings, which ran beside other work.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+import backends
+from pycapsnet.core import architecture
+from pycapsnet.experiments import routing_study
+from pycapsnet.training.optim import Adam
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def step_of(row, backbone, batch, seed=0):
+    """A function that runs one training step of ``row``'s network, and the network."""
+    B = backends.get("numpy", dtype="float32")
+    net = architecture.build(routing_study.network(row, (1, 28, 28), backbone), B, seed=seed)
+    opt = Adam(net, lr=1e-3)
+    rng = np.random.default_rng(seed)
+    x = rng.random((batch, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, batch)
+
+    def step():
+        net.train_step_grads(x, y)
+        opt.step()
+    return step, net
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", default=list(routing_study.DEFAULT_ROWS))
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=5, help="timed steps a row a round (after one untimed)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="the --quick backbone (a toy size)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    backbone = routing_study.QUICK_BACKBONE if a.quick else routing_study.BACKBONE
+    steps = {row: step_of(row, backbone, a.batch) for row in a.rows}
+    per_round = {row: [] for row in a.rows}
+    for _ in range(a.rounds):
+        for row, (step, _) in steps.items():
+            step()  # untimed: caches and workspaces of this row
+            t = time.process_time()
+            for _ in range(a.steps):
+                step()
+            per_round[row].append(1e3 * (time.process_time() - t) / a.steps)
+    base = statistics.median(per_round["uniform"]) if "uniform" in per_round else None
+    rows = {row: {"cpu_ms_per_step": statistics.median(ms), "rounds": ms, "params": steps[row][1].n_params(),
+                  "vs_uniform": statistics.median(ms) / base if base else None} for row, ms in per_round.items()}
+    record = {"cpu": cpu_model(), "commit": commit(), "batch": a.batch, "steps": a.steps, "rounds": a.rounds,
+              "threads": os.environ.get("PYCAPSNET_THREADS", "default"), "backbone": backbone, "rows": rows,
+              "command": "python benchmarks/study_rows.py " + " ".join(f"--{k} {v}" for k, v in
+                                                                      (("batch", a.batch), ("steps", a.steps),
+                                                                       ("rounds", a.rounds)))}
+    print(f"{record['cpu']}, commit {record['commit']}, batch {a.batch}, float32, threads {record['threads']}: "
+          "CPU ms per training step (median over rounds)")
+    print("| row | parameters | CPU ms/step | × uniform's |\n|---|---|---|---|")
+    for row, r in rows.items():
+        ratio = f"{r['vs_uniform']:.2f}" if r["vs_uniform"] else ""
+        print(f"| {row} | {r['params']:,} | {r['cpu_ms_per_step']:.1f} | {ratio} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
