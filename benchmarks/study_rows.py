@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-import backends
+from pycapsnet import backends
 from pycapsnet.core import architecture
 from pycapsnet.experiments import routing_study
 from pycapsnet.training.optim import Adam

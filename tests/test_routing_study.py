@@ -285,3 +285,27 @@ def test_a_study_folder_of_other_settings_is_refused_not_replaced(tmp_path):
     again = _study(tmp_path / "s", *SMALL, "--lr", "0.002", "--seeds", "1", "--epochs", "2")
     assert again.returncode == 2 and "holds units run with other epochs" in again.stderr
     assert (tmp_path / "s" / "units.json").read_text() == units
+
+
+def test_the_seed_planner_reads_a_pilots_paired_spread(tmp_path):
+    errors = {"uniform": [1.2, 1.1, 1.4, 1.3], "vb": [1.0, 1.05, 1.2, 1.0]}
+    units = {f"main {r} seed {s}": {"test_error": e} for r, es in errors.items() for s, e in enumerate(es)}
+    (tmp_path / "units.json").write_text(json.dumps({"flags": {}, "layout": {"rows": ["uniform", "vb"]},
+                                                     "units": units}))
+    sd = float(np.std(np.subtract(errors["vb"], errors["uniform"]), ddof=1))
+    done = _study(tmp_path / "unused", "--plan-seeds", "--pilot", str(tmp_path), "--effect", "0.1")
+    assert done.returncode == 0, done.stderr
+    assert f"| vb | 4 | {sd:.3f} | {st.seeds_for(sd, 0.1)} | {st.seeds_for(sd, 0.1, 0.9)} |" in done.stdout
+    refused = _study(tmp_path / "unused", "--plan-seeds", "--effect", "0.1")
+    assert refused.returncode == 2 and "--pilot DIR" in refused.stderr and not (tmp_path / "unused").exists()
+
+
+def test_units_csv_is_long_form_that_pandas_reads_as_it_is(tmp_path):
+    pandas = pytest.importorskip("pandas", reason="the reader the long form is made for")
+    assert _study(tmp_path / "s", *SMALL, "--seeds", "1").returncode == 0
+    frame = pandas.read_csv(tmp_path / "s" / "units.csv")
+    units = json.loads((tmp_path / "s" / "units.json").read_text())["units"]
+    assert len(frame) == len(units) and set(frame["kind"]) == {"tune", "main"}
+    main = frame[frame["kind"] == "main"].set_index("row")
+    assert main.loc["uniform", "test_error"] == units["main uniform seed 0"]["test_error"]
+    assert main.loc["uniform", "trial"] == units["main uniform seed 0"]["trial"]

@@ -8,8 +8,18 @@ import time
 
 import numpy as np
 
+from ..errors import CapsNetError
 from ..training import optim
 from ..training.log import Lines, say
+
+
+class Diverged(CapsNetError):
+    """A network's loss became NaN or inf: ``epoch`` (0-based) is the epoch it happened in, ``step``
+    the median seconds per step until then (a study's tuning trial records it, and goes on)."""
+
+    def __init__(self, message: str, epoch: int, step: float):
+        super().__init__(message)
+        self.epoch, self.step = epoch, step
 
 
 def default_step(model, batch):
@@ -41,8 +51,8 @@ def train(model, epochs: int, batches, n_batches: int, step=default_step, lr=2e-
         if curve is not None:
             curve.append(loss)
         if not np.isfinite(loss):
-            from ..errors import CapsNetError
-            raise CapsNetError(f"{desc}: the loss became {loss} in epoch {epoch + 1}: lower --lr")
+            raise Diverged(f"{desc}: the loss became {loss} in epoch {epoch + 1}: lower --lr", epoch,
+                           float(np.median(step_times)))
         say(f"{desc} epoch {epoch + 1}/{epochs}: loss {loss:.4f}, {np.median(step_times[-len(losses):]) * 1e3:.0f} ms/step")
         if after_epoch is not None:
             after_epoch(epoch)

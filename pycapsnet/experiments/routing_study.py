@@ -125,10 +125,20 @@ def _trained(args, B, description, seed, lr, train_set, val, transform, desc, te
         val_acc.append(float(np.mean(model.predict(val[0], 100) == val[1])))
 
     run = argparse.Namespace(**{**vars(args), "lr": lr})
-    model, step = loop.train_network(run, B, description, seed, train_set, transform, desc, after_epoch=score,
-                                     curve=losses)
+    try:
+        model, step = loop.train_network(run, B, description, seed, train_set, transform, desc, after_epoch=score,
+                                         curve=losses)
+    except loop.Diverged as e:
+        if test is not None:
+            raise
+        say(f"{desc}: diverged in epoch {e.epoch + 1}; recorded with validation accuracy 0, its curves kept")
+        return {"val": val_acc + [0.0], "loss": [x if np.isfinite(x) else None for x in losses], "step": e.step,
+                "params": _params(description), "diverged": e.epoch + 1}
     out = {"val": val_acc, "loss": losses, "step": step, "params": model.n_params()}
-    if test is not None:
+    if test is None:  # a tuning trial's diagnostics, on validation: a collapse can be read from them
+        out["measures"] = TestPass(model).run(val[0][:protocol.DIAGNOSTIC_DIGITS],
+                                              val[1][:protocol.DIAGNOSTIC_DIGITS]).measures()
+    else:
         x_test = data.as_float(test.x)
         done = TestPass(model).run(x_test, test.y)
         out.update(test_error=100 * float(np.mean(done.wrong)), wrong=protocol_pack(done.wrong),
