@@ -309,3 +309,26 @@ def test_units_csv_is_long_form_that_pandas_reads_as_it_is(tmp_path):
     main = frame[frame["kind"] == "main"].set_index("row")
     assert main.loc["uniform", "test_error"] == units["main uniform seed 0"]["test_error"]
     assert main.loc["uniform", "trial"] == units["main uniform seed 0"]["trial"]
+
+
+def test_a_tuning_trial_that_diverges_is_recorded_with_its_curves_and_the_study_goes_on(tmp_path, monkeypatch):
+    from pycapsnet.experiments import loop
+
+    real = loop.train
+
+    def diverging(model, epochs, batches, n, step=loop.default_step, lr=2e-3, curve=None, **kw):
+        if lr >= 4e-3:  # the grid's top rate and beyond: NaN in the first epoch
+            curve.append(float("nan"))
+            raise loop.Diverged("the loss became nan", 0, 0.01)
+        return real(model, epochs, batches, n, step=step, lr=lr, curve=curve, **kw)
+
+    monkeypatch.setattr(loop, "train", diverging)
+    results = experiments.routings(out=str(tmp_path / "s"), quick=True, affine=False, routings=["uniform"], seeds=1,
+                                   limit=60, limit_test=20, progress=False)
+    units = json.loads((tmp_path / "s" / "units.json").read_text())["units"]
+    failed = {k: u for k, u in units.items() if u.get("diverged")}
+    assert failed and all("lr=0.004" in k for k in failed)
+    assert all(u["val"] == [0.0] and u["loss"] == [None] and u["diverged"] == 1 for u in failed.values())
+    assert results["complete"] and results["tuning"]["uniform"]["chosen"] != "lr=0.004"
+    kept = next(u for k, u in units.items() if k.startswith("tune") and not u.get("diverged"))
+    assert set(kept["measures"]) >= {"entropy", "dynamics", "starved_children"}  # a collapse can be read
