@@ -71,7 +71,7 @@ class NumpyBackend(Backend):
     def trigamma(self, x):
         from scipy import special
 
-        return special.polygamma(1, x)
+        return special.polygamma(1, x).astype(x.dtype, copy=False)  # (polygamma computes, and returns, float64)
 
     def quiet_float_errors(self):
         return np.errstate(over="ignore", invalid="ignore", divide="ignore")

@@ -1,5 +1,7 @@
 """pycapsnet: Capsule Networks (Sabour, Frosst & Hinton 2017) with hand-written forward and backward
 passes, written once against an abstract array backend (NumPy, CuPy, PyTorch)."""
+from __future__ import annotations
+
 from .errors import BackendError, CapsNetError, TrainingDiverged
 from .core.model import CapsNet, CapsNetConfig, Outputs
 
@@ -20,12 +22,21 @@ def build(network="capsnet", **options):
     return _build(network, **options)
 
 
-def load(path: str, backend: str = "numpy", device: str | None = None, dtype: str | None = None):
+def load(path: str, backend: str = "numpy", device: str | None = None, dtype: str | None = None,
+         strict: bool = False):
     """A ``Model`` from a run directory, a checkpoint file or a file ``Model.save`` wrote: fit,
-    evaluate, predict (arrays, or image files read as the run read its own), save, summary."""
+    evaluate, predict (arrays, or image files read as the run read its own), save, summary.
+    ``strict``: refuse a checkpoint whose routing's source differs from the one registered here
+    (else one line of warning)."""
     from .api import Model
+    from .core import routing_source
 
-    return Model.from_checkpoint(path, backend, device, dtype)
+    was = routing_source.strict()
+    try:
+        routing_source.strict(strict is True or was)
+        return Model.from_checkpoint(path, backend, device, dtype)
+    finally:
+        routing_source.strict(was)
 
 
 _LAZY = {"Model": "api", "load_digits": "api", "datasets": None, "study": None, "optim": None}

@@ -11,7 +11,7 @@ import importlib.util
 import os
 import sys
 
-from .core import routings
+from .core import routing_source, routings
 from .errors import CapsNetError, first_line, printable
 
 FLAG = "--plugin"
@@ -19,8 +19,14 @@ HELP = ("import MODULE first (a module name, or a .py file), for the routings it
         "(installed packages' routings, in the entry-point group pycapsnet.routings, need none)")
 
 
+STRICT = "--strict"
+
+
 def add_flag(parser) -> None:
     parser.add_argument(FLAG, action="append", default=[], metavar="MODULE", help=HELP)
+    parser.add_argument(STRICT, action="store_true", default=None,
+                        help="refuse a checkpoint whose routing's source differs from the one registered here "
+                             "(by default, one line of warning)")
 
 
 def named_in(argv) -> list:
@@ -105,5 +111,7 @@ def _import_name(name: str):
 
 
 def load_from_argv(argv) -> None:
-    """``load`` of the modules ``--plugin`` names in ``argv`` (sys.argv[1:] when None)."""
-    load(named_in(sys.argv[1:] if argv is None else argv))
+    """``load`` of the modules ``--plugin`` names in ``argv`` (sys.argv[1:] when None), and --strict."""
+    argv = sys.argv[1:] if argv is None else argv
+    routing_source.strict(STRICT in argv)
+    load(named_in(argv))

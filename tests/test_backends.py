@@ -138,6 +138,16 @@ def test_digamma_and_trigamma_are_scipys_to_float64_precision(spec):
                                rtol=5e-15)
 
 
+@pytest.mark.parametrize("spec", CPU_BACKENDS + GPU_BACKENDS)
+def test_digamma_and_trigamma_keep_the_backends_dtype(spec):
+    """A float32 step stays float32: SciPy's polygamma returns float64 for float32 input, which VB
+    routing's backward carried into its float32 gradients."""
+    B = backends.get(spec, dtype="float32")
+    a = B.asarray(np.linspace(0.5, 20, 7))
+    for f in (B.digamma, B.trigamma):
+        assert str(f(a).dtype).endswith("float32"), f.__name__
+
+
 @pytest.mark.parametrize("spec", CPU_BACKENDS)
 def test_transfers_dtypes_and_memory(spec):
     B = backends.get(spec, dtype="float32")

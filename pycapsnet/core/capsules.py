@@ -8,7 +8,7 @@ from . import init as initializers
 from .depthwise import DepthwiseConv2d
 from .fourier import FourierConv2d
 from .layers import Conv2d, Layer, check_images, check_input
-from . import routings, shared_routing
+from . import routing_calls, routings, shared_routing
 from .squash import squash, squash_backward, squash_exp, squash_exp_backward
 
 # The squash of a capsule layer's output: Sabour et al.'s |s|²/(1 + |s|²) s/|s|, or Efficient-CapsNet's
@@ -141,7 +141,7 @@ class ClassCaps(Layer):
         kids = self.cache[2]
         if fixed is None and self.algo.draws:
             fixed = self.drawn
-        return routings.run_forward(self.algo, self.B, u_hat, self._algo_params(),
+        return routing_calls.run_forward(self.algo, self.B, u_hat, self._algo_params(),
                                     None if kids is None else kids[:, sl], None if fixed is None else fixed[sl])
 
     def _algo_params(self):
@@ -184,7 +184,7 @@ class ClassCaps(Layer):
 
         def run(sl):
             trace = next(t for s, t in self.trace if s == sl)  # the same blocks as forward's
-            g, dkids = routings.run_backward(self.algo, B, B.route_block(u_hat, sl),
+            g, dkids = routing_calls.run_backward(self.algo, B, B.route_block(u_hat, sl),
                                              None if kids is None else kids[:, sl], trace, dv[sl],
                                              self._algo_params(), out=u_hat[:, sl])
             if dkids is not None:
@@ -244,7 +244,7 @@ class ClassCaps(Layer):
 
     def coefficients(self) -> list:
         """The routing's coefficients of each iteration of the last forward, the blocks joined: (N, J, I)."""
-        per_block = [routings.run_coupling(self.algo, trace, None, self.J) for _, trace in self.trace]
+        per_block = [routing_calls.run_coupling(self.algo, trace, None, self.J) for _, trace in self.trace]
         return [self.B.xp.concat([block[r] for block in per_block]) for r in range(len(per_block[0]))]
 
     def backward(self, dv, input_grad=True):

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import init as initializers
 from .layers import Layer, check_input
-from . import routings
+from . import routing_calls, routings
 
 
 class ConvCaps(Layer):
@@ -71,7 +71,7 @@ class ConvCaps(Layer):
         a drawing routing's draw."""
         if fixed is None and self.algo.draws:
             fixed = self.drawn
-        return routings.run_forward(self.algo, self.B, u_hat, self._algo_params(), self.cache[3], fixed)
+        return routing_calls.run_forward(self.algo, self.B, u_hat, self._algo_params(), self.cache[3], fixed)
 
     def _algo_params(self) -> dict:
         """The routing's own parameters (the per-child ones are (I, ...) already)."""
@@ -79,7 +79,7 @@ class ConvCaps(Layer):
 
     def coefficients(self) -> list:
         """The routing's coefficients of each iteration of the last forward: (N*P, C, I)."""
-        return routings.run_coupling(self.algo, self.trace, None, self.C)
+        return routing_calls.run_coupling(self.algo, self.trace, None, self.C)
 
     def last_coefficients(self):
         return self.coefficients()[-1]
@@ -100,7 +100,7 @@ class ConvCaps(Layer):
         self.cache = None
         P = self.oh * self.ow
         dv = xp.reshape(dv, (n * P, self.C, self.D))
-        grads, du_kids = routings.run_backward(self.algo, B, u_hat, kids, self.trace, dv, self._algo_params(),
+        grads, du_kids = routing_calls.run_backward(self.algo, B, u_hat, kids, self.trace, dv, self._algo_params(),
                                                out=u_hat)
         for k, g in grads.items():
             self.grads[k] += g

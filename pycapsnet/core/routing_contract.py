@@ -98,9 +98,11 @@ class Routing:
         """backward with dL/dû written into ``out`` (the layer passes û's own memory, whose last use
         this is): (grads, du).  A routing whose backward can write there directly overrides it."""
         du_hat, grads, du = self.backward(B, u_hat, u, trace, dv, p)
-        if tuple(getattr(du_hat, "shape", ())) != tuple(out.shape):  # out[...] = would broadcast it silently
+        if tuple(getattr(du_hat, "shape", ())) != tuple(out.shape) or getattr(du_hat, "dtype", None) != out.dtype:
+            # (out[...] = would broadcast a smaller one silently, and cast another dtype)
             raise CapsNetError(f"routing '{self.name}': backward must return dû of û's shape (I, n, J, D) = "
-                               f"{tuple(out.shape)}, got {getattr(du_hat, 'shape', type(du_hat).__name__)}; check it "
+                               f"{tuple(out.shape)} {out.dtype}, got {getattr(du_hat, 'shape', type(du_hat).__name__)} "
+                               f"{getattr(du_hat, 'dtype', '')}; check it "
                                f"with `pycapsnet check-routing {self.name}`")
         out[...] = du_hat
         return grads, du

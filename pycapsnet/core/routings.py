@@ -36,6 +36,7 @@ from .routing_contract import Routing
 DEFAULT_ITERS = 3
 ENTRY_POINTS = "pycapsnet.routings"
 _REGISTRY: dict = {}
+_FROM_ENTRY_POINT: set = set()  # names an installed package's entry point registered (an explicit import replaces them)
 _discovered = False
 # Options of the layers that route: a routing's own option may not take one of these names
 LAYER_OPTIONS = {"layer", "name", "capsules", "types", "dim", "kernel", "stride", "iters", "routing_grad",
@@ -57,9 +58,14 @@ def register(cls):
         raise CapsNetError(f"cannot register {getattr(cls, '__name__', cls)!r} as a routing: {problem}")
     taken = _REGISTRY.get(cls.name)
     again = taken is not None and (taken.__module__, taken.__qualname__) == (cls.__module__, cls.__qualname__)
-    if taken is not None and not again:  # (the same class defined again -- a notebook's cell re-run -- replaces it)
+    if taken is not None and not again and cls.name in _FROM_ENTRY_POINT:
+        # the rule: a class registered explicitly (an import, --plugin) replaces an installed package's
+        _notice(f"routing {cls.name!r}: {cls.__module__}.{cls.__qualname__}, registered here, replaces "
+                f"{taken.__module__}.{taken.__qualname__}, which an installed package registered")
+    elif taken is not None and not again:  # (the same class defined again -- a notebook's cell re-run -- replaces it)
         raise CapsNetError(f"cannot register {cls.__module__}.{cls.__qualname__} as routing {cls.name!r}: the name is "
                            f"taken by {taken.__module__}.{taken.__qualname__}; give it another name")
+    _FROM_ENTRY_POINT.discard(cls.name)
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -156,8 +162,10 @@ def _discover() -> None:
 
 
 def _load_entry_point(ep, dist) -> None:
+    before = set(_REGISTRY)
     try:
         obj = ep.load()
+        _FROM_ENTRY_POINT.update(set(_REGISTRY) - before)  # what its module registered as it was imported
     except Exception as e:  # noqa: BLE001 - any failure of a third party's import
         _notice(f"the routing plugin {_shown(ep.name)} ({_shown(ep.value)}, from {_shown(dist)}) did not load: "
                 f"{type(e).__name__}: {_shown(errors.first_line(e))}")
@@ -170,12 +178,15 @@ def _load_entry_point(ep, dist) -> None:
     taken = _REGISTRY.get(obj.name)
     if taken is obj:
         return
-    if taken is not None and is_builtin(obj.name):
-        _notice(f"the routing plugin {_shown(ep.name)} ({_shown(ep.value)}, from {_shown(dist)}) takes the built-in "
-                f"name {obj.name!r}: it is skipped")
+    if taken is not None:  # a built-in's name, or one a module registered explicitly: that one stays
+        why = "the built-in name" if is_builtin(obj.name) else \
+            f"the name of {taken.__module__}.{taken.__qualname__}, registered explicitly (an import, --plugin), which"
+        _notice(f"the routing plugin {_shown(ep.name)} ({_shown(ep.value)}, from {_shown(dist)}) takes {why} "
+                f"{obj.name!r}" + (" stays" if not is_builtin(obj.name) else "") + ": it is skipped")
         return
     try:
         register(obj)
+        _FROM_ENTRY_POINT.add(obj.name)
     except CapsNetError as e:
         _notice(f"the routing plugin {_shown(ep.name)} ({_shown(ep.value)}, from {_shown(dist)}) is skipped: {e}")
 
@@ -287,8 +298,11 @@ def routing_params(algo, lead, J, D, K) -> dict:
         raise CapsNetError(f"routing '{algo.name}': params() ran out of memory making the parameters of a layer of "
                            f"{'x'.join(map(str, lead))} children and {J} capsules of {D} dimensions: make them "
                            "smaller (or the layer)") from None
+    except CapsNetError:
+        raise
     except Exception as e:
-        raise _failed(algo, "params", e, None) from e
+        raise CapsNetError(f"routing '{algo.name}' failed in its params ({type(e).__name__}: "
+                           f"{_shown(errors.first_line(e))}); check it with `pycapsnet check-routing {algo.name}`") from e
     if not isinstance(found, dict):
         raise ValueError(f"routing '{algo.name}': params() must return a dict of arrays, got {type(found).__name__}")
     out = {}
@@ -313,86 +327,6 @@ def param_shapes(name, options, lead, J, D, K) -> dict:
     found = unit.params((1,) * len(lead), J, D, K)
     return {k: tuple(lead) + tuple(np.shape(v))[len(lead):] if k in cls.per_child else tuple(np.shape(v))
             for k, v in found.items()}
-
-
-def run_forward(algo, B, u_hat, p, u, fixed):
-    """``algo.forward`` with what it returns checked: (v (n, J, D), trace)."""
-    try:
-        out = algo.forward(B, u_hat, p, u, fixed)
-    except Exception as e:
-        raise _failed(algo, "forward", e, B) from e
-    _, n, J, D = u_hat.shape
-    shape = tuple(getattr(out[0], "shape", ())) if isinstance(out, tuple) and len(out) == 2 else None
-    if shape != (n, J, D):
-        got = f"v of shape {shape}" if shape is not None else f"{type(out).__name__}"
-        raise CapsNetError(f"routing '{algo.name}': forward must return (v, trace) with v of shape (n, J, D) = "
-                           f"{(n, J, D)}, got {got}; check it with `pycapsnet check-routing {algo.name}`")
-    if _watched(algo, B, (u_hat, u)):
-        _finite_from_finite(algo, B, "forward", (out[0],))
-    return out
-
-
-def _watched(algo, B, inputs) -> bool:
-    """Whether to check what ``algo`` makes for NaN or inf: a routing not built in (the built-in ones
-    are checked by the tests, and keep their speed), outside a recorded step, on finite inputs."""
-    return not is_builtin(algo.name) and B.may_read_back() and all(a is None or B.all_finite(a) for a in inputs)
-
-
-def _finite_from_finite(algo, B, what, outputs) -> None:
-    """Name the routing, and the pass, that made NaN or inf from finite inputs where it happens."""
-    if not all(a is None or B.all_finite(a) for a in outputs):
-        options = f" (its options: {_shown(algo.options)})" if algo.options else ""
-        raise errors.RoutingNotFinite(f"routing '{algo.name}' made NaN or inf in its {what} from finite inputs"
-                                      f"{options}", f"check it with `pycapsnet check-routing {algo.name}`")
-
-
-def run_backward(algo, B, u_hat, u, trace, dv, p, out):
-    """``algo.backward_into`` with what it returns checked: dL/dû written into ``out``, (the
-    parameters' gradients, dL/du or None)."""
-    watched = _watched(algo, B, (u_hat, u, dv))  # (before: out may be û's own memory)
-    try:
-        grads, du = algo.backward_into(B, u_hat, u, trace, dv, p, out)
-    except Exception as e:
-        raise _failed(algo, "backward", e, B) from e
-    if not isinstance(grads, dict):
-        raise CapsNetError(f"routing '{algo.name}': backward must return its parameters' gradients as a dict "
-                           f"({{name: array}}, {{}} if it has none), got {_shown(type(grads).__name__)}; check it with "
-                           f"`pycapsnet check-routing {algo.name}`")
-    wrong = [k for k, g in grads.items() if k not in p or tuple(getattr(g, "shape", ())) != tuple(p[k].shape)]
-    if wrong or (du is not None and (u is None or tuple(du.shape) != tuple(u.shape))):
-        what = f"a gradient {wrong[0]!r} that is no parameter of its, or of another shape" if wrong else \
-            "du, but it reads no child capsules" if u is None else f"du of shape {tuple(du.shape)}, not u's {tuple(u.shape)}"
-        raise CapsNetError(f"routing '{algo.name}': backward returned {what}; check it with "
-                           f"`pycapsnet check-routing {algo.name}`")
-    if watched:
-        _finite_from_finite(algo, B, "backward", (out, du, *grads.values()))
-    return grads, du
-
-
-def run_coupling(algo, trace, n, J) -> list:
-    """``algo.coupling(trace)`` checked: a list of each iteration's coefficients, (n, J, I) arrays
-    (``n`` None: any)."""
-    try:
-        found = algo.coupling(trace)
-    except Exception as e:
-        raise _failed(algo, "coupling", e, None) from e
-    ok = isinstance(found, (list, tuple)) and len(found) > 0 and all(
-        len(getattr(c, "shape", ())) == 3 and c.shape[1] == J and n in (None, c.shape[0]) for c in found)
-    if not ok:
-        got = f"{type(found).__name__} of {len(found)}" if isinstance(found, (list, tuple)) else type(found).__name__
-        raise CapsNetError(f"routing '{algo.name}': coupling() must return a list of each iteration's coefficients, "
-                           f"arrays (n, J, I) with J = {J}, got {_shown(got)}; check it with "
-                           f"`pycapsnet check-routing {algo.name}`")
-    return list(found)
-
-
-def _failed(algo, what, e, B):
-    """The error a routing's failure becomes: the backend's own (out of memory, a refused host copy)
-    as it is, anything else one line naming the routing and how to check it."""
-    if isinstance(e, (MemoryError, CapsNetError, errors.BackendError)) or B is not None and B.out_of_memory(e):
-        return e
-    return CapsNetError(f"routing '{algo.name}' failed in its {what} ({type(e).__name__}: {_shown(errors.first_line(e))}); "
-                        f"check it with `pycapsnet check-routing {algo.name}`")
 
 
 def draw_coupling(layer, n, children):

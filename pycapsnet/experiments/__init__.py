@@ -211,7 +211,7 @@ def _refuse_flags_of_others(args) -> None:
 
 
 # --merge reads every setting off the units: these flags, at other values than their defaults, would be ignored
-MERGE_READS = {"name", "merge", "out", "fn", "plugin", "command"}
+MERGE_READS = {"name", "merge", "out", "fn", "plugin", "strict", "command"}
 FLAG_DEFAULTS = {"batch_size": 32, "backend": "numpy", "dtype": "float32", "quick": False}
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from pycapsnet import backends
 
-from ..core import routings
+from ..core import routing_calls, routings
 from ..errors import CapsNetError
 
 # The problem the routing is checked on: I children of K dims voting for J parents of D dims, n samples
@@ -127,7 +127,7 @@ def autograd_reference(name, seed=0) -> list:
         kids = u if algo.reads_children else None
         fixed = algo.draw(B, np.random.default_rng(seed + 3), u_hat.shape[1], u_hat.shape[2], u_hat.shape[0]) \
             if algo.draws else None
-        v, trace = routings.run_forward(algo, B, u_hat, p, kids, fixed)
+        v, trace = routing_calls.run_forward(algo, B, u_hat, p, kids, fixed)
         if mode == "final" and fixed is None:
             fixed = np.asarray(algo.coupling(trace)[-1])
         du_hat, grads, du = algo.backward(B, u_hat, kids, trace, dv, p)

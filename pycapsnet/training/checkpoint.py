@@ -8,15 +8,17 @@ reads, so that a damaged file is one message naming it, never a traceback from d
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import os
+import sys
 import zipfile
 from dataclasses import fields
 
 import numpy as np
 
-from ..core import architecture, description
+from ..core import architecture, description, routing_source
 
 from . import files
 from ..errors import CapsNetError, printable
@@ -53,8 +55,9 @@ def save(path: str, model: Network, optimizer=None, **meta) -> str:
     if generators:
         header["generators"] = generators
     own = routings_of(model)
-    if own:  # routings of a plugin: loading names the module to import
+    if own:  # routings of a plugin: loading names the module to import, and the source it ran
         header["routings"] = own
+        header["routing_sources"] = routing_source.sources(own)
     header["digest"] = digest(header, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
     arrays["header"] = np.array(json.dumps(header, allow_nan=False))  # strict JSON: no NaN
     try:
@@ -93,7 +96,29 @@ def _unregistered(header, path) -> None:
         name, module = next(iter(missing.items()))
         name = printable(name, 40)
         raise CapsNetError(f"{path} was trained with routing '{name}' of module {module}, which is not registered "
-                           f"here: import {module} first (on the command line: --plugin {module})")
+                           f"here: {_how_to_register(module)}")
+    recorded = header.get("routing_sources")
+    for name, was, now in routing_source.differences(recorded if isinstance(recorded, dict) else {}):
+        line = printable(routing_source.said(name, was, now), 400)
+        if routing_source.STRICT[0]:
+            raise CapsNetError(f"{path}: {line}: its results may not be reproduced by this code; register the "
+                               "version it was trained with, or load it without --strict (strict=False)")
+        print(f"warning: {path}: {line}; its results may not be reproduced by this code (--strict refuses it)",
+              file=sys.stderr, flush=True)
+
+
+def _how_to_register(module: str) -> str:
+    """What makes a plugin's routing registered: its module imported, or its package installed first."""
+    top = module.split(".")[0]
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return f"import {module} first (on the command line: --plugin {module})"
+    return (f"no module {top} is installed here (the package that holds it was uninstalled, or never installed): "
+            f"install it, or give its file with --plugin PATH/{top}.py")
+
 
 
 def load(path: str) -> dict:
