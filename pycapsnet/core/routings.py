@@ -36,7 +36,9 @@ from .routing_contract import Routing
 DEFAULT_ITERS = 3
 ENTRY_POINTS = "pycapsnet.routings"
 _REGISTRY: dict = {}
-_FROM_ENTRY_POINT: set = set()  # names an installed package's entry point registered (an explicit import replaces them)
+_LOADING = [False]  # while an entry point's module is imported
+_FROM_ENTRY_POINT: set = set()
+_SKIPPED: set = set()  # names whose installed class was skipped for an explicit one (said once)  # names an installed package's entry point registered (an explicit import replaces them)
 _discovered = False
 # Options of the layers that route: a routing's own option may not take one of these names
 LAYER_OPTIONS = {"layer", "name", "capsules", "types", "dim", "kernel", "stride", "iters", "routing_grad",
@@ -58,6 +60,13 @@ def register(cls):
         raise CapsNetError(f"cannot register {getattr(cls, '__name__', cls)!r} as a routing: {problem}")
     taken = _REGISTRY.get(cls.name)
     again = taken is not None and (taken.__module__, taken.__qualname__) == (cls.__module__, cls.__qualname__)
+    if taken is not None and not again and _LOADING[0] and not is_builtin(cls.name):
+        # an installed package's module, imported for its entry point: the class registered explicitly stays
+        _notice(f"routing {cls.name!r}: {cls.__module__}.{cls.__qualname__}, which an installed package registers, "
+                f"is skipped: {taken.__module__}.{taken.__qualname__}, registered explicitly (an import, --plugin), "
+                "stays")
+        _SKIPPED.add(cls.name)
+        return cls
     if taken is not None and not again and cls.name in _FROM_ENTRY_POINT:
         # the rule: a class registered explicitly (an import, --plugin) replaces an installed package's
         _notice(f"routing {cls.name!r}: {cls.__module__}.{cls.__qualname__}, registered here, replaces "
@@ -162,21 +171,24 @@ def _discover() -> None:
 
 
 def _load_entry_point(ep, dist) -> None:
-    before = set(_REGISTRY)
+    before = dict(_REGISTRY)
+    _LOADING[0] = True
     try:
         obj = ep.load()
-        _FROM_ENTRY_POINT.update(set(_REGISTRY) - before)  # what its module registered as it was imported
+        _FROM_ENTRY_POINT.update(n for n in _REGISTRY if _REGISTRY[n] is not before.get(n))  # its module's own
     except Exception as e:  # noqa: BLE001 - any failure of a third party's import
         _notice(f"the routing plugin {_shown(ep.name)} ({_shown(ep.value)}, from {_shown(dist)}) did not load: "
                 f"{type(e).__name__}: {_shown(errors.first_line(e))}")
         return
+    finally:
+        _LOADING[0] = False
     if not (inspect.isclass(obj) and issubclass(obj, Routing)):
         if not inspect.ismodule(obj):  # a module registers its routings as it is imported
             _notice(f"the routing plugin {_shown(ep.name)} ({_shown(ep.value)}, from {_shown(dist)}) names "
                     f"{type(obj).__name__} {_shown(getattr(obj, '__name__', obj))}, not a Routing class: it is skipped")
         return
     taken = _REGISTRY.get(obj.name)
-    if taken is obj:
+    if taken is obj or taken is not None and taken is before.get(obj.name) and obj.name in _SKIPPED:
         return
     if taken is not None:  # a built-in's name, or one a module registered explicitly: that one stays
         why = "the built-in name" if is_builtin(obj.name) else \

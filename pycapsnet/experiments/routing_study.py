@@ -31,7 +31,7 @@ import re
 
 import numpy as np
 
-from ..core import architecture as A, routings
+from ..core import architecture as A, routing_source, routings
 from ..core.description import param_shapes
 from ..errors import CapsNetError, first_line, printable
 from ..training import data
@@ -190,7 +190,9 @@ class Study:
                 "lr_grid": list(tuning.LR_GRID), "lr_limits": list(tuning.LR_LIMITS),
                 "open_options": tuning.OPEN_OPTIONS, "tune_seeds": list(tuning.TUNE_SEEDS), "rule": tuning.RULE,
                 "val_fraction": a.val_fraction, "margin": a.margin,
-                "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target}}
+                "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target},
+                # a routing of the user's own, by its source: units of another version are not mixed
+                "routings": routing_source.sources(row_spec(r)[1] for r in self.rows if row_spec(r)[0] == "vector")}
 
     def network(self, row, shape, trial) -> dict:
         return network(row, shape, self.backbone, _options(trial), n_classes=len(self.train.classes))
