@@ -248,7 +248,8 @@ class Model(Run):
 
     def summary(self) -> "Summary":
         """A table: each layer, what flows out of it, its parameters; then the totals.  A string that
-        shows as the table where it is the value of a notebook cell (and prints as it)."""
+        shows as the table where it is the value of a notebook cell; in a script, print it
+        (``print(model.summary())``): it returns the table rather than printing it."""
         rows = [(name, type(layer).__name__, str(getattr(layer, "out_flow", "")), _count(layer))
                 for name, layer in self.network.body.named_layers()]
         if self.network.decoder is not None:

@@ -8,6 +8,7 @@ prints as a table.
     study.crosscheck(model, "numpy", "torch")   # one batch on two backends, every tensor compared
     twin = study.autograd_twin(model)    # the same network under PyTorch autograd: twin.loss(x, y).backward()
     c = study.coupling(model, x[:8])     # {layer: [c_ij of each iteration, (8, I, J)]}
+    m = study.measures(model, x[:8])     # {layer: {measure: [per iteration]}}: a routing's own (Routing.measures)
     decoded, steps = study.figure_4(model, x[:1], path="figure4.png")   # the paper's Figure 4
     study.inspect(model, x_test, y_test, out="inspect/")   # the pictures `pycapsnet inspect` draws
 
@@ -52,7 +53,8 @@ def _row(r) -> dict:
                 "passed": "yes" if r.passed else "NO"}
     if "check" in r:  # check_routing's
         return {"check": r["check"], "what": r["what"], "tensor": r["tensor"], "max abs": f"{r['max_abs']:.2e}",
-                "max rel": f"{r['max_rel']:.2e}", "passed": "yes" if r["agree"] else "NO"}
+                "max rel": f"{r['max_rel']:.2e}", "passed": "yes" if r["agree"] else "NO",
+                "points checked": r.get("points", "every entry")}
     return {"tensor": r["tensor"], "kind": r["kind"], "max abs": f"{r['max_abs']:.2e}",
             "max rel": f"{r['max_rel']:.2e}", "agree": "yes" if r["agree"] else "NO"}
 
@@ -285,6 +287,32 @@ def coupling(target, x, y=None, grad: bool = False, batch_size: int = 100):
             net.release()
     return {name: [np.concatenate([b[r] for b in blocks]) for r in range(len(blocks[0]))]
             for name, blocks in parts.items()}
+
+
+def measures(target, x, batch_size: int = 100) -> dict:
+    """Each routing layer's routing's own measures (Routing.measures: a sparse routing's support, a
+    gated one's gates) for images x, each iteration's mean over the images: {layer name: {measure:
+    [per iteration]}}; {} for a layer whose routing declares none."""
+    from . import arguments as a
+    from .arrays import images
+
+    net = _checked_network(target, "measures")
+    if not net.routing_layers():
+        raise CapsNetError("this network has no routing layer (a CNN): its routing has no measures")
+    xa = images(x, net.input_shape)
+    batch_size = a.whole(batch_size, "batch_size", least=1)
+    sums = {}
+    with net.evaluating():
+        for start in range(0, len(xa), batch_size):
+            n = len(xa[start:start + batch_size])
+            net.forward(xa[start:start + batch_size])
+            for name, layer in net.routing_layers():
+                own = layer.routing_measures() if hasattr(layer, "routing_measures") else {}
+                mine = sums.setdefault(name, {})
+                for k, v in own.items():
+                    mine[k] = [t + n * u for t, u in zip(mine.get(k, [0.0] * len(v)), v)]
+            net.release()
+    return {name: {k: [t / len(xa) for t in v] for k, v in own.items()} for name, own in sums.items()}
 
 
 def _coupling_grads(net, xa, y, batch_size) -> dict:

@@ -146,3 +146,19 @@ def test_evaluate_then_resume_keeps_confusion_until_the_next_commit(val_runs, tm
     assert (run / "confusion.json").exists()
     assert _train("--resume", str(run), "--epochs", "3", "--no-progress").returncode == 0
     assert not (run / "confusion.json").exists() and (run / "best.npz").exists()
+
+
+def test_fit_on_a_saved_model_says_nothing_of_a_best_npz_it_never_had(tmp_path, capsys, monkeypatch):
+    """The README's path: fit with validation, save, load, fit again (issue 108): the loaded model's
+    run never held a best.npz, so no 'was it moved or replaced?'."""
+    import pycapsnet
+
+    monkeypatch.chdir(tmp_path)
+    (x, y), (xt, yt) = pycapsnet.load_digits()
+    model = pycapsnet.build("capsnet", conv_channels=8, primary_types=2, decoder_hidden=(16, 32))
+    model.fit(x[:64], y[:64], epochs=1, validation_data=(xt[:32], yt[:32]), progress=False)
+    model.save("mine.npz")
+    capsys.readouterr()
+    pycapsnet.load("mine.npz").fit(x[:64], y[:64], epochs=1, progress=False)
+    said = capsys.readouterr()
+    assert "best.npz" not in said.out + said.err and "moved or replaced" not in said.out + said.err

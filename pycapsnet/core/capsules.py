@@ -242,6 +242,19 @@ class ClassCaps(Layer):
         """The last iteration's coefficients (N, J, I): what "final" holds constant."""
         return self.coefficients()[-1]
 
+    def routing_measures(self) -> dict:
+        """The routing's own measures of the last forward (Routing.measures), {name: [per iteration]},
+        each block's weighted by its samples; {} where the layer routed without its routing's trace."""
+        if not hasattr(self, "algo") or self.trace is None or self.share_spatial and self.routes_shared:
+            return {}
+        sums, total = {}, 0
+        for sl, trace in self.trace:
+            n = len(range(*sl.indices(1 << 40)))
+            for k, v in routing_calls.run_measures(self.algo, self.B, trace).items():
+                sums[k] = [a + n * b for a, b in zip(sums.get(k, [0.0] * len(v)), v)]
+            total += n
+        return {k: [x / total for x in v] for k, v in sums.items()}
+
     def coefficients(self) -> list:
         """The routing's coefficients of each iteration of the last forward, the blocks joined: (N, J, I)."""
         per_block = [routing_calls.run_coupling(self.algo, trace, None, self.J) for _, trace in self.trace]

@@ -81,6 +81,10 @@ class ConvCaps(Layer):
         """The routing's coefficients of each iteration of the last forward: (N*P, C, I)."""
         return routing_calls.run_coupling(self.algo, self.trace, None, self.C)
 
+    def routing_measures(self) -> dict:
+        """The routing's own measures of the last forward (Routing.measures), {name: [per iteration]}."""
+        return routing_calls.run_measures(self.algo, self.B, self.trace)
+
     def last_coefficients(self):
         return self.coefficients()[-1]
 

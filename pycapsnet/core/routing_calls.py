@@ -5,6 +5,8 @@ is also checked for NaN or inf made from finite inputs, outside a recorded step;
 are checked by the tests and keep their speed."""
 from __future__ import annotations
 
+import math
+
 from .. import errors
 from ..errors import CapsNetError, printable as _shown
 from .routings import is_builtin
@@ -84,6 +86,23 @@ def run_coupling(algo, trace, n, J) -> list:
                            f"arrays (n, J, I) with J = {J}, got {_shown(got)}; check it with "
                            f"`pycapsnet check-routing {algo.name}`")
     return list(found)
+
+
+def run_measures(algo, B, trace) -> dict:
+    """``algo.measures(B, trace)`` checked: {name: [a finite number per iteration]}."""
+    try:
+        found = algo.measures(B, trace)
+    except Exception as e:
+        raise _failed(algo, "measures", e, None) from e
+    try:
+        out = {k: [float(x) for x in v] for k, v in found.items() if isinstance(k, str) and isinstance(v, (list, tuple))}
+        ok = len(out) == len(found) and all(math.isfinite(x) for v in out.values() for x in v)
+    except (TypeError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        raise CapsNetError(f"routing '{algo.name}': measures() must return {{name: [a finite number per iteration]}}, "
+                           f"got {_shown(type(found).__name__)}; check it with `pycapsnet check-routing {algo.name}`")
+    return out
 
 
 def _failed(algo, what, e, B):

@@ -94,6 +94,13 @@ class Routing:
     def coupling(self, trace) -> list:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def measures(self, B, trace) -> dict:
+        """Optional: measures of the routing's own from a forward's ``trace``, {name: [a number per
+        iteration]}, each a mean over the samples (sparsemax: the support's size per child; a gated
+        routing: its gates' spread).  The routing study's table and figure, ``pycapsnet inspect`` and
+        ``study.measures`` report them beside the coupling's entropy and dynamics."""
+        return {}
+
     def backward_into(self, B, u_hat, u, trace, dv, p, out):
         """backward with dL/dû written into ``out`` (the layer passes û's own memory, whose last use
         this is): (grads, du).  A routing whose backward can write there directly overrides it."""

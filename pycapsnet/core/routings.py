@@ -156,13 +156,18 @@ def _discover() -> None:
     with without_current_folder() as path:
         seen = set()
         for dist in metadata.distributions(path=path):
-            name = (dist.metadata["Name"] or "") if dist.metadata is not None else ""
+            try:
+                name = (dist.metadata["Name"] or "") if dist.metadata is not None else ""
+                eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINTS]
+            except Exception as e:  # noqa: BLE001 - one broken installation's metadata: said, the others read
+                _notice(f"an installed package's metadata could not be read for routing plugins "
+                        f"({type(e).__name__}: {_shown(errors.first_line(e))}): its routings, if any, are not loaded")
+                continue
             if name.lower() in seen:  # the first on the path, as Python imports it
                 continue
             seen.add(name.lower())
-            for ep in dist.entry_points:
-                if ep.group == ENTRY_POINTS:
-                    _load_entry_point(ep, name)
+            for ep in eps:
+                _load_entry_point(ep, name)
     for dist in metadata.distributions(path=current_folder_entries() or [os.getcwd()]):
         if any(ep.group == ENTRY_POINTS for ep in dist.entry_points):
             what = f"{dist.metadata['Name']} {dist.version}" if dist.metadata is not None else "a package"

@@ -12,7 +12,7 @@
 
 Each writes results.json, results.md and its figures into --out, and units.json as each network
 finishes training from a seed: the same command run again after a stop reuses those (units.py).
-``--quick`` runs it at a toy size in seconds (what the test suite runs).  docs/experiments.md holds
+``--quick`` runs it at a toy size (what the test suite runs): seconds, minutes for routings.  docs/experiments.md holds
 the measured tables."""
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def add_parser(sub, backends_help: str):
     x = sub.add_parser("experiment", help="the paper's experiments: table1, affine, multimnist; routings: does "
                                           "routing help? (docs/experiments.md)")
     x.add_argument("name", choices=NAMES)
-    x.add_argument("--quick", action="store_true", help="a toy size that runs in seconds (small networks and data)")
+    x.add_argument("--quick", action="store_true", help="a toy size (small networks and data): seconds for table1, "
+                                                         "affine and multimnist, minutes for routings")
     x.add_argument("--out", default=None, help="directory for results and figures (default: ./experiments/NAME, "
                                                "./experiments/NAME-quick with --quick)")
     x.add_argument("--epochs", type=positive_int, default=None, help="epochs per network (default: 12; quick: 1)")
@@ -47,7 +48,8 @@ def add_parser(sub, backends_help: str):
                         "instead of the embedded digits")
     x.add_argument("--limit", type=positive_int, default=None,
                    help="training digits used (default: all: 4,000 embedded, 60,000 from --data-dir; quick: 120); "
-                        "the test set shrinks in proportion")
+                        "table1, affine and multimnist shrink the test set in proportion, routings does not "
+                        "(its --limit-test)")
     x.add_argument("--batch-size", type=positive_int, default=32)
     x.add_argument("--lr", type=positive_float, default=None,
                    help="Adam's rate, decayed 0.85 per epoch (default: table1 2e-3, the library's; affine and "
@@ -63,8 +65,9 @@ def add_parser(sub, backends_help: str):
                    help="horizontal and vertical scale ranges (default: 0.8 1.2, affNIST's)")
     a.add_argument("--affine-target", type=percent, default=None, metavar="PCT",
                    help="affine and routings: the translated validation accuracy %% every network is read at "
-                        "(the paper's: 99.23; default: the lowest of the networks' best accuracies within 10 "
-                        "points of the highest); a network that never reaches it is not read")
+                        "(the paper's: 99.23; default: affine, the lowest of the networks' best accuracies within "
+                        "10 points of the highest; routings, 97, fixed by its protocol before any run); a network "
+                        "that never reaches it is not read")
     m = x.add_argument_group("multimnist")
     m.add_argument("--shift", type=nonnegative_int, default=None,
                    help="pixels each digit moves in each direction (default: 4)")

@@ -8,6 +8,8 @@
                   digits and children of the total variation distance ½ Σ_j |c_nij - c̄_ij| from their
                   mean over the digits (0: the same coupling for every input, as Mitterreiter et al.,
                   AAAI 2023, found dynamic routing's nearly is)
+    own           the routing's own measures per iteration (Routing.measures: a sparse routing's
+                  support, a gated one's gates), on the same digits as entropy and dynamics
     starvation    the share of the routing layer's child capsules (and of its parents) that never
                   activate on any test digit: a child whose length (EM: activation) never exceeds
                   CHILD_ACTIVE, a class capsule whose length never exceeds PARENT_ACTIVE (Mitterreiter
@@ -61,6 +63,7 @@ class TestPass:
         self.model = model
         self.name, self.layer = model.routing_layers()[-1] if model.routing_layers() else (None, None)
         self.wrong, self.coupling, self.note = [], None, None
+        self.own, self.own_seen = {}, 0  # the routing's own measures (Routing.measures), summed over images
         self.child_max = self.parent_max = None
         self.lengths_head = getattr(model.head, "name", None) != "logits" and type(model.head).__name__ != "LogitsHead"
 
@@ -89,6 +92,7 @@ class TestPass:
                             cs, self.note = distributions(layer)
                             if cs is not None:
                                 parts.append(cs)
+                            self._own(layer, len(y[a:a + batch]))
                     self.model.release()
         finally:
             if layer is not None:
@@ -97,6 +101,12 @@ class TestPass:
         if parts:
             self.coupling = [np.concatenate([p[r] for p in parts]) for r in range(len(parts[0]))]
         return self
+
+    def _own(self, layer, n):
+        own = layer.routing_measures() if hasattr(layer, "routing_measures") else {}
+        for k, v in own.items():
+            self.own[k] = [a + n * b for a, b in zip(self.own.get(k, [0.0] * len(v)), v)]
+        self.own_seen += n
 
     def _children(self, u):
         B = self.model.B
@@ -118,7 +128,8 @@ class TestPass:
                     "note": "no routing layer (a CNN)"}
         ent = None if self.coupling is None else [entropy(c) for c in self.coupling]
         dyn = None if self.coupling is None else [dynamics(c) for c in self.coupling]
-        return {"entropy": ent, "dynamics": dyn,
+        own = {k: [x / self.own_seen for x in v] for k, v in self.own.items()}
+        return {"entropy": ent, "dynamics": dyn, "own": own,
                 "starved_children": float(np.mean(self.child_max <= CHILD_ACTIVE)),
                 "starved_parents": float(np.mean(self.parent_max <= PARENT_ACTIVE)) if self.lengths_head else None,
                 "note": self.note}

@@ -96,11 +96,14 @@ def main_rows(done: dict, baseline: str | None, n_test: int, margin: float | Non
 
 
 def _measures(us) -> dict:
-    """The diagnostics averaged over seeds (each iteration's entropy and dynamics, the starved shares)."""
+    """The diagnostics averaged over seeds (each iteration's entropy and dynamics, the starved shares,
+    the routing's own measures)."""
     ms = [u["measures"] for u in us]
     mean = lambda k: None if any(m.get(k) is None for m in ms) else np.mean([m[k] for m in ms], axis=0).tolist()  # noqa: E731
+    own = {k: np.mean([m["own"][k] for m in ms], axis=0).tolist() for k in (ms[0].get("own") or {})
+           if all(k in (m.get("own") or {}) for m in ms)}
     return {k: mean(k) for k in ("entropy", "dynamics", "starved_children", "starved_parents")} | \
-        {"note": ms[0].get("note")}
+        {"own": own, "note": ms[0].get("note")}
 
 
 def affine_rows(units: dict, rows, seeds) -> dict:
@@ -151,13 +154,14 @@ def table(results) -> str:
                   "input's coupling from the mean coupling; starved: capsules never active on any test image.", "",
                   "| row | params | test error % | Δ vs baseline (points) | bootstrap p (Holm) | paired t p (Holm) "
                   "| TOST p (Holm) | word | McNemar b/c per seed | entropy / iteration | dynamics / iteration "
-                  "| starved children / parents |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| starved children / parents | the routing's own measures / iteration |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row, r in main.items():
             lines.append(f"| {row} | {r['params']:,} | {_pm(r)} | {_delta(r)} | {_p(r, 'p', 'p_holm')} | "
                          f"{_p(r, 't', 't_holm')} | {_p(r, 'tost', 'tost_holm')} | {r.get('word', '(baseline)')} | "
                          f"{_mc(r)} | {_iters(r['measures']['entropy'])} | {_iters(r['measures']['dynamics'])} | "
-                         f"{_share(r['measures']['starved_children'])} / {_share(r['measures']['starved_parents'])} |")
+                         f"{_share(r['measures']['starved_children'])} / {_share(r['measures']['starved_parents'])} | "
+                         f"{_own(r['measures'].get('own'))} |")
         notes = sorted({r["measures"]["note"] for r in main.values() if r["measures"].get("note")})
         lines += [""] + [f"Note: {note}." for note in notes]
     sweep = results.get("sweep") or {}
@@ -234,6 +238,10 @@ def noun(results) -> str:
     return "digits" if results.get("dataset", "mnist") in ("mnist", "embedded", "digits") else "images"
 
 
+def _own(own) -> str:
+    return "; ".join(f"{k}: {_iters(v)}" for k, v in (own or {}).items())
+
+
 def _iters(values) -> str:
     return "" if values is None else ", ".join(f"{v:.3f}" for v in values)
 
@@ -261,7 +269,9 @@ def figure(results, path) -> None:
     names, base = list(main), results["protocol"]["baseline"]
     margin, what = results["protocol"].get("margin"), noun(results)
     sweep = results.get("sweep") or {}
-    fig, axes = plt.subplots(1, 5 if sweep else 4, figsize=(19 if sweep else 15.5, 4.4))
+    own = {(n, k): v for n in names for k, v in (main[n]["measures"].get("own") or {}).items()}
+    panels = 4 + bool(sweep) + bool(own)
+    fig, axes = plt.subplots(1, panels, figsize=(3.9 * panels, 4.4))
     d = axes[0]
     if margin is not None:
         d.axvspan(-margin, margin, color="C0", alpha=0.12, label=f"±{margin:g} (equivalence margin)")
@@ -299,6 +309,12 @@ def figure(results, path) -> None:
         ax.set_xlabel("routing iteration", fontsize=8), ax.set_ylabel(label, fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True)), ax.legend(fontsize=6, ncol=2)
     axes[2].set_ylim(0, 1.05)
+    if own:  # the routings' own measures (Routing.measures), each on its own line
+        o = axes[-1]
+        for (n, k), v in own.items():
+            o.plot(range(1, len(v) + 1), v, marker="o", lw=1, ms=3, label=f"{n}: {k}")
+        o.set_xlabel("routing iteration", fontsize=8), o.set_title("the routings' own measures", fontsize=9)
+        o.xaxis.set_major_locator(MaxNLocator(integer=True)), o.legend(fontsize=6)
     if sweep:
         s = axes[4]
         at = {**sweep, **{f"{n}-{DEFAULT_ITERS}": main[n] for n in main}}  # each routing's own row: its default k

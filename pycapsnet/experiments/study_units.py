@@ -139,6 +139,10 @@ def _unit_problem(kind: str, unit: dict, n_test: int) -> str | None:
     if not isinstance(measures, dict) or not all(_numbers(measures.get(k)) for k in
                                                  ("entropy", "dynamics", "starved_children", "starved_parents")):
         return "its diagnostics are not numbers"
+    own = measures.get("own") or {}
+    if not (isinstance(own, dict) and all(isinstance(k, str) and isinstance(v, list) and _numbers(v)
+                                          for k, v in own.items())):
+        return "its routing's own measures are not lists of numbers"
     return None
 
 

@@ -60,6 +60,12 @@ def _inspect(args) -> int:
         print(p)
     if getattr(args, "coupling_grad", False):
         print(coupling_grads(model, test, args.index, args.out))
+    with model.evaluating():  # a routing's own measures (Routing.measures), where it declares some
+        model.forward(test.images(slice(args.index, args.index + 1)))
+        for name, layer in model.routing_layers():
+            for k, v in (layer.routing_measures() if hasattr(layer, "routing_measures") else {}).items():
+                print(f"{name}: {k} per routing iteration: {', '.join(f'{x:.4g}' for x in v)}")
+        model.release()
     return 0
 
 

@@ -121,9 +121,10 @@ class RunDir:
             if not said or _mtime(path) < older_than:
                 _remove(path, said and "it scored an earlier checkpoint")
 
-    def _restore_best(self, ckpt, history) -> None:
+    def _restore_best(self, ckpt, history, fresh: bool = False) -> None:
         """After a stop between the checkpoint and best.npz: the checkpoint holds the best epoch, so
-        best.npz is copied from it, whole."""
+        best.npz is copied from it, whole.  ``fresh``: the checkpoint is not this directory's own (a model
+        saved elsewhere, fit again here): it never had a best.npz to lose, so nothing is said of one."""
         best = best_epoch(history)
         path = os.path.join(self.path, BEST)
         header = read_header(path)
@@ -131,7 +132,11 @@ class RunDir:
             return
         if best == ckpt["header"].get("epoch"):
             files.atomic_write(path, lambda f: _copy_into(ckpt["path"], f))
-            say(f"best.npz did not hold epoch {best}, the best: restored from the checkpoint, which holds it")
+            if not fresh:
+                say(f"best.npz did not hold epoch {best}, the best: restored from the checkpoint, which holds it")
+        elif fresh:
+            say(f"best.npz: epoch {best}, the best so far, is not in {ckpt['path']} (it holds epoch "
+                f"{ckpt['header'].get('epoch')}); best.npz will hold the next epoch that scores better")
         else:
             say(f"warning: best.npz does not hold epoch {best}, the run's best (was it moved or replaced?); "
                 "it will hold the next epoch that scores better")
@@ -160,7 +165,8 @@ class RunDir:
             stale = True
         if stale and history:
             draw(model, test_set, self.path, history)
-        self._restore_best(ckpt, history)
+        elsewhere = os.path.dirname(os.path.abspath(ckpt["path"])) != os.path.abspath(self.path)  # a saved model
+        self._restore_best(ckpt, history, fresh=elsewhere)
         self._drop_what_is_not_this_checkpoints(history, older_than=_mtime(ckpt["path"]))
         return history
 
