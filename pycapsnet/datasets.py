@@ -9,9 +9,10 @@ as ``(x_train, y_train), (x_test, y_test)`` and prints as one line.
     moved = pycapsnet.datasets.affine(x_test, seed=0)                          # affNIST-like digits
 
 Images are float32 (N, C, H, W) in [0, 1], labels int64 class indices: what ``Model.fit`` takes.
-``load_mnist`` and ``load_fashion_mnist`` read the IDX files from a folder, or from the cache that
-``pycapsnet data NAME`` (or ``download=True``) fills; ``load_folder`` reads a folder of images, one
-sub-folder per class, as ``--dataset folder`` does.
+``load_mnist`` and ``load_fashion_mnist`` read the IDX files from a folder, ``load_cifar10`` the binary
+version of CIFAR-10 (colour, 3x32x32), from a folder or from the cache that ``pycapsnet data NAME``
+(or ``download=True``) fills; ``load_folder`` reads a folder of images, one sub-folder per class, as
+``--dataset folder`` does.
 """
 from __future__ import annotations
 
@@ -79,6 +80,14 @@ def load_fashion_mnist(path=None, download: bool = False) -> Data:
     return _idx("fashion-mnist", path, download)
 
 
+def load_cifar10(path=None, download: bool = False) -> Data:
+    """CIFAR-10's 50,000 training and 10,000 test images (32x32 colour, 10 classes) from its binary
+    version in ``path`` (cifar-10-batches-bin/, or the folder holding its .bin files), or, left
+    None, from the cache (``pycapsnet data cifar10`` fills it; ``download=True`` here does): x float32
+    (N, 3, 32, 32) in [0, 1].  The pickled "Python version" is refused: unpickling runs code."""
+    return _idx("cifar10", path, download)
+
+
 def _idx(name, path, download) -> Data:
     from .training import data
     from .training import download as fetch
@@ -90,13 +99,13 @@ def _idx(name, path, download) -> Data:
         if folder is None:
             if not download:
                 raise CapsNetError(f"no {name} files in the cache ({fetch.cache_dir(name)}): give the folder that "
-                                   f"holds the four IDX files, or download=True (or `pycapsnet data {name}`)")
+                                   f"holds its files, or download=True (or `pycapsnet data {name}`)")
             folder = fetch.download(name)
         path = folder
     elif download:
         path = fetch.download(name, os.fspath(os.path.expanduser(path)))
     path = os.path.expanduser(os.fspath(path))
-    return _data(*data.load_idx_dir(path), source=path)
+    return _data(*(data.load_cifar10_dir(path) if name == "cifar10" else data.load_idx_dir(path)), source=path)
 
 
 def load_folder(path, image_size=None, channels=None, test_fraction: float = 0.2, seed: int = 0) -> Data:

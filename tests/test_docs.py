@@ -150,3 +150,27 @@ def test_the_defaults_and_parameter_counts_the_docs_quote_are_the_codes():
     counts = {k: pycapsnet.build(a).network.n_params() for k, a in build_your_own.NETWORKS.items()}
     assert f"two routing layers ({counts['two-routing'] / 1e6:.1f} M parameters)" in performance
     assert f"ConvCaps ({counts['convcaps'] / 1e6:.1f} M parameters)" in performance
+
+
+def test_the_slurm_script_in_experiments_md_runs_as_written(tmp_path):
+    """docs/experiments.md's study.sh (issue 108): a first line sbatch accepts, $DATA set, one thread
+    a shard, --choices once a merge wrote one; run by bash with a stand-in pycapsnet that prints
+    what it was given."""
+    text = Path(ROOT, "docs", "experiments.md").read_text()
+    script = re.search(r"```bash\n(#!/bin/bash\n.*?)```", text, re.S).group(1)
+    (tmp_path / "study.sh").write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pycapsnet").write_text('#!/bin/bash\necho "$OMP_NUM_THREADS $PYCAPSNET_THREADS $*"\n')
+    (bin_dir / "pycapsnet").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "2",
+           "SLURM_ARRAY_TASK_COUNT": "8", "HOME": str(tmp_path)}
+    env.pop("DATA", None)
+    first = subprocess.run(["bash", "study.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.split() == ["1", "1", "experiment", "routings", "--dataset", "mnist", "--data-dir",
+                                    f"{tmp_path}/data/mnist", "--margin", "0.1", "--shard", "2/8", "--out", "run-2"]
+    (tmp_path / "merged").mkdir()
+    (tmp_path / "merged" / "choices.json").write_text("{}")
+    again = subprocess.run(["bash", "study.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert "--choices merged/choices.json" in again.stdout and script.startswith("#!")

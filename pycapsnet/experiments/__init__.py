@@ -83,9 +83,11 @@ def _routings_flags(r) -> None:
     r.add_argument("--routings", nargs="+", default=None, metavar="ROW",
                    help="the rows (default: uniform dynamic attention inverted self vb random em cnn): a registered "
                         "routing (--plugin MODULE registers yours), NAME-k for k iterations, em, cnn")
-    r.add_argument("--dataset", default=None, choices=("embedded", "digits", "mnist", "fashion-mnist", "folder"),
+    r.add_argument("--dataset", default=None, choices=("embedded", "digits", "mnist", "fashion-mnist", "cifar10",
+                                                       "folder"),
                    help="the data (default: embedded, or mnist with --data-dir); mnist, fashion-mnist: the IDX files "
-                        "in --data-dir; folder: images in --data-dir, one sub-folder per class")
+                        "in --data-dir; cifar10: its binary version in --data-dir (pycapsnet data cifar10); folder: "
+                        "images in --data-dir, one sub-folder per class")
     r.add_argument("--limit-test", type=positive_int, default=None,
                    help="test digits (default: the whole test split; --limit limits training digits only)")
     r.add_argument("--val-fraction", type=fraction, default=None,

@@ -173,6 +173,9 @@ class Study:
         self.backbone = {k: getattr(args, k) or v for k, v in (QUICK_BACKBONE if args.quick else BACKBONE).items()}
         self.affine_target = args.affine_target or protocol.AFFINE_TARGET
         if not args.no_affine:  # every argument checked before the first unit trains
+            if self.train.x.shape[1] != 1:
+                raise CapsNetError(f"the affine part places digits on a canvas and moves them: it reads one-channel "
+                                   f"images, and these have {self.train.x.shape[1]} channels: give --no-affine")
             digits.check_canvas(args.canvas, "--canvas")
             check_fits("routings", 3 * len(self.test) + 2 * len(self.val), args.canvas, "give a smaller --canvas")
         self.settings = self._settings()

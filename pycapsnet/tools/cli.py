@@ -139,7 +139,7 @@ def cmd_data(args):
 
     sigterm_as_ctrl_c()  # a kill ends as a Ctrl-C does: the download's temporary is removed
     folder = download.download(args.name, args.dir, progress=not args.quiet)
-    print(f"{args.name}: the four files are in {folder}"
+    print(f"{args.name}: its files are in {folder}"
           + ("" if args.dir else f"; --dataset {args.name} now finds them there"))
     return 0
 
@@ -364,12 +364,13 @@ def build_parser():
     from ..experiments import add_parser as add_experiment
 
     add_experiment(sub, specs)
-    from ..training.download import DATASETS as FETCHABLE
+    from ..training.download import FETCHABLE
 
-    da = sub.add_parser("data", help="fetch MNIST or Fashion-MNIST from public mirrors, verified by digest")
+    da = sub.add_parser("data", help="fetch MNIST, Fashion-MNIST or CIFAR-10 (binary) from their public addresses, "
+                                     "verified by digest")
     da.add_argument("name", choices=tuple(FETCHABLE))
     da.add_argument("dir", nargs="?", default=None,
-                    help="where to store the four files (default: $PYCAPSNET_DATA/NAME, else ~/.cache/pycapsnet/NAME, "
+                    help="where to store the files (default: $PYCAPSNET_DATA/NAME, else ~/.cache/pycapsnet/NAME, "
                          "where --dataset NAME looks when no --data-dir is given)")
     da.add_argument("--quiet", action="store_true", help="no progress, only what was fetched")
     da.set_defaults(fn=cmd_data)

@@ -21,14 +21,14 @@ from pycapsnet.backends.host import machine_memory
 from ..errors import CapsNetError
 from ..userfiles import open_regular
 from . import augment as augmentation
-from . import folder
+from . import cifar10, folder
 
 # IDX files, as distributed for MNIST and Fashion-MNIST (optionally .gz)
 IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
-DATASETS = ("embedded", "mnist", "fashion-mnist", "folder")
+DATASETS = ("embedded", "mnist", "fashion-mnist", "cifar10", "folder")
 AUGMENTS = ("shift", "efficient")  # random shifts of up to --shift pixels; Efficient-CapsNet's (augment.py)
 DIGITS = tuple(str(d) for d in range(10))  # the class names of the MNIST-format sets
 _UNIT = (np.arange(256) / 255.0).astype(np.float32)  # uint8 pixel -> float32 in [0, 1], as x / 255
@@ -309,18 +309,23 @@ def _unit_images(images: np.ndarray, path: str) -> np.ndarray:
     return images.astype(np.float32) / np.float32(255.0)
 
 
-def idx_fingerprint(data_dir: str) -> list:
-    """What a run reads from IDX files, in a folder record's form (folder.fingerprint): per file
-    [name, "idx", size, content hash, split].  Names, not paths: the directory may move."""
+def idx_fingerprint(data_dir: str, dataset: str = "mnist") -> list:
+    """What a run reads from its data files (IDX files; CIFAR-10's .bin files), in a folder record's
+    form (folder.fingerprint): per file [name, kind, size, content hash, split].  Names, not paths:
+    the directory may move."""
+    if dataset == "cifar10":
+        where = cifar10.folder_of(data_dir)
+        files = [(os.path.join(where, n), "bin", part) for part, names in (("train", cifar10.TRAIN),
+                                                                          ("test", cifar10.TEST)) for n in names]
+    else:
+        files = [(_find(data_dir, stem), "idx", part) for part, stems in IDX_FILES.items() for stem in stems]
     record = []
-    for part, stems in IDX_FILES.items():
-        for stem in stems:
-            path = _find(data_dir, stem)
-            digest = hashlib.blake2b(digest_size=16)
-            with open_regular(path, "the data file") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-            record.append([os.path.basename(path), "idx", os.path.getsize(path), digest.hexdigest(), part])
+    for path, kind, part in files:
+        digest = hashlib.blake2b(digest_size=16)
+        with open_regular(path, "the data file") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        record.append([os.path.basename(path), kind, os.path.getsize(path), digest.hexdigest(), part])
     return record
 
 
@@ -347,6 +352,11 @@ def load(dataset: str = "embedded", data_dir: str | None = None, seed: int = 0, 
             raise CapsNetError("--dataset folder needs --data-dir DIR: a directory with one sub-directory of "
                                "images per class (or train/ and test/ each holding them)")
         return load_folder(data_dir, seed=seed, **folder_options)
+    if dataset == "cifar10":
+        if not data_dir:
+            raise CapsNetError("--dataset cifar10 needs --data-dir DIR with its binary files (cifar-10-batches-bin/); "
+                               "`pycapsnet data cifar10` fetches them")
+        return load_cifar10_dir(data_dir)
     if data_dir and dataset == "embedded":
         raise CapsNetError(f"--data-dir {data_dir} names IDX files, but the dataset is embedded (the default), "
                            "which reads none: say what the files hold with --dataset mnist or --dataset fashion-mnist")
@@ -356,6 +366,14 @@ def load(dataset: str = "embedded", data_dir: str | None = None, seed: int = 0, 
         raise CapsNetError(f"--dataset {dataset} needs --data-dir DIR with its IDX files; `pycapsnet data {dataset}` "
                            "fetches them")
     return load_embedded(seed=seed)
+
+
+def load_cifar10_dir(data_dir: str):
+    """CIFAR-10's binary version from ``data_dir`` (cifar10.py) -> (train Split, test Split), the
+    images kept as uint8 (N, 3, 32, 32) and made float32 in [0, 1] a batch at a time."""
+    (x, y), (xt, yt), classes = cifar10.load_dir(data_dir)
+    source = cifar10.folder_of(data_dir)
+    return Split(x, y, source, classes), Split(xt, yt, source, classes)
 
 
 def random_shift(x: np.ndarray, max_shift: int, rng: np.random.Generator, part: slice = slice(None),

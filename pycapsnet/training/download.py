@@ -1,5 +1,6 @@
-"""Fetching MNIST and Fashion-MNIST: the four IDX files from public mirrors, each verified against
-the digest its publisher gives before it takes its name.
+"""Fetching MNIST and Fashion-MNIST (the four IDX files from public mirrors, each verified against
+the digest its publisher gives before it takes its name) and CIFAR-10 (its authors' binary archive,
+checked against the MD5 they publish, then unpacked: cifar10.extract).
 
 ``pycapsnet data mnist [DIR]`` stores them in DIR, by default in the cache folder (``cache_dir``):
 ``$PYCAPSNET_DATA/<name>``, else ``~/.cache/pycapsnet/<name>`` (``$XDG_CACHE_HOME`` if set), where
@@ -22,6 +23,7 @@ import zlib
 
 from ..errors import CapsNetError
 from . import files
+from . import cifar10
 from .data import IDX_FILES
 
 # Per file: (how its digest is taken, the digest).  "sha256 of content": SHA-256 of the decompressed
@@ -53,6 +55,13 @@ DATASETS = {
     },
 }
 assert all(set(d["files"]) == {s for pair in IDX_FILES.values() for s in pair} for d in DATASETS.values())
+# Datasets fetched as one archive, checked by the digest its authors publish, then unpacked (only
+# the members the reader expects: cifar10.extract)
+ARCHIVES = {
+    "cifar10": {"urls": ("https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",),
+                "file": "cifar-10-binary.tar.gz", "md5": "c32a1d4ab5d03f1284b67883e8d87530"},
+}
+FETCHABLE = (*DATASETS, *ARCHIVES)
 TIMEOUT_S = 30  # per connection attempt and per read: a mirror that stalls longer is skipped
 DEADLINE_S = 600  # per file: a mirror that trickles (a byte now and then, each read within TIMEOUT_S) is left
 TELL_EVERY_S = 10  # off a terminal, a line of progress at least this often while bytes arrive
@@ -68,10 +77,13 @@ def cache_dir(name: str) -> str:
 
 
 def cached(name: str) -> str | None:
-    """The cache folder of ``name`` if it holds all four files (by name; their content is read and
+    """The cache folder of ``name`` if it holds all its files (by name; their content is read and
     checked when loaded), else None."""
     folder = cache_dir(name)
-    have = all(os.path.isfile(os.path.join(folder, stem + ".gz")) for stem in DATASETS[name]["files"])
+    if name in ARCHIVES:
+        have = all(os.path.isfile(os.path.join(folder, cifar10.FOLDER, m)) for m in (*cifar10.TRAIN, *cifar10.TEST))
+    else:
+        have = all(os.path.isfile(os.path.join(folder, stem + ".gz")) for stem in DATASETS[name]["files"])
     return folder if have else None
 
 
@@ -166,8 +178,10 @@ def download(name: str, folder: str | None = None, mirrors=None, progress: bool 
     """Fetch ``name``'s four files into ``folder`` (default: cache_dir(name)); returns the folder.
     Files already there with the right digest are kept.  ``mirrors``: base URLs to try in turn
     (default: the dataset's).  Raises CapsNetError naming the file and what to do."""
+    if name in ARCHIVES:
+        return download_archive(name, folder, mirrors, progress)
     if name not in DATASETS:
-        raise CapsNetError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+        raise CapsNetError(f"unknown dataset {name!r}: choose one of {', '.join(FETCHABLE)}")
     spec = DATASETS[name]
     folder = os.path.abspath(folder or cache_dir(name))
     _writable(folder)
@@ -194,6 +208,37 @@ def download(name: str, folder: str | None = None, mirrors=None, progress: bool 
         else:
             raise CapsNetError(f"could not fetch {stem}.gz from any mirror ({'; '.join(failures)}); check the "
                                f"connection, or put the four files into {folder} by hand")
+    return folder
+
+
+def download_archive(name: str, folder: str | None = None, urls=None, progress: bool = True) -> str:
+    """Fetch ``name``'s archive into ``folder`` (default: cache_dir(name)), check it against its
+    authors' digest, and unpack the members its reader expects; returns the folder.  An archive
+    already there with the right digest is not fetched again.  ``urls``: where to try, in turn."""
+    spec = ARCHIVES[name]
+    folder = os.path.abspath(folder or cache_dir(name))
+    _writable(folder)
+    path = os.path.join(folder, spec["file"])
+    if os.path.isfile(path) and _verify_file(path, spec["md5"], "md5 of gz"):
+        print(f"{spec['file']}: already here, verified", file=sys.stderr)
+    else:
+        failures = []
+        for url in urls or spec["urls"]:
+            try:
+                _fetch(url, spec["md5"], "md5 of gz", path, _progress if progress else _silent)
+                print(f"{spec['file']}: verified (MD5 {spec['md5']}), from {url}", file=sys.stderr)
+                break
+            except _Bad as e:
+                failures.append(f"{url}: {e}")
+                print(f"{spec['file']}: {url}: {e}", file=sys.stderr)
+            except (OSError, _WriteFailed) as e:
+                e = e.args[0] if isinstance(e, _WriteFailed) else e
+                raise CapsNetError(f"cannot write {path}: {e.strerror or e}; free some space or choose another "
+                                   "folder (pycapsnet data NAME DIR, or PYCAPSNET_DATA=DIR)") from None
+        else:
+            raise CapsNetError(f"could not fetch {spec['file']} ({'; '.join(failures)}); check the connection, or "
+                               f"put the archive into {folder} by hand")
+    cifar10.extract(path, folder)
     return folder
 
 

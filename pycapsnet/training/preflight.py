@@ -41,7 +41,7 @@ def checked_data(run: Run, train_set, test_set) -> dict:
     if train_set.files is not None:
         now = folder.fingerprint(train_set, test_set)
     elif run.data_dir:
-        now = data.idx_fingerprint(run.data_dir)
+        now = data.idx_fingerprint(run.data_dir, run.dataset)
     else:
         return {}
     header = run.checkpoint["header"] if run.checkpoint else {}

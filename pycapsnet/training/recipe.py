@@ -123,7 +123,7 @@ def fetched(dataset: str) -> str:
     """The cache folder that ``pycapsnet data NAME`` fills, for --dataset NAME without --data-dir."""
     folder = download.cached(dataset)
     if folder is None:
-        raise CapsNetError(f"--dataset {dataset} needs its four IDX files: fetch them once with `pycapsnet data "
+        raise CapsNetError(f"--dataset {dataset} needs its data files: fetch them once with `pycapsnet data "
                            f"{dataset}` (into {download.cache_dir(dataset)}), or name a folder holding them with "
                            "--data-dir DIR")
     return folder

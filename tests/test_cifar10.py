@@ -1,0 +1,201 @@
+"""CIFAR-10's binary version (issue 106): the reader on small files made here in the authors' format
+(records of 1 label byte + 3,072 pixel bytes, R then G then B), the refusals (a truncated or padded
+file, a label beyond 9, the pickled Python version), and the downloader against a server the test
+starts on 127.0.0.1 with a small archive in the authors' layout: its digest checked, only the
+expected members unpacked, a member that would land outside, a link or a device refused."""
+import hashlib
+import http.server
+import io
+import os
+import tarfile
+import threading
+
+import numpy as np
+import pytest
+
+import pycapsnet
+from pycapsnet.errors import CapsNetError
+from pycapsnet.tools import cli
+from pycapsnet.training import cifar10, data, download
+
+
+def _records(n, seed):
+    rng = np.random.default_rng(seed)
+    labels = np.arange(n) % 10
+    pixels = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
+    raw = np.concatenate([labels[:, None].astype(np.uint8), pixels.reshape(n, -1)], axis=1)
+    return raw.tobytes(), pixels, labels
+
+
+def _write(folder, n_train=20, n_test=10, meta=True):
+    """A cifar-10-batches-bin/ of five training files of n_train records and a test file of n_test."""
+    inner = folder / cifar10.FOLDER
+    inner.mkdir(parents=True)
+    expected = {"train": ([], []), "test": ([], [])}
+    for k, name in enumerate((*cifar10.TRAIN, *cifar10.TEST)):
+        part = "test" if name in cifar10.TEST else "train"
+        raw, x, y = _records(n_test if part == "test" else n_train, k)
+        (inner / name).write_bytes(raw)
+        expected[part][0].append(x)
+        expected[part][1].append(y)
+    if meta:
+        (inner / cifar10.META).write_text("\n".join(cifar10.CLASSES) + "\n\n")
+    return {p: (np.concatenate(x), np.concatenate(y)) for p, (x, y) in expected.items()}
+
+
+def test_the_binary_records_are_read_as_the_authors_lay_them_out(tmp_path):
+    expected = _write(tmp_path)
+    (x, y), (xt, yt) = pycapsnet.datasets.load_cifar10(str(tmp_path))
+    assert x.shape == (100, 3, 32, 32) and x.dtype == np.float32 and xt.shape == (10, 3, 32, 32)
+    np.testing.assert_array_equal(x, expected["train"][0] / np.float32(255))  # channel 0 red: the first 1,024
+    np.testing.assert_array_equal(y, expected["train"][1])
+    np.testing.assert_array_equal(yt, expected["test"][1])
+    train, test = data.load("cifar10", str(tmp_path / cifar10.FOLDER))  # the folder itself is fine too
+    assert train.classes == cifar10.CLASSES and train.x.dtype == np.uint8 and len(test) == 10
+
+
+@pytest.mark.parametrize("damage,said", [("truncated", "truncated or padded"), ("padded", "truncated or padded"),
+                                         ("label 12", "has the label 12"), ("missing", "lacks data_batch_3.bin"),
+                                         ("meta", "names 3 classes")])
+def test_a_damaged_file_is_one_line_naming_it(tmp_path, capsys, damage, said):
+    _write(tmp_path)
+    path = tmp_path / cifar10.FOLDER / "data_batch_3.bin"
+    raw = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(raw[:-5])
+    elif damage == "padded":
+        path.write_bytes(raw + b"\0" * 7)
+    elif damage == "label 12":
+        path.write_bytes(bytes([12]) + raw[1:])
+    elif damage == "missing":
+        path.unlink()
+    else:
+        (tmp_path / cifar10.FOLDER / cifar10.META).write_text("a\nb\nc\n")
+    with pytest.raises(CapsNetError, match=said):
+        data.load("cifar10", str(tmp_path))
+    from pycapsnet.training import trainer
+
+    assert trainer.main("numpy", ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--epochs", "1",
+                                  "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and said in err
+
+
+def test_the_pickled_python_version_is_refused_and_never_unpickled(tmp_path):
+    marker = tmp_path / "RAN"
+    inner = tmp_path / "cifar-10-batches-py"
+    inner.mkdir()
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    import pickle
+
+    (inner / "data_batch_1").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CapsNetError, match="Python \\(pickle\\) version.*binary version"):
+        pycapsnet.datasets.load_cifar10(str(tmp_path))
+    assert not marker.exists()
+
+
+def test_colour_images_train_and_score_through_the_command_line(tmp_path, capsys):
+    _write(tmp_path, n_train=8, n_test=8)
+    from pycapsnet.training import trainer
+
+    assert trainer.main("numpy", ["--dataset", "cifar10", "--data-dir", str(tmp_path), "--epochs", "1",
+                                  "--conv-channels", "8", "--primary-types", "2", "--decoder-hidden", "16", "32",
+                                  "--batch-size", "8", "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    assert cli.main(["evaluate", str(tmp_path / "run"), "--data-dir", str(tmp_path)]) == 0
+    assert "airplane" in capsys.readouterr().out  # the classes by their names
+
+
+# ---- the downloader -------------------------------------------------------------------------------
+def _archive(extra=None):
+    """A tar.gz in the authors' layout (small files), with ``extra`` (name, kind) members added."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in (*cifar10.TRAIN, *cifar10.TEST):
+            raw = _records(4, len(name))[0]
+            info = tarfile.TarInfo(f"{cifar10.FOLDER}/{name}")
+            info.size = len(raw)
+            tar.addfile(info, io.BytesIO(raw))
+        meta = ("\n".join(cifar10.CLASSES) + "\n").encode()
+        info = tarfile.TarInfo(f"{cifar10.FOLDER}/{cifar10.META}")
+        info.size = len(meta)
+        tar.addfile(info, io.BytesIO(meta))
+        for name, kind in extra or ():
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                info.size = 4
+                tar.addfile(info, io.BytesIO(b"evil"))
+            else:
+                info.type = tarfile.SYMTYPE if kind == "link" else tarfile.CHRTYPE
+                info.linkname = "/etc/passwd" if kind == "link" else ""
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(Handler.body)))
+        self.end_headers()
+        self.wfile.write(Handler.body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server(monkeypatch):
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    monkeypatch.setattr(download, "TIMEOUT_S", 2)
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/cifar-10-binary.tar.gz"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _serve(monkeypatch, body, digest=None):
+    Handler.body = body
+    spec = {**download.ARCHIVES["cifar10"], "md5": digest or hashlib.md5(body).hexdigest()}
+    monkeypatch.setitem(download.ARCHIVES, "cifar10", spec)
+
+
+def test_the_archive_is_fetched_checked_and_unpacked_to_what_the_reader_reads(server, monkeypatch, tmp_path, capsys):
+    _serve(monkeypatch, _archive())
+    monkeypatch.setitem(download.ARCHIVES, "cifar10", {**download.ARCHIVES["cifar10"], "urls": (server,)})
+    assert cli.main(["data", "cifar10", str(tmp_path / "c"), "--quiet"]) == 0
+    assert "verified (MD5" in capsys.readouterr().err
+    (x, y), (xt, yt) = pycapsnet.datasets.load_cifar10(str(tmp_path / "c"))
+    assert x.shape == (20, 3, 32, 32) and len(yt) == 4
+    assert sorted(os.listdir(tmp_path / "c" / cifar10.FOLDER)) == sorted((*cifar10.TRAIN, *cifar10.TEST, cifar10.META))
+    Handler.body = b"served again"  # a second call keeps the verified archive: nothing fetched
+    assert cli.main(["data", "cifar10", str(tmp_path / "c"), "--quiet"]) == 0
+    assert "already here, verified" in capsys.readouterr().err
+
+
+def test_an_archive_of_another_digest_is_refused_and_nothing_is_unpacked(server, monkeypatch, tmp_path, capsys):
+    _serve(monkeypatch, _archive(), digest="0" * 32)
+    monkeypatch.setitem(download.ARCHIVES, "cifar10", {**download.ARCHIVES["cifar10"], "urls": (server,)})
+    assert cli.main(["data", "cifar10", str(tmp_path / "c"), "--quiet"]) == 2
+    assert "wrong content" in capsys.readouterr().err
+    assert not (tmp_path / "c" / cifar10.FOLDER).exists() and not (tmp_path / "c" / "cifar-10-binary.tar.gz").exists()
+
+
+@pytest.mark.parametrize("member,kind,said", [("../evil.txt", "file", "would land outside"),
+                                              ("/tmp/evil-abs.txt", "file", "would land outside"),
+                                              (f"{cifar10.FOLDER}/link", "link", "a link or a device"),
+                                              (f"{cifar10.FOLDER}/dev", "device", "a link or a device")])
+def test_a_hostile_member_is_refused_before_anything_is_written(server, monkeypatch, tmp_path, capsys, member, kind,
+                                                                said):
+    _serve(monkeypatch, _archive([(member, kind)]))
+    monkeypatch.setitem(download.ARCHIVES, "cifar10", {**download.ARCHIVES["cifar10"], "urls": (server,)})
+    folder = tmp_path / "c"
+    assert cli.main(["data", "cifar10", str(folder), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.strip().splitlines()[-1].startswith("error: ")
+    assert not (tmp_path / "evil.txt").exists() and not os.path.exists("/tmp/evil-abs.txt")
+    assert not (folder / cifar10.FOLDER).exists()
