@@ -102,6 +102,7 @@ class Model(Run):
 
         ``shift``: random shifts of up to that many pixels; ``augment`` "efficient":
         Efficient-CapsNet's rotation, shift within the margins, squeeze and erasure instead;
+        "crop-flip": random crops from a 4-pixel padding and horizontal flips (CIFAR-10's);
         ``lr_min``: the floor the decay stops at; ``ema``: a decay such as 0.999, with which the
         model keeps an exponential moving average of its weights, and holds the average when fit
         returns.  ``validation_data`` (x, y) is scored after each epoch (``val_acc``, ``val_loss``)

@@ -199,3 +199,41 @@ def test_a_hostile_member_is_refused_before_anything_is_written(server, monkeypa
     assert said in err and err.strip().splitlines()[-1].startswith("error: ")
     assert not (tmp_path / "evil.txt").exists() and not os.path.exists("/tmp/evil-abs.txt")
     assert not (folder / cifar10.FOLDER).exists()
+
+
+def test_crop_flip_crops_from_a_four_pixel_padding_and_flips_half(tmp_path):
+    from pycapsnet.training import augment
+
+    x = np.arange(2 * 3 * 32 * 32, dtype=np.float32).reshape(2, 3, 32, 32) + 1
+    rng = np.random.default_rng(0)
+    seen_flip = seen_plain = False
+    for _ in range(40):
+        out = augment.crop_flip(x, rng)
+        for i in range(2):
+            ys, xs = np.nonzero(out[i, 0])
+            kept = out[i][:, ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+            assert kept.shape[1] >= 28 and kept.shape[2] >= 28  # moved by at most 4 pixels
+            assert (out[i] == 0).sum() % 3 == 0  # the padding is zero in every channel alike
+            row = kept[0, 0]
+            seen_flip |= bool(row[0] > row[-1])
+            seen_plain |= bool(row[0] < row[-1])
+    assert seen_flip and seen_plain
+    whole = augment.crop_flip(x, np.random.default_rng(5), of=2)
+    parts = [augment.crop_flip(x[i:i + 1], np.random.default_rng(5), slice(i, i + 1), 2) for i in range(2)]
+    np.testing.assert_array_equal(whole, np.concatenate(parts))  # a shard augments its part as the whole batch does
+
+
+def test_the_routing_study_on_colour_images_with_crop_flip(tmp_path):
+    import json
+
+    import pycapsnet.experiments as experiments
+
+    _write(tmp_path / "d", n_train=12, n_test=10)
+    results = experiments.routings(out=str(tmp_path / "s"), quick=True, affine=False, dataset="cifar10",
+                                   data_dir=str(tmp_path / "d"), routings=["uniform", "dynamic"], lr=2e-3, seeds=1,
+                                   augment="crop-flip", progress=False)
+    assert results["dataset"] == "cifar10" and set(results["cifar10"]) == {"uniform", "dynamic"}
+    assert results["settings"]["augment"] == "crop-flip" and "flips" in results["protocol"]["summary"]
+    assert "test images" in (tmp_path / "s" / "results.md").read_text()
+    units = json.loads((tmp_path / "s" / "units.json").read_text())
+    assert units["flags"]["data"]["dataset"] == "cifar10"

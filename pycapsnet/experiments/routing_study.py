@@ -34,7 +34,7 @@ import numpy as np
 from ..core import architecture as A, routing_source, routings
 from ..core.description import param_shapes
 from ..errors import CapsNetError, first_line, printable
-from ..training import data
+from ..training import augment as augmentation, data
 from ..training.log import say
 from . import check_fits, digits, loop, study_protocol as protocol, study_report as report, study_tuning as tuning, \
     study_units
@@ -157,6 +157,13 @@ def _shift(x, r):
     return data.random_shift(data.as_float(x), 2, r)
 
 
+def _crop_flip(x, r):
+    return augmentation.crop_flip(data.as_float(x), r)
+
+
+AUGMENTS = {"shift": _shift, "crop-flip": _crop_flip}  # --augment: every row's training images, alike
+
+
 class Study:
     """One run's data, rows, settings and units; ``run`` trains the units this process runs."""
 
@@ -172,6 +179,7 @@ class Study:
                       if k != routings.DEFAULT_ITERS]
         self.backbone = {k: getattr(args, k) or v for k, v in (QUICK_BACKBONE if args.quick else BACKBONE).items()}
         self.affine_target = args.affine_target or protocol.AFFINE_TARGET
+        self.augment = AUGMENTS[args.augment or "shift"]
         if not args.no_affine:  # every argument checked before the first unit trains
             if self.train.x.shape[1] != 1:
                 raise CapsNetError(f"the affine part places digits on a canvas and moves them: it reads one-channel "
@@ -192,7 +200,7 @@ class Study:
                 "epochs": a.epochs, "batch_size": a.batch_size, "backbone": self.backbone, "fixed_lr": a.lr,
                 "lr_grid": list(tuning.LR_GRID), "lr_limits": list(tuning.LR_LIMITS),
                 "open_options": tuning.OPEN_OPTIONS, "tune_seeds": list(tuning.TUNE_SEEDS), "rule": tuning.RULE,
-                "val_fraction": a.val_fraction, "margin": a.margin,
+                "val_fraction": a.val_fraction, "margin": a.margin, "augment": a.augment or "shift",
                 "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target},
                 # a routing of the user's own, by its source: units of another version are not mixed
                 "routings": routing_source.sources(row_spec(r)[1] for r in self.rows if row_spec(r)[0] == "vector")}
@@ -256,7 +264,7 @@ class Study:
             if kind == "main":
                 self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed({**_trained(
                     self.args, self.B, self.network(row, shape, t), s, t["lr"], self.train, val,
-                    _shift, key, test=self.test.open()), **ran}))
+                    self.augment, key, test=self.test.open()), **ran}))
             else:
                 self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed(
                     {**self._affine_unit(row, t, s, key), **ran}))
@@ -272,7 +280,7 @@ class Study:
                 _, row, name, _, s = key.split(" ")
                 t = tuning.parse(name)
                 self.units.measure(key, lambda t=t, s=int(s), key=key, row=row: study_units.sealed(_trained(
-                    self.args, self.B, self.network(row, shape, t), s, t["lr"], self.train, val, _shift, key)))
+                    self.args, self.B, self.network(row, shape, t), s, t["lr"], self.train, val, self.augment, key)))
 
     def _given_choices(self, path) -> dict:
         """The tuning units a merged run's choices.json was made from (its units.json beside it), each

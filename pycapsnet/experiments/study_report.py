@@ -41,7 +41,10 @@ def declared(settings, baseline) -> dict:
     return {"baseline": baseline, "affine_target": (settings["affine"] or {}).get("target"), "margin": margin,
             "summary": f"validation {settings['val_fraction']:g} of the training images (stratified); {tuned}; "
                        f"the test set read once, after the last epoch of each main unit; {settings['epochs']} epochs, "
-                       f"batch {settings['batch_size']}, Adam decayed 0.85 per epoch; transforms at init.routed_std "
+                       f"batch {settings['batch_size']}, Adam decayed 0.85 per epoch; "
+                       + ("random crops from a 4-pixel padding and horizontal flips"
+                          if settings.get("augment") == "crop-flip" else "random shifts of up to 2 pixels")
+                       + " for every row; transforms at init.routed_std "
                        f"for every row; baseline {baseline}; "
                        + (f"equivalence margin ±{margin:g} points, declared before the run" if margin is not None
                           else "no equivalence margin declared")}

@@ -1,5 +1,6 @@
-"""Efficient-CapsNet's training augmentation (Mazzia, Salvetti & Chiaberge 2021, as their public
-code applies it to MNIST), on the host in NumPy, a batch at a time.  Each training image is, in turn:
+"""Training augmentations beyond the paper's shifts, on the host in NumPy, a batch at a time:
+``crop_flip`` (CIFAR-10's random crops and flips) and ``efficient``, Efficient-CapsNet's (Mazzia,
+Salvetti & Chiaberge 2021, as their public code applies it to MNIST).  Each image, in turn:
 
 1. **rotated** about its centre, half of the images, by a whole number of degrees
    trunc(30 a), a ~ N(0, 0.33²) clipped to ±0.9999 (so within ±29°, mostly within ±10°), bilinear,
@@ -22,6 +23,27 @@ from __future__ import annotations
 import numpy as np
 
 MIN_SIDE = 10  # the erased patch's corner lies in rows and columns 4 ... side - 6
+CROP_PAD = 4  # crop-flip: the padding the crop is taken from
+
+
+def crop_flip(x: np.ndarray, rng: np.random.Generator, part: slice = slice(None), of: int | None = None,
+              pad: int = CROP_PAD) -> np.ndarray:
+    """x (n, C, H, W) -> a new array: each image a random H x W crop of itself zero-padded by ``pad``
+    pixels on every side, then flipped left to right with probability 1/2 -- the CIFAR-10
+    augmentation of He et al. 2016 that the capsule papers on CIFAR-10 use (Hahn et al. 2019, Tsai
+    et al. 2020).  Drawn for the whole batch of ``of`` images, the part's used (as ``efficient``)."""
+    n, c, h, w = x.shape
+    k = n if of is None else of
+    dy, dx = rng.integers(0, 2 * pad + 1, (2, k))
+    flip = rng.random(k) < 0.5
+    dy, dx, flip = dy[part], dx[part], flip[part]
+    padded = np.zeros((n, c, h + 2 * pad, w + 2 * pad), x.dtype)
+    padded[:, :, pad:pad + h, pad:pad + w] = x
+    out = np.empty_like(x)
+    for i in range(n):
+        crop = padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w]
+        out[i] = crop[..., ::-1] if flip[i] else crop
+    return out
 
 
 def efficient(x: np.ndarray, rng: np.random.Generator, part: slice = slice(None), of: int | None = None) -> np.ndarray:

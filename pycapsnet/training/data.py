@@ -29,7 +29,7 @@ IDX_FILES = {
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 DATASETS = ("embedded", "mnist", "fashion-mnist", "cifar10", "folder")
-AUGMENTS = ("shift", "efficient")  # random shifts of up to --shift pixels; Efficient-CapsNet's (augment.py)
+AUGMENTS = ("shift", "efficient", "crop-flip")  # shifts of up to --shift pixels; Efficient-CapsNet's; CIFAR's (augment.py)
 DIGITS = tuple(str(d) for d in range(10))  # the class names of the MNIST-format sets
 _UNIT = (np.arange(256) / 255.0).astype(np.float32)  # uint8 pixel -> float32 in [0, 1], as x / 255
 # IDX type codes -> NumPy dtypes (big-endian)
@@ -398,7 +398,8 @@ def random_shift(x: np.ndarray, max_shift: int, rng: np.random.Generator, part: 
 def batches(split: Split, batch_size: int, rng: np.random.Generator | None = None, shift: int = 0, part=None,
             augment: str = "shift"):
     """Yield (x, y) host batches; shuffled and augmented when ``rng`` is given (training): shifted
-    by up to ``shift`` pixels, or with ``augment`` "efficient" Efficient-CapsNet's transforms.
+    by up to ``shift`` pixels, or with ``augment`` "efficient" Efficient-CapsNet's transforms, or
+    "crop-flip" random crops from a 4-pixel padding and horizontal flips.
     ``part(n)`` -> slice: only that part of each batch of n (one process's shard of a global batch
     in data-parallel training; the shuffle and the augmentation are drawn for the whole batch)."""
     n = len(split)
@@ -409,6 +410,8 @@ def batches(split: Split, batch_size: int, rng: np.random.Generator | None = Non
         x = split.x[idx[keep]]
         if rng is not None and augment == "efficient":
             x = augmentation.efficient(as_float(x), rng, keep, len(idx))
+        elif rng is not None and augment == "crop-flip":
+            x = augmentation.crop_flip(x, rng, keep, len(idx))
         elif rng is not None and shift:
             x = random_shift(x, shift, rng, keep, len(idx))
         yield as_float(x), split.y[idx[keep]]

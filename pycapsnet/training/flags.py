@@ -95,7 +95,8 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     p.add_argument("--augment", choices=data.AUGMENTS,
                    help="training augmentation: shift (by up to --shift pixels, the CapsNet paper's; the default) "
                         "or efficient (the Efficient-CapsNet paper's: rotated, shifted within its margins, "
-                        "squeezed, a 4x4 patch erased; pycapsnet/training/augment.py)")
+                        "squeezed, a 4x4 patch erased) or crop-flip (CIFAR-10's: a random crop from a 4-pixel "
+                        "padding, flipped left to right half the time); pycapsnet/training/augment.py")
     p.add_argument("--limit", type=positive_int, default=None,
                    help="use only N training images, for quick runs (the first N; of a folder, a seeded subset "
                         "with each class in proportion)")

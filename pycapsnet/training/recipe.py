@@ -66,7 +66,7 @@ class Run:
     ema: float | None  # evaluate and keep an exponential moving average of the weights (optim.py); None: off
     seed: int
     shift: int
-    augment: str  # "shift" (by up to ``shift`` pixels) or "efficient" (Efficient-CapsNet's transforms)
+    augment: str  # "shift" (by up to ``shift`` pixels), "efficient" (Efficient-CapsNet's transforms), "crop-flip"
     batch_size: int
     dtype: str
     dataset: str
@@ -169,6 +169,9 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
     if values["augment"] == "efficient" and "shift" in given:
         raise CapsNetError("--shift with --augment efficient: Efficient-CapsNet's augmentation moves each image "
                            "within its own blank margins, not by --shift pixels; drop --shift, or use --augment shift")
+    if values["augment"] == "crop-flip" and "shift" in given:
+        raise CapsNetError("--shift with --augment crop-flip: its crops move each image by up to 4 pixels from a "
+                           "4-pixel padding; drop --shift, or use --augment shift")
     refuse_floor_above_lr(values["lr"], values["lr_min"])
     if values["early_stop"] is not None and values["val_fraction"] is None:
         raise CapsNetError("--early-stop needs --val-fraction F: it stops on the validation accuracy (never on the "
