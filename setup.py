@@ -32,7 +32,8 @@ setup(
         "cupy": ["cupy-cuda12x>=13"],
         "test": ["pytest>=7", "pytest-xdist>=3", "torch>=2.1", "tensorboard>=2.10", "build>=1", "twine>=5",
                  "lightning>=2.1",  # the wrapped layers inside a LightningModule (tests/test_torch_ecosystem.py)
-                 "statsmodels>=0.14"],  # the study's statistics' second implementation (tests/test_routing_study.py)
+                 "statsmodels>=0.14",  # the study's statistics' second implementation (tests/test_routing_study.py)
+                 "nbclient>=0.7", "ipykernel>=6", "nbformat>=5.1"],  # the tutorials run in a real kernel
         "tensorboard": ["tensorboard>=2.10"],
     },
     entry_points={"console_scripts": ["pycapsnet=pycapsnet.tools.cli:main"]},

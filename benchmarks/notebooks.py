@@ -1,85 +1,51 @@
-"""Run the tutorials in docs/tutorials/ as a notebook would, and keep their outputs in the files.
+"""Run the tutorials in docs/tutorials/ in a real Jupyter kernel, as a user runs them, and keep their
+outputs in the files.
 
     python benchmarks/notebooks.py                   # every tutorial, full size, outputs written into it
     python benchmarks/notebooks.py --quick --check   # small size, nothing written (the test suite's run)
 
-Each notebook's code cells run in order in one namespace, in this process (no Jupyter kernel
-needed): what a cell prints, its last expression's value and the figures it draws become its outputs,
-as Jupyter shows them.  PYCAPSNET_TUTORIAL_QUICK=1 (``--quick``) asks the tutorials for their small
-size.  A cell that raises stops the run with the cell's number and the error: a tutorial that no
-longer runs fails the suite (tests/test_docs.py).
+Each notebook runs in a fresh IPython kernel (nbclient; the kernel of this Python), its working
+folder a temporary one, so that what a tutorial writes lands there; what its cells print, their
+values and the figures they draw become their outputs, as Jupyter shows them.
+PYCAPSNET_TUTORIAL_QUICK=1 (``--quick``) asks the tutorials for their small size.  A cell that
+raises stops the run with the cell and the error: a tutorial that no longer runs fails the suite
+(tests/test_study.py).
 """
 from __future__ import annotations
 
 import argparse
-import ast
-import base64
-import contextlib
 import glob
-import io
-import json
 import os
 import sys
-import traceback
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = os.path.join(ROOT, "docs", "tutorials")
+CELL_TIMEOUT_S = 1800  # a full-size study cell takes minutes
 
 
-def _figures() -> list:
-    """Every open matplotlib figure as PNG bytes, closed after."""
-    if "matplotlib.pyplot" not in sys.modules:
-        return []
-    import matplotlib.pyplot as plt
+def run_notebook(path: str, write: bool, cwd: str | None = None) -> None:
+    """Run ``path`` in a fresh kernel whose working folder is ``cwd`` (a temporary one if None);
+    with ``write``, its outputs are written back into the file."""
+    import nbformat
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
 
-    pngs = []
-    for n in plt.get_fignums():
-        buf = io.BytesIO()
-        plt.figure(n).savefig(buf, format="png", dpi=80, bbox_inches="tight")
-        pngs.append(buf.getvalue())
-    plt.close("all")
-    return pngs
-
-
-def run_cell(source: str, namespace: dict, number: int) -> list:
-    """A code cell run in ``namespace``: its outputs in the notebook format."""
-    tree = ast.parse(source)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    out, value = io.StringIO(), None
-    with contextlib.redirect_stdout(out):
-        exec(compile(tree, f"<cell {number}>", "exec"), namespace)
-        if last is not None:
-            value = eval(compile(ast.Expression(last.value), f"<cell {number}>", "eval"), namespace)
-    outputs = []
-    if out.getvalue():
-        outputs.append({"output_type": "stream", "name": "stdout", "text": out.getvalue()})
-    for png in _figures():
-        outputs.append({"output_type": "display_data", "metadata": {},
-                        "data": {"image/png": base64.b64encode(png).decode(), "text/plain": "<Figure>"}})
-    if value is not None:
-        outputs.append({"output_type": "execute_result", "execution_count": number, "metadata": {},
-                        "data": {"text/plain": repr(value)}})
-    return outputs
-
-
-def run_notebook(path: str, write: bool) -> None:
-    with open(path) as f:
-        nb = json.load(f)
-    namespace = {"__name__": "__main__"}
-    number = 0
-    for cell in nb["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        number += 1
+    nb = nbformat.read(path, as_version=4)
+    with tempfile.TemporaryDirectory() as tmp:
+        # the kernel talks over local sockets (IPC), not TCP: nothing of it is reachable from elsewhere
+        km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(tmp, "kernel"))
+        client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": cwd or tmp}})
         try:
-            cell["outputs"] = run_cell("".join(cell["source"]), namespace, number)
-        except Exception:  # noqa: BLE001 -- said with its cell, then the run fails
-            raise RuntimeError(f"{os.path.basename(path)}, cell {number} failed:\n{traceback.format_exc()}") from None
-        cell["execution_count"] = number
+            client.execute()
+        except CellExecutionError as e:
+            raise RuntimeError(f"{os.path.basename(path)} failed in a cell:\n{e}") from None
+        finally:
+            if km.has_kernel:  # (a kernel manager given to nbclient is the giver's to shut down)
+                km.shutdown_kernel(now=True)
     if write:
-        with open(path, "w") as f:
-            json.dump(nb, f, indent=1, ensure_ascii=False)
-            f.write("\n")
+        nbformat.write(nb, path)
 
 
 def main(argv=None) -> int:

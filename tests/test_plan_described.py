@@ -11,6 +11,9 @@ from pycapsnet.tools.gradcheck import composed_architectures
 from pycapsnet.tools.plan_measured import measure_step, measured_batches, plan_network
 
 
+NOISE = 8 << 10  # bytes: the spread of one traced step's Python allocations between measurements
+
+
 def _efficient():
     return dict(architecture.load("efficient"), input_shape=(1, 28, 28), n_classes=10)
 
@@ -27,7 +30,9 @@ def test_the_extrapolated_peak_is_the_measured_one(make, times):
     plan = plan_network(arch, n)
     measured = measure_step(arch, n)
     assert n > max(measured_batches()) and plan.measured_at == measured_batches()
-    assert 0.98 * measured["peak"] <= plan.peak <= 1.05 * measured["peak"]
+    # Python's own allocations in a traced step vary by a few KB from one measurement to the next (the
+    # small ConvCaps network's whole step is ~0.5 MB): 2% plus that floor
+    assert 0.98 * measured["peak"] - NOISE <= plan.peak <= 1.05 * measured["peak"]
     assert plan.peak_at == measured["peak_at"]
 
 

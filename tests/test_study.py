@@ -226,11 +226,16 @@ def test_a_second_copy_of_the_backends_package_is_taken(monkeypatch):
 # ---- 6. tutorials that cannot rot ------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["1-routing-by-hand", "2-train-and-look-inside", "3-your-own-layer-in-pytorch",
                                   "4-your-own-routing"])
-def test_each_tutorial_runs_at_its_small_size_and_keeps_its_outputs(name, monkeypatch):
+def test_each_tutorial_runs_at_its_small_size_in_a_kernel_and_keeps_its_outputs(name, monkeypatch, tmp_path):
+    """Each tutorial in a real Jupyter kernel (nbclient), as a user runs it, its working folder a
+    temporary one; the saved file is valid nbformat 4.5 (every cell has its id) and carries outputs."""
     pytest.importorskip("torch", reason="the tutorials check against autograd and wrap layers for PyTorch")
+    nbformat = pytest.importorskip("nbformat", reason="the test extra installs it")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.path.join(root, "docs", "tutorials", f"{name}.ipynb")
     saved = json.load(open(path))
+    nbformat.validate(nbformat.reads(json.dumps(saved), as_version=4))
+    assert (saved["nbformat"], saved["nbformat_minor"]) >= (4, 5) and all(c.get("id") for c in saved["cells"])
     code = [c for c in saved["cells"] if c["cell_type"] == "code"]
     assert code and all(c["outputs"] for c in code[1:]), "the saved notebook has cells without outputs: " \
         "python benchmarks/notebooks.py writes them"
@@ -241,4 +246,5 @@ def test_each_tutorial_runs_at_its_small_size_and_keeps_its_outputs(name, monkey
         sys.path.pop(0)
     monkeypatch.setenv("PYCAPSNET_TUTORIAL_QUICK", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    notebooks.run_notebook(path, write=False)
+    notebooks.run_notebook(path, write=False, cwd=str(tmp_path))
+    assert not os.listdir(tmp_path), "the tutorial leaves files behind"
