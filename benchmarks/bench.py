@@ -54,7 +54,7 @@ from benchmarks.distributed_step import cpu_model
 from benchmarks.provenance import code_version
 from pycapsnet.training.argtypes import nonnegative_int, positive_int, writable_file
 from pycapsnet.core.capsules import PrimaryCaps
-from pycapsnet.tools.cli import format_table
+from pycapsnet.tools.tables import format_table
 from pycapsnet.core.model import routing_names
 
 QUICK = dict(conv_channels=16, primary_types=4)

@@ -21,7 +21,21 @@ import os
 
 import numpy as np
 
+from pycapsnet import backends
+from pycapsnet.backends.host import machine_memory
+
+from . import arguments as a, arguments as arg  # (arg where a function's own parameter is named a)
+from .api import Model
+from .arrays import images, labels
+from .core import architecture, routings
+from .core.model import CapsNet
+from .core.network import Network
 from .errors import CapsNetError
+from .tools import coupling as coupling_tools, finite_diff, gradcheck as checks, plots, routing_checks
+from .tools.coupling import float64_copy
+from .tools.inspect_run import draw
+from .tools.tables import format_table
+from .training.run_dir import prepare_out_dir
 
 
 class Report(list):
@@ -36,8 +50,6 @@ class Report(list):
         return all(_passed(r) for r in self)
 
     def __repr__(self):
-        from .tools.cli import format_table
-
         rows = [_row(r) for r in self]
         head = f"{self.title}: {sum(map(_passed, self))} of {len(self)} passed" + (f" ({self.note})" if self.note else "")
         return head + ("\n" + format_table(rows, list(rows[0])) if rows else "")
@@ -65,25 +77,11 @@ def _network(target):
 
 def _checked_network(target, who: str):
     """The network of a Model or a network; CapsNetError for anything else."""
-    from .core.network import Network
 
     net = _network(target)
     if not isinstance(net, Network):
         raise CapsNetError(f"{who} takes a Model (pycapsnet.build, load) or its network, not {type(target).__name__}")
     return net
-
-
-def _float64_copy(net):
-    """(the network on NumPy in float64 with the same weights, whether it is a copy)."""
-    from pycapsnet import backends
-
-    from .core import architecture
-
-    if net.B.name == "numpy" and net.B.dtype == "float64":
-        return net, False
-    copy = architecture.build(net.architecture, backends.get("numpy", dtype="float64"))
-    copy.load_state_dict(net.state_dict())
-    return copy, True
 
 
 MAX_SAMPLES, MAX_BATCH = 100_000, 1024  # what a check of one batch on this machine's memory can hold
@@ -95,12 +93,6 @@ def gradcheck(target, samples: int = 12, seed: int = 0, tol: float = 1e-6, batch
     layer, its input and parameters (give ``target=(layer, x)``); of a description (a dict, its JSON
     file, or "efficient"), every layer then the whole loss.  A float32 model is checked on a float64
     copy (the report says so)."""
-    from pycapsnet import backends
-
-    from . import arguments as a
-    from .core.network import Network
-    from .tools import finite_diff, gradcheck as checks
-
     if hasattr(samples, "shape"):
         raise CapsNetError("gradcheck draws its own batch: gradcheck(model) checks the model on it; its second "
                            "argument is samples (entries checked per tensor), not images")
@@ -121,7 +113,7 @@ def gradcheck(target, samples: int = 12, seed: int = 0, tol: float = 1e-6, batch
     if not isinstance(net, Network):
         raise CapsNetError(f"gradcheck takes a Model, a network, (layer, input) or a description, not "
                            f"{type(target).__name__}")
-    net, copied = _float64_copy(net)
+    net, copied = float64_copy(net)
     rows = checks.network_checks(B, net, "the whole loss", samples, 1e-5, tol, seed=seed, batch=batch)
     rows += checks.layer_checks_of(B, net, samples, 1e-5, tol, seed)
     return Report(rows, "gradcheck", "a float64 copy of the model's weights" if copied else "")
@@ -133,11 +125,6 @@ def crosscheck(target, a: str = "numpy", b: str = "torch", dtype: str = "float64
     "torch:cuda", "cupy"; ``dtype_b`` float32 against a float64 ``dtype``): the loss, the outputs
     and every gradient compared, each to ``rtol`` of its own largest entry (default 1e-9, or 1e-4
     where a side is float32)."""
-    from pycapsnet import backends
-
-    from . import arguments as arg
-    from .core import architecture
-
     net = _checked_network(target, "crosscheck")
     dtype = arg.choice(dtype, "dtype", ("float32", "float64"))
     dtype_b = None if dtype_b is None else arg.choice(dtype_b, "dtype_b", ("float32", "float64"))
@@ -196,7 +183,6 @@ class AutogradTwin:
     def __init__(self, net, dtype):
         import torch
 
-        from .core.model import CapsNet
         from .tools.reference import AutogradCapsNet, AutogradNetwork
 
         self.net = net
@@ -217,18 +203,15 @@ class AutogradTwin:
         return self.reference.loss(self._tensor(x), self._labels(y, x))[0]
 
     def grads(self, x, y, input_grad: bool = False):
-        from . import arguments as a
 
         x = self._host_images(x)
         return self.reference.grads(x, self._host_labels(y, x), a.boolean(input_grad, "input_grad"))
 
     def _host_images(self, x):
-        from .arrays import images
 
         return images(x, self.net.input_shape).astype(np.float64)
 
     def _host_labels(self, y, x):
-        from .arrays import labels
 
         return labels(y, len(x), self.net.n_classes)
 
@@ -247,7 +230,6 @@ class AutogradTwin:
 
 def autograd_twin(target, dtype: str = "float64") -> AutogradTwin:
     """The model under PyTorch autograd, the same weights: the independent oracle of its backward."""
-    from . import arguments as a
 
     return AutogradTwin(_checked_network(target, "autograd_twin"), a.choice(dtype, "dtype", ("float32", "float64")))
 
@@ -261,10 +243,6 @@ def coupling(target, x, y=None, grad: bool = False, batch_size: int = 100):
     forward (routing_checks.coupling_grads); None for coefficients that are constants of the forward
     (uniform's 1/J, a random draw, dynamic routing's first iteration), through which nothing flows.
     The full gradient, whichever mode the layer trains in; EM's layers have none here."""
-    from . import arguments as a
-    from .arrays import images
-    from .tools.inspect_run import _coefficients
-
     net = _checked_network(target, "coupling")
     B = net.B
     if not net.routing_layers():
@@ -274,13 +252,13 @@ def coupling(target, x, y=None, grad: bool = False, batch_size: int = 100):
     if a.boolean(grad, "grad"):
         if y is None:
             raise CapsNetError("coupling(..., grad=True) needs the labels y: the gradient is the loss's")
-        return coupling(net, xa, batch_size=batch_size), _coupling_grads(net, xa, y, batch_size)
+        return coupling(net, xa, batch_size=batch_size), coupling_tools.grads(net, xa, y, batch_size)
     parts = {}
     with net.evaluating():  # a batch at a time: a forward holds MB per image (û alone is I x J x D floats)
         for start in range(0, len(xa), batch_size):
             net.forward(xa[start:start + batch_size])
             for name, layer in net.routing_layers():
-                cs = [np.array(B.to_numpy(c)) for c in _coefficients(layer)]
+                cs = [np.array(B.to_numpy(c)) for c in coupling_tools.coefficients(layer)]
                 if not parts:
                     _refuse_beyond_memory(sum(c[0].nbytes for c in cs) * len(xa) * len(net.routing_layers()))
                 parts.setdefault(name, []).append(cs)
@@ -293,8 +271,6 @@ def measures(target, x, batch_size: int = 100) -> dict:
     """Each routing layer's routing's own measures (Routing.measures: a sparse routing's support, a
     gated one's gates) for images x, each iteration's mean over the images: {layer name: {measure:
     [per iteration]}}; {} for a layer whose routing declares none."""
-    from . import arguments as a
-    from .arrays import images
 
     net = _checked_network(target, "measures")
     if not net.routing_layers():
@@ -315,31 +291,12 @@ def measures(target, x, batch_size: int = 100) -> dict:
     return {name: {k: [t / len(xa) for t in v] for k, v in own.items()} for name, own in sums.items()}
 
 
-def _coupling_grads(net, xa, y, batch_size) -> dict:
-    from .arrays import labels
-    from .tools.routing_checks import coupling_grads
-
-    ya = labels(y, len(xa), net.n_classes)
-    copy, _ = _float64_copy(net)
-    parts = {}
-    with copy.evaluating():  # the coefficients as evaluation routes, the loss with the label mask
-        for start in range(0, len(xa), batch_size):
-            sl = slice(start, start + batch_size)
-            for name, grads in coupling_grads(copy, xa[sl].astype(np.float64), ya[sl]).items():
-                parts.setdefault(name, []).append(grads)
-    return {name: [None if blocks[0][r] is None else np.concatenate([b[r] for b in blocks])
-                   for r in range(len(blocks[0]))] for name, blocks in parts.items()}
-
-
 def check_routing(name, samples: int = 12, tol: float = 1e-6, seed: int = 0) -> Report:
     """A routing (built-in, or registered with pycapsnet.routings.register) checked three ways, float64:
     finite differences of its layers (fully connected, shared, stacked, convolutional; each gradient
     mode), its layer on NumPy against PyTorch, and its hand-written backward against PyTorch's
     autograd of its own forward -- which checks the backward against the forward, not the forward
     against the paper.  A Report: ``passed``, and a table of every tensor."""
-    from . import arguments as a
-    from .core import routings
-    from .tools import routing_checks
 
     routings.get(name)  # an unknown name: one line naming the registered ones
     samples = a.whole(samples, "samples", least=1, most=MAX_SAMPLES)
@@ -351,7 +308,6 @@ def check_routing(name, samples: int = 12, tol: float = 1e-6, seed: int = 0) -> 
 
 
 def _refuse_beyond_memory(need: int) -> None:
-    from pycapsnet.backends.host import machine_memory
 
     have = machine_memory()
     if have and need > have // 2:
@@ -366,9 +322,6 @@ def figure_4(target, x, capsule=None, reach: float = 0.25, steps: int = 11, path
     """The paper's Figure 4 for one image x (1, C, H, W): each dimension of a class capsule (its
     predicted class unless ``capsule``) moved over [-reach, reach] in ``steps`` steps, decoded.
     Returns (decoded (D, steps, C, H, W), the steps); ``path``: also drawn there (PNG)."""
-    from . import arguments as a
-    from .arrays import images
-    from .tools import plots
 
     net = _checked_network(target, "figure_4")
     if net.decoder is None:
@@ -402,10 +355,6 @@ def figure_4(target, x, capsule=None, reach: float = 0.25, steps: int = 11, path
 def inspect(model, x, y, index: int = 0, out: str = "inspect") -> list:
     """``pycapsnet inspect`` for arrays: reconstructions of the first images, Figure 4 and every
     routing layer's coupling for image ``index`` of (x, y), written into ``out``; returns the paths."""
-    from . import arguments as a
-    from .api import Model
-    from .training.run_dir import prepare_out_dir
-    from .tools.inspect_run import draw
 
     model = model if isinstance(model, Model) else Model(_checked_network(model, "inspect"))
     if not model.network.routing_layers():

@@ -91,3 +91,63 @@ def test_every_module_parses_and_annotates_as_python_3_9_does():
         unions = [a for a in annotations if a is not None and any(
             isinstance(b, ast.BinOp) and isinstance(b.op, ast.BitOr) for b in ast.walk(a))]
         assert deferred or not unions, f"{path.relative_to(root)}:{unions[0].lineno}: X | Y without the future import"
+
+
+# The house's floors (issue 108), lowest first: a module imports only from its own floor or below
+FLOORS = (
+    ("core and backends", ("pycapsnet.core", "pycapsnet.backends", "pycapsnet.errors", "pycapsnet.arrays",
+                           "pycapsnet.arguments", "pycapsnet.userfiles", "pycapsnet.networks")),
+    ("the tools they share", ("pycapsnet.training", "pycapsnet.tools", "pycapsnet.plugins")),
+    ("the public faces", ("pycapsnet.study", "pycapsnet.experiments", "pycapsnet.routings", "pycapsnet.datasets",
+                          "pycapsnet.api", "pycapsnet.torch", "pycapsnet.torch_support", "pycapsnet.optim",
+                          "pycapsnet")),
+    ("the command line", ("pycapsnet.tools.cli", "pycapsnet.__main__")),
+)
+
+
+def _floor(module: str) -> int:
+    best = max((len(prefix), k) for k, (_, prefixes) in enumerate(FLOORS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + "."))
+    return best[1]
+
+
+def _imports(root: Path):
+    """(module, imported module, line) of every import in pycapsnet, at a module's top or in a function."""
+    import ast
+
+    for path in sorted(root.glob("pycapsnet/**/*.py")):
+        if "pycapsnet/backends/" in path.as_posix():
+            continue
+        rel = path.relative_to(root).with_suffix("").parts
+        package = rel[:-1] if rel[-1] != "__init__" else rel[:-1]
+        module = ".".join(rel if rel[-1] != "__init__" else rel[:-1])
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = list(package[:len(package) - node.level + 1]) if node.level else []
+                base = ".".join(base + ([node.module] if node.module else []))
+                if not base.startswith("pycapsnet"):
+                    continue
+                subs = [f"{base}.{a.name}" for a in node.names]
+                subs = [s for s in subs if (root / (s.replace(".", "/") + ".py")).exists()
+                        or (root / s.replace(".", "/")).is_dir()]
+                for target in subs or [base]:
+                    yield module, target, [a.name for a in node.names], node.lineno
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("pycapsnet"):
+                        yield module, a.name, [], node.lineno
+
+
+def test_imports_go_one_way_down_and_no_private_name_crosses_a_package():
+    root = Path(__file__).resolve().parent.parent
+    upward, private = [], []
+    for module, target, names, line in _imports(root):
+        if _floor(target) > _floor(module):
+            upward.append(f"{module}:{line} imports {target} ({FLOORS[_floor(target)][0]} above "
+                          f"{FLOORS[_floor(module)][0]})")
+        same_package = target.rsplit(".", 1)[0] == module.rsplit(".", 1)[0] or target.startswith(module + ".")
+        hidden = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        if hidden and not same_package and target != "pycapsnet.backends.base":
+            private.append(f"{module}:{line} takes {hidden} from {target}")
+    assert not upward, "\n".join(upward)
+    assert not private, "\n".join(private)

@@ -115,7 +115,7 @@ class PrimaryMatrixCaps(Layer):
         return xp.reshape(dh, h_shape) if input_grad else None
 
 
-class _EMLayer(Layer):
+class EMLayer(Layer):
     """What the two routed layers share: W, β_u, β_a, the routing settings and the EM trace.
 
     β_a is learned as λβ_a (the parameter ``lambda_beta_a``, λ the last iteration's): the logit that
@@ -194,7 +194,7 @@ class _EMLayer(Layer):
         return self.traced(5)
 
 
-class ConvMatrixCaps(_EMLayer):
+class ConvMatrixCaps(EMLayer):
     """Convolutional capsules: each K x K window of child capsules (stride s) is routed to C parent
     types at the window's position.  W (K*K*T_in, C, 4, 4): one transform per (kernel offset, child
     type) and parent type, shared over positions.
@@ -242,7 +242,7 @@ class ConvMatrixCaps(_EMLayer):
         return xp.reshape(dM_in, (*shape, 16)), da_in
 
 
-class ClassMatrixCaps(_EMLayer):
+class ClassMatrixCaps(EMLayer):
     """Class capsules: every child on the (GH, GW) grid votes for each of the J classes.
     W (T_in, J, 4, 4) is shared over positions (one transform per child type and class), and
     coordinate addition tells the parents where a vote came from: the scaled centre of the child's

@@ -140,7 +140,7 @@ class CapsNetConfig:
         return type(self)(**values)
 
 
-def _geometry(cfg):
+def geometry(cfg):
     """(positions P of the primary capsule grid, (H2, W2)) for a config; CapsNetError if too small."""
     if len(cfg.input_shape) != 3:
         raise CapsNetError(f"input_shape must be (channels, height, width), got {cfg.input_shape}")
@@ -177,7 +177,7 @@ def em_grids(cfg):
 
 def param_shapes(cfg: CapsNetConfig) -> dict:
     """Name -> shape of every parameter, from the configuration alone (nothing is allocated)."""
-    positions, _ = _geometry(cfg)
+    positions, _ = geometry(cfg)
     if cfg.routing == "em":
         return _em_param_shapes(cfg)
     if cfg.routing not in ("dynamic", "em", "attention"):
@@ -275,7 +275,7 @@ class CapsNet(Network):
         if overrides:
             cfg = config_with(cfg, overrides, B.name)
         self.config = cfg
-        self.n_positions, self.primary_hw = _geometry(cfg)  # primary capsule grid; checks the input size
+        self.n_positions, self.primary_hw = geometry(cfg)  # primary capsule grid; checks the input size
         super().__init__(B, **arch.assemble(B, builtin_architecture(cfg), seed))
         self.conv1, self.primary, self.classcaps = (self.body[k] for k in ("conv1", "primary", "classcaps"))
         self.convcaps = [layer for name, layer in self.body if name.startswith("convcaps")]

@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from ..tools import coupling
 from .study_protocol import CHILD_ACTIVE, DIAGNOSTIC_DIGITS, PARENT_ACTIVE
 
 
@@ -42,9 +43,7 @@ def dynamics(c) -> float:
 
 def distributions(layer) -> tuple:
     """(each iteration's coefficients as (n, I, J) distributions over the parents, a note or None)."""
-    from ..tools.inspect_run import _coefficients
-
-    cs = [np.array(layer.B.to_numpy(c)) for c in _coefficients(layer)]
+    cs = [np.array(layer.B.to_numpy(c)) for c in coupling.coefficients(layer)]
     cs = [c.reshape(-1, *c.shape[-2:]) for c in cs]  # a convolutional layer's positions: more problems
     if all(np.allclose(c.sum(axis=-1), 1, atol=1e-3) and c.min() >= -1e-6 for c in cs):
         return cs, None

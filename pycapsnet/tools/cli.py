@@ -23,15 +23,7 @@ import sys
 from ..training.argtypes import OneLineParser, name_and_factor, nonnegative_int, positive_float, positive_int
 from ..errors import BackendError, CapsNetError, first_line
 from ..core.model import routing_names
-
-def format_table(rows, cols):
-    """Plain-text table of dict rows (a missing key prints empty); used here and by the benchmark."""
-    cell = lambda r, c: str(r.get(c, ""))
-    widths = [max([len(c)] + [len(cell(r, c)) for r in rows]) for c in cols]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(cell(r, c).ljust(w) for c, w in zip(cols, widths)) for r in rows]
-    return "\n".join(lines)
-
+from .tables import format_table  # noqa: F401  (also what the benchmarks print their tables with)
 
 def _backend(spec, dtype, device=None):
     from pycapsnet import backends

@@ -47,7 +47,7 @@ import numpy as np
 from ..core import shared_routing
 from ..core.capsules import ClassCaps
 from ..core.em_routing import em_forward
-from ..core.matrix_capsules import _EMLayer
+from ..core.matrix_capsules import EMLayer
 
 
 @dataclass
@@ -136,7 +136,7 @@ def _freeze_final_coupling(layer):
                                                                   fixed_coupling=c, bias=layer.bias_j)
     elif algo is not None:  # a routing of routings.py: it takes the last coefficients given
         layer.route = functools.partial(type(layer).route, layer, fixed=layer.last_coefficients())
-    elif isinstance(layer, _EMLayer):
+    elif isinstance(layer, EMLayer):
         R = layer.assignments[-1]  # R^{T-1}: what "final" holds constant
         layer.route_part = lambda V, a_in, beta_a, group, sl: em_forward(
             B, V, a_in, layer.params["beta_u"], beta_a, layer.lambdas, layer.eps, group,

@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from ..errors import CapsNetError
+from . import coupling
 
 
 def inspect_run(args) -> int:
@@ -72,11 +73,10 @@ def _inspect(args) -> int:
 def coupling_grads(model, split, index, out) -> str:
     """coupling_grad.npz: each routing layer's dL/dc_ij of every iteration for image ``index`` (its own
     loss, study.coupling(..., grad=True)); returns the path, after a line per layer of mean |dL/dc|."""
-    from ..study import coupling
     from ..training import files
 
     x, y = split.images(slice(index, index + 1)), split.y[index:index + 1]
-    _, grads = coupling(model, x, y, grad=True)
+    grads = coupling.grads(model, x, y, 1)
     arrays = {f"{layer}/iteration_{r + 1}": g[0] for layer, gs in grads.items() for r, g in enumerate(gs)
               if g is not None}
     for layer, gs in grads.items():
@@ -103,7 +103,7 @@ def draw(model, split, index, names, out, capsule=None, reach=0.25, about="image
                                "draw; inspect an earlier checkpoint")
         pred = int(out_.predictions[0])
         # every routing layer's coefficients, copied before the reconstructions' forward reuses the buffers
-        routed = [(name, layer, [np.array(B.to_numpy(c)[0]) for c in _coefficients(layer)])
+        routed = [(name, layer, [np.array(B.to_numpy(c)[0]) for c in coupling.coefficients(layer)])
                   for name, layer in model.routing_layers()]
         activations = [np.array(B.to_numpy(a)[0]) for a in getattr(routed[-1][1], "activations", [])]  # EM
     model.release()
@@ -119,12 +119,6 @@ def draw(model, split, index, names, out, capsule=None, reach=0.25, about="image
         written.append(plots.activation_bars(activations, os.path.join(out, "activations.png"), names, y, pred,
                                              f"class activations a_j per EM iteration, {about}"))
     return written
-
-
-def _coefficients(layer) -> list:
-    """A routing layer's coefficients per iteration: c_ij (dynamic, attention, ConvCaps) or, for a
-    convolutional EM layer, its assignments R_ij."""
-    return layer.coupling if hasattr(type(layer), "coupling") else layer.assignments
 
 
 def figure_4(model, v, capsule, reach, path, about, name):

@@ -34,7 +34,7 @@ from pycapsnet.backends.numpy_backend import NumpyBackend
 
 from ..core.capsules import ClassCaps
 from ..core.fourier import FourierConv2d, phase_grid
-from ..core.model import CapsNetConfig, _geometry, param_shapes
+from ..core.model import CapsNetConfig, geometry, param_shapes
 from .ledger import OPTIMIZER_SLOTS, LayerMemory, Ledger, conv_shape, decoder, im2col_work
 from .plan_em import walk_em
 
@@ -106,7 +106,7 @@ def _walk_vector(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     c, h, w = cfg.input_shape
     k1, s1, c1 = cfg.conv_kernel, cfg.conv_stride, cfg.conv_channels
     h1, w1 = (h - k1) // s1 + 1, (w - k1) // s1 + 1
-    P, _ = _geometry(cfg)
+    P, _ = geometry(cfg)
     T = cfg.primary_types
     caps = T * cfg.primary_dim
     L = Ledger()
