@@ -284,9 +284,9 @@ def step_products(cfg, n, dtype):
     them come first as the im2col formulation's; the rest are what the Fourier PrimaryCaps runs
     instead of the three PrimaryCaps products)."""
     from pycapsnet.core.fourier import FourierConv2d, half_spectrum, phase_grid, spectrum_mb
-    from pycapsnet.core.model import _geometry, decoder_sizes
+    from pycapsnet.core.model import decoder_sizes, geometry
 
-    P, _ = _geometry(cfg)
+    P, _ = geometry(cfg)
     c, h, w = cfg.input_shape
     k1, C1, k2, s2 = cfg.conv_kernel, cfg.conv_channels, cfg.primary_kernel, cfg.primary_stride
     T, K, J, D = cfg.primary_types, cfg.primary_dim, cfg.n_classes, cfg.class_dim

@@ -122,3 +122,76 @@ def test_a_backward_of_another_dtype_is_refused(method, said):
     layer.forward(np.random.default_rng(0).random((2, 6, 4), np.float32))
     with pytest.raises(CapsNetError, match=said):
         layer.backward(np.ones((2, 3, 4), np.float32))
+
+
+# ---- 4: a routing's own measures -------------------------------------------------------------------
+def _few(x, y, xt, yt):
+    """Six training and two test digits of each class."""
+    pick = lambda labels, k: np.concatenate([np.flatnonzero(labels == c)[:k] for c in range(10)])  # noqa: E731
+    a, b = pick(y, 6), pick(yt, 2)
+    return (x[a], y[a]), (xt[b], yt[b])
+
+
+class Peaked(routing_plugin.Tempered):
+    name = "peaked"
+
+    def measures(self, B, trace):
+        return {"peak": [float(B.xp.mean(B.xp.max(c, axis=1))) for c, *_ in trace]}
+
+
+def test_a_routings_own_measures_reach_the_study_tools_inspect_and_the_routing_study(tmp_path):
+    import pycapsnet
+    import pycapsnet.experiments as experiments
+    import pycapsnet.study as study
+
+    R.register(Peaked)
+    (x, y), (xt, yt) = pycapsnet.load_digits()
+    model = pycapsnet.build("peaked", conv_channels=8, primary_types=2, decoder_hidden=(16, 32))
+    own = study.measures(model, x[:6])
+    (layer, found), = own.items()
+    assert list(found) == ["peak"] and len(found["peak"]) == 3 and all(0.1 <= p <= 1 for p in found["peak"])
+    results = experiments.routings(out=str(tmp_path / "s"), quick=True, affine=False, routings=["uniform", "peaked"],
+                                   data=_few(x, y, xt, yt), lr=2e-3, seeds=1, progress=False)
+    assert results["arrays"]["peaked"]["measures"]["own"]["peak"] == pytest.approx(
+        json.loads((tmp_path / "s" / "units.json").read_text())["units"]["main peaked seed 0"]["measures"]["own"]["peak"])
+    assert "peak: " in (tmp_path / "s" / "results.md").read_text()
+
+
+def test_measures_of_the_wrong_form_are_one_line():
+    class Bad(routing_plugin.Tempered):
+        name = "badmeasures"
+
+        def measures(self, B, trace):
+            return {"peak": "high"}
+
+    R.register(Bad)
+    layer = R.layer("badmeasures", children=(6, 4), capsules=3, dim=4)
+    layer.forward(np.random.default_rng(0).random((2, 6, 4), np.float32))
+    with pytest.raises(CapsNetError, match="measures\\(\\) must return"):
+        layer.routing_measures()
+
+
+# ---- 5, 6: the discovery's failures said; the words a user reads --------------------------------------
+def test_the_protocol_line_with_one_lr_says_only_what_ran(tmp_path):
+    import pycapsnet
+    import pycapsnet.experiments as experiments
+
+    (x, y), (xt, yt) = pycapsnet.load_digits()
+    results = experiments.routings(out=str(tmp_path / "s"), quick=True, affine=False, routings=["uniform"],
+                                   data=_few(x, y, xt, yt), lr=2e-3, seeds=1, progress=False)
+    summary = results["protocol"]["summary"]
+    assert "one lr for every row, 0.002, given (no tuning)" in summary
+    assert "tuning seed" not in summary and "chosen" not in summary
+
+
+def test_check_routing_says_which_points_each_finite_difference_row_covered():
+    rows = [r for r in R.check("dynamic", samples=3) if r["check"] == "finite differences"]
+    assert rows and all("entries" in r["points"] and "rounding" in r["points"] for r in rows)
+    assert any(r["max_rel"] > 0 for r in rows)  # the relative error itself, not what exceeds the tolerance
+
+
+def test_a_plugins_uninstalled_package_is_said_to_be_missing(tmp_path):
+    from pycapsnet.training import checkpoint
+
+    with pytest.raises(CapsNetError, match="no module gone_pkg5 is installed here"):
+        checkpoint._unregistered({"routings": {"gone5": "gone_pkg5.routing"}}, "ck.npz")
