@@ -17,7 +17,7 @@ def build(network="capsnet", **options):
     builds it), or your own (architecture.network(...) or its JSON file).  Keywords: input_shape
     (C, H, W), n_classes, backend ("numpy", "torch", "cupy"), device, dtype, seed, classes (names),
     and a built-in network's CapsNetConfig fields (routing_iters=1, ...).  pycapsnet.api.build."""
-    from .api import build as _build
+    from .api import build as _build  # (lazy: `import pycapsnet` stays light; the training package loads here)
 
     return _build(network, **options)
 
@@ -28,7 +28,7 @@ def load(path: str, backend: str = "numpy", device: str | None = None, dtype: st
     evaluate, predict (arrays, or image files read as the run read its own), save, summary.
     ``strict``: refuse a checkpoint whose routing's source differs from the one registered here
     (else one line of warning)."""
-    from .api import Model
+    from .api import Model  # (lazy, as build's)
     from .core import routing_source
 
     was = routing_source.strict()

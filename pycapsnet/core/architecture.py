@@ -23,19 +23,21 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import description
+from pycapsnet import backends
+from pycapsnet.backends.host import machine_memory
+
+from . import description, routings
 from .batch_norm import BatchNorm
 from .capsules import AttentionCaps, CapsuleLogits, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
-from ..errors import CapsNetError
-from ..userfiles import read_regular
 from .init import given, he_uniform, routed_std
-from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU, Sigmoid
 from .layer_norm import LayerNorm
+from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU, Sigmoid
 from .losses import MarginLoss, NegativeLogLikelihood, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 from .network import ActivationHead, LengthHead, LogitsHead, MaskedDecoder, Network, Sequential
@@ -43,6 +45,8 @@ from .parts import (  # noqa: F401 -- the parts of a description, re-exported: a
     DEFAULT_LOSS, attention_caps, batch_norm, capsule_logits, class_matrix_caps, conv2d, conv_caps, conv_matrix_caps,
     cross_entropy, decoder, dropout, dynamic_caps, flatten, layer_norm, linear, margin_loss, max_pool, network, nll_loss,
     primary_caps, primary_matrix_caps, relu, spread_loss)
+from ..errors import CapsNetError
+from ..userfiles import read_regular
 
 
 @dataclass(frozen=True)
@@ -225,7 +229,6 @@ DESCRIPTION_LIMIT = 16 << 20  # bytes: a description is a few KB; a larger file 
 def load(path) -> dict:
     """A description from a JSON file, or one of DESCRIBED by name; CapsNetError naming the file
     if it is not one."""
-    import os
 
     if isinstance(path, str) and path in DESCRIBED and not os.path.exists(path):
         path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "networks", DESCRIBED[path])
@@ -253,7 +256,6 @@ def _options(fn, spec, label):
     params = [p for p in params if p.kind != inspect.Parameter.VAR_KEYWORD]
     allowed = [p.name for p in params]
     if routed:
-        from . import routings
 
         name = spec.get("routing", "dynamic")
         allowed += list(routings.get(name).options) if name in routings.names() else []
@@ -345,7 +347,6 @@ def _fits_memory(arch, B) -> None:
     host copies of parameters and moments that a checkpoint writes), and the largest is first
     drawn in float64 and copied (12 bytes an entry).  Working arrays come on top, so the bound
     is 90% of the memory, not all of it."""
-    from pycapsnet.backends.host import machine_memory
 
     sizes = [math.prod(s) for s in description.param_shapes(arch).values()] or [0]
     need, have = 6 * sum(sizes) * np.dtype(B.dtype).itemsize + 12 * max(sizes), machine_memory()
@@ -369,7 +370,6 @@ def _decoder(B, spec, n_in, input_shape, rng):
 
 def build(arch: dict, backend="numpy", seed: int = 0) -> Network:
     """The Network that ``arch`` describes, on ``backend`` (a Backend or a name)."""
-    from pycapsnet import backends
 
     B = backends.get(backend)
     try:

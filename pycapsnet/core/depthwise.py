@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layers import Conv2d, Layer, check_images, window_offsets
+from . import init as initializers
+from .layers import check_images, window_offsets, Conv2d, Layer
 
 
 class DepthwiseConv2d(Layer):
@@ -24,7 +25,6 @@ class DepthwiseConv2d(Layer):
 
     def __init__(self, backend, c_in, c_out, kernel, stride=1, padding=0, rng=None, init=None):
         super().__init__(backend)
-        from . import init as initializers
 
         if c_out != c_in:
             raise ValueError(f"a depthwise convolution gives one channel per input channel: it takes {c_in} channels "

@@ -6,6 +6,7 @@ it got and what it takes -- never a ZeroDivisionError or a string "false" read a
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -97,7 +98,7 @@ def check(arch) -> None:
 def _check_layer(k, spec, counts):
     """A body layer: a known kind, its options known and present (architecture._options), each
     of the type and range it takes.  Named as build_body names it."""
-    from .architecture import LAYERS, _options
+    from .architecture import LAYERS, _options  # (architecture imports this module: read when called)
 
     if not isinstance(spec, dict) or not isinstance(spec.get("layer"), str):
         raise CapsNetError(f"body layer {k + 1} must be an object with a 'layer' name, got {_short(spec)}")
@@ -181,9 +182,7 @@ def param_shapes(arch) -> dict:
     be weighed against memory, or against the arrays a file holds, before anything is built.  The
     walk stops where a layer does not fit its input (building says why); tests hold it to what
     ``architecture.build`` makes."""
-    import inspect
-
-    from .architecture import LAYERS
+    from .architecture import LAYERS  # (architecture imports this module: read when called)
 
     c, h, w = arch["input_shape"]
     kind, grid, types, dim = "image", (h, w), c, 1

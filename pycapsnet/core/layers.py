@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from . import init as initializers
 from ..errors import CapsNetError
 
 
@@ -133,7 +134,6 @@ class Conv2d(Layer):
 
     def __init__(self, backend, c_in, c_out, kernel, stride=1, padding=0, rng=None, init=None):
         super().__init__(backend)
-        from . import init as initializers
 
         self.c_in, self.c_out, self.k, self.stride, self.padding = c_in, c_out, kernel, stride, padding
         rng = rng if rng is not None else np.random.default_rng(0)
@@ -263,7 +263,6 @@ class Linear(Layer):
 
     def __init__(self, backend, n_in, n_out, rng=None, init=None):
         super().__init__(backend)
-        from . import init as initializers
 
         rng = rng if rng is not None else np.random.default_rng(0)
         self.n_in = n_in

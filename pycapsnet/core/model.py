@@ -1,7 +1,6 @@
 """The CapsNet of Sabour, Frosst & Hinton (2017): conv1 -> PrimaryCaps -> ClassCaps (dynamic routing)
 -> capsule lengths, with a masked decoder that reconstructs the input.  ``routing`` picks the
 capsule part of the network (the rest is shared):
-
     "dynamic"    the network below, margin loss
     "attention"  the same with self-attention routing (Efficient-CapsNet) in place of dynamic routing
     "em"         matrix capsules with EM routing (Hinton et al. 2018), spread loss on the class activations:
@@ -27,10 +26,11 @@ from pycapsnet import backends as _backends
 
 from . import architecture as arch, routings
 from .capsules import PrimaryCaps
-from .checks import MAX_ROUTING_ITERS, check_setting, config_with
-from ..errors import CapsNetError
+from .checks import check_setting, config_with, MAX_ROUTING_ITERS
+from .description import param_shapes as described
 from .network import Network, Outputs  # noqa: F401  (Outputs: part of this module's public names)
 from .routing import MODES as ROUTING_MODES
+from ..errors import CapsNetError
 
 
 # The paper's network routed otherwise: "em" is matrix capsules (its own layers); every other name is a
@@ -181,7 +181,6 @@ def param_shapes(cfg: CapsNetConfig) -> dict:
     if cfg.routing == "em":
         return _em_param_shapes(cfg)
     if cfg.routing not in ("dynamic", "em", "attention"):
-        from .description import param_shapes as described
 
         return described(builtin_architecture(cfg))
     c, h, w = cfg.input_shape

@@ -15,9 +15,10 @@ import contextlib
 
 import numpy as np
 
+from .capsules import CapsuleLength
 from .checks import check_capsules, check_images, check_labels, require_batch_size
-from ..errors import CapsNetError
 from .layers import Layer
+from ..errors import CapsNetError
 
 
 class Sequential(Layer):
@@ -79,7 +80,6 @@ class LengthHead(Layer):
 
     def __init__(self, backend):
         super().__init__(backend)
-        from .capsules import CapsuleLength
 
         self.length = CapsuleLength(backend)
 

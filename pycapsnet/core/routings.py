@@ -24,14 +24,15 @@ import numbers
 import os
 import re
 import sys
+from importlib import metadata
 
 import numpy as np
 
-from .. import errors
-from ..errors import CapsNetError
 from . import attention_routing, inverted_routing, routing, self_routing, vb_routing
 from .routing import MODES
 from .routing_contract import Routing
+from .. import errors
+from ..errors import CapsNetError
 
 DEFAULT_ITERS = 3
 ENTRY_POINTS = "pycapsnet.routings"
@@ -151,7 +152,6 @@ def _discover() -> None:
     if _discovered:
         return
     _discovered = True
-    from importlib import metadata
 
     with without_current_folder() as path:
         seen = set()

@@ -16,18 +16,26 @@ finishes training from a seed: the same command run again after a stop reuses th
 the measured tables."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
 
+from pycapsnet import backends
+
+from . import affine, multimnist, routing_study, study_merge, study_plan, table1
+from .common import write_results
+from .units import Units
+from .. import arguments as a
+from ..arrays import images, labels
 from ..errors import CapsNetError
 from ..training.argtypes import fraction, nonnegative_int, percent, positive_float, positive_int
-from ..training.files import atomic_write
-from ..training.log import say
+from ..training.data import Split
+from ..training.log import say, speaking
 from ..training.run_dir import out_dir_for
-from .units import Units
 
 NAMES = ("table1", "affine", "multimnist", "routings")
 QUICK = dict(epochs=1, seeds=2, limit=120)  # --quick: flags left out take these
@@ -124,7 +132,6 @@ def _routings_flags(r) -> None:
 
 def shard(text: str) -> tuple:
     """K/N with 1 <= K <= N (argparse type)."""
-    import argparse
 
     k, sep, n = text.partition("/")
     try:
@@ -137,9 +144,7 @@ def shard(text: str) -> tuple:
 
 
 def main(args) -> int:
-    from pycapsnet import backends
 
-    from . import affine, multimnist, routing_study, study_merge, table1
 
     module = {"table1": table1, "affine": affine, "multimnist": multimnist, "routings": routing_study}[args.name]
     _refuse_flags_of_others(args)
@@ -178,21 +183,6 @@ def _run(args, module, out, B) -> int:
     write_results(module, results, out)
     say(f"done in {results['minutes']} min: results.json, results.md in {out}")
     return 0
-
-
-def write_results(module, results, out) -> None:
-    """results.json, results.md (and the module's figure, where it draws one), each written whole; a
-    full disk or a folder gone is one line."""
-    text = module.table(results)
-    try:
-        atomic_write(os.path.join(out, "results.json"), lambda f: json.dump(results, f, indent=1), text=True)
-        atomic_write(os.path.join(out, "results.md"), lambda f: f.write(text + "\n"), text=True)
-        if hasattr(module, "FIGURE"):  # (the others draw theirs as they run)
-            module.figure(results, os.path.join(out, module.FIGURE))
-    except OSError as e:
-        raise CapsNetError(f"cannot write the results into {out}: {e.strerror or e}; the units are kept in "
-                           f"{os.path.join(out, 'units.json')}: free some space and run the same command again") from None
-    print(text)
 
 
 # The flags each experiment reads, with their defaults (None: the experiment's own, from --quick)
@@ -234,7 +224,6 @@ def _refuse_flags_beside_merge(args) -> None:
 
 
 def _plan_seeds(args) -> int:
-    from . import study_plan
 
     if not args.pilot or args.effect is None:
         raise CapsNetError("--plan-seeds needs --pilot DIR (a finished record) and --effect POINTS (such as 0.1)")
@@ -242,19 +231,7 @@ def _plan_seeds(args) -> int:
     return 0
 
 
-def check_fits(what: str, images: int, side: int, fix: str) -> None:
-    """Refuse, before it is made, a data set of ``images`` float32 images of side x side that would
-    not fit in this machine's memory, naming the flags that set it."""
-    from pycapsnet.backends.host import machine_memory
-
-    need, have = images * side * side * 4, machine_memory()
-    if have and need > have // 2:
-        raise CapsNetError(f"{what}: {images:,} images of {side}x{side} take {need / 2**30:.1f} GiB, more than half this "
-                           f"machine's {have / 2**30:.1f} GiB; {fix}")
-
-
 def _command(args) -> str:
-    import sys
 
     return "pycapsnet " + " ".join(sys.argv[1:]) if sys.argv and "pycapsnet" in sys.argv[0] else f"experiment {args.name}"
 
@@ -274,11 +251,6 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
     (a stopped run goes on where it stopped).  ``data``: your own, ((x, y), (x_test, y_test)) as
     arrays or what a pycapsnet.datasets loader returns; else ``dataset`` and ``data_dir`` as the
     command line's --dataset and --data-dir.  ``progress`` False: only the table is printed."""
-    import argparse
-
-    from .. import arguments as a
-    from ..training.log import speaking
-
     numbers = dict(epochs=(epochs, positive_int), seeds=(seeds, positive_int), limit=(limit, positive_int),
                    limit_test=(limit_test, positive_int), val_fraction=(val_fraction, fraction),
                    batch_size=(batch_size, positive_int), lr=(lr, positive_float), affine_target=(affine_target, percent),
@@ -311,13 +283,8 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
 def merge(dirs, out: str) -> dict:
     """``--merge``: the units of several output folders (shards, machines) into ``out``, and the
     table they make; units of other settings or code are refused."""
-    import argparse
-
-    from .. import arguments as a
-
     if isinstance(dirs, (str, os.PathLike)) or not dirs:
         raise CapsNetError(f"dirs must be a list of output folders, got {dirs!r}")
-    from . import study_merge
 
     study_merge.merge(argparse.Namespace(merge=[a.path(d, "dirs") for d in dirs], out=a.path(out, "out")))
     with open(os.path.join(out, "results.json")) as f:
@@ -328,8 +295,6 @@ def _data_arrays(data):
     """``data`` as (train, test) Splits: ((x, y), (x_test, y_test)) arrays or a datasets loader's result."""
     if data is None:
         return None
-    from ..arrays import images, labels
-    from ..training.data import Split
 
     try:
         (x, y), (xt, yt) = data
@@ -350,7 +315,6 @@ def _data_arrays(data):
 
 def _checked(name: str, value, kind):
     """A number given to the Python form, checked as the command line checks its flag (None: the default)."""
-    import argparse
 
     if value is None:
         return None

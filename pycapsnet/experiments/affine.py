@@ -10,11 +10,12 @@ import os
 
 import numpy as np
 
+from . import digits, loop
+from .common import check_fits
+from .networks import baseline_cnn, capsnet, QUICK_CAPSNET, QUICK_CNN
 from ..tools import plots
 from ..training import data
 from ..training.log import say
-from . import check_fits, digits, loop
-from .networks import QUICK_CAPSNET, QUICK_CNN, baseline_cnn, capsnet
 
 PAPER = {"capsnet": (99.23, 79.0), "baseline": (99.22, 66.0)}  # % accuracy: translated, affNIST
 

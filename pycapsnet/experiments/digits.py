@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy import ndimage
 
 from ..errors import CapsNetError
+from ..training import data
 
 DIGIT = 28
 
@@ -29,7 +31,6 @@ def source(limit=None, data_dir=None):
     """The digits an experiment is made from, (train, test) Splits: the embedded 4,000 / 1,000, or
     with ``data_dir`` the MNIST IDX files there (60,000 / 10,000).  With ``limit``, that many
     training digits and the test digits in the same proportion (at least 10)."""
-    from ..training import data
 
     train_set, test_set = data.load_idx_dir(data_dir) if data_dir else data.load_embedded()
     if limit:
@@ -92,7 +93,6 @@ def affine(x: np.ndarray, canvas: int, rng: np.random.Generator, max_rotation=20
     (``affine_matrix``; angles uniform in +-max, scales uniform in ``scale``) about its centre, with
     bilinear interpolation (scipy.ndimage.affine_transform), cropped to its ink and placed at a
     random offset.  A map that makes the digit larger than the canvas is drawn again."""
-    from scipy import ndimage
 
     check_canvas(canvas)
     check_affine(max_rotation, max_shear, scale)

@@ -8,9 +8,10 @@ import time
 
 import numpy as np
 
+from ..core import architecture
 from ..errors import CapsNetError
-from ..training import optim
-from ..training.log import Lines, say
+from ..training import data, optim
+from ..training.log import say, Lines
 
 
 class Diverged(CapsNetError):
@@ -76,8 +77,6 @@ def n_batches(n, batch_size):
 def train_network(args, B, description, seed, train_set, transform, desc, after_epoch=None, curve=None):
     """The described network built from ``seed`` and trained for --epochs on ``train_set``, each batch
     through ``transform(images, rng)`` (shifts, a canvas): (model, seconds per step)."""
-    from ..core import architecture
-    from ..training import data
 
     model = architecture.build(description, B, seed=seed)
     rng = np.random.default_rng(seed)

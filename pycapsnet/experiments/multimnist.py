@@ -15,12 +15,13 @@ import os
 
 import numpy as np
 
+from . import digits, loop
+from .common import check_fits
+from .networks import capsnet, QUICK_CAPSNET
 from ..core import architecture as A
 from ..tools import plots
 from ..training import data
 from ..training.log import say
-from . import check_fits, digits, loop
-from .networks import QUICK_CAPSNET, capsnet
 
 PAPER_ERROR = 5.2  # %, CapsNet r=3 with reconstruction (Table 1); the baseline CNN: 8.1
 

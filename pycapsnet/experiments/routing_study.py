@@ -31,15 +31,21 @@ import re
 
 import numpy as np
 
-from ..core import architecture as A, routing_source, routings
-from ..core.description import param_shapes
-from ..errors import CapsNetError, first_line, printable
-from ..training import augment as augmentation, data
-from ..training.log import say
-from . import check_fits, digits, loop, study_protocol as protocol, study_report as report, study_tuning as tuning, \
-    study_units
+import pycapsnet
+
+from . import digits, loop, study_protocol as protocol, study_report as report, study_tuning as tuning, study_units
+from .common import check_fits
 from .networks import baseline_cnn
 from .study_diagnostics import TestPass
+from .study_stats import pack
+from .units import FILE, Units
+from ..core import architecture as A, routing_source, routings
+from ..core.description import param_shapes
+from ..errors import first_line, printable, CapsNetError
+from ..training import augment as augmentation, data
+from ..training.files import atomic_write
+from ..training.log import say
+from ..training.run_dir import lock, unlock
 
 LR = None  # tuned per row on validation (study_protocol); --lr fixes one rate for every row instead
 OWN_UNITS = True  # its units file holds the settings (data, code) a unit depends on: Study makes it
@@ -148,8 +154,6 @@ def _trained(args, B, description, seed, lr, train_set, val, transform, desc, te
 
 
 def protocol_pack(wrong):
-    from .study_stats import pack
-
     return pack(wrong)
 
 
@@ -286,7 +290,6 @@ class Study:
         """The tuning units a merged run's choices.json was made from (its units.json beside it), each
         checked against the digest the file lists, and the file's choices recomputed from them by the
         rule: a file that does not follow from its units, or whose units are absent, is refused."""
-        from .units import FILE, Units
 
         def refuse(what):
             raise CapsNetError(f"--choices {path}: {what}; give the choices.json a merge wrote, beside its units.json")
@@ -317,7 +320,6 @@ class Study:
         return merged
 
     def _write_choices(self) -> None:
-        from ..training.files import atomic_write
 
         record = choices_record(self.settings, self.tuned(), self.known())
         atomic_write(os.path.join(self.out, "choices.json"), lambda f: json.dump(record, f, indent=1), text=True)
@@ -371,7 +373,6 @@ def choices_record(settings, tuned, known) -> dict:
 
 def code_digest() -> str:
     """A digest of the library's source (pycapsnet and its backends): units of other code are not mixed."""
-    import pycapsnet
 
     root = os.path.dirname(os.path.abspath(pycapsnet.__file__))
     h = hashlib.sha256()
@@ -406,8 +407,6 @@ def _source(args):
 def run(args, B, out, units=None) -> dict:
     """The study's units this process runs into ``out``, which it locks meanwhile: two runs with one
     --out (two shards) would each write the file the other is writing."""
-    from .units import Units
-    from ..training.run_dir import lock, unlock
 
     held = lock(out)
     try:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 
-from ..errors import CapsNetError, printable
+from . import routing_study, study_report as report, study_tuning as tuning, study_units
+from .common import write_results
+from .units import FILE, Units
+from ..errors import printable, CapsNetError
 from ..training.files import atomic_write
 from ..training.log import say
 from ..training.run_dir import lock, out_dir_for, unlock
-from . import routing_study, study_report as report, study_tuning as tuning, study_units, write_results
-from .units import FILE, Units
 
 
 def merge(args) -> int:

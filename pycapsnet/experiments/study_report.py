@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.routings import DEFAULT_ITERS
 from . import study_stats as st, study_tuning as tuning
 from .study_protocol import BASELINE
+from ..core.routings import DEFAULT_ITERS
+from ..tools import plots
 
 
 def assemble(settings, done, rows, sweep, seeds, sweep_seeds, routing_of) -> dict:
@@ -263,7 +264,6 @@ def figure(results, path) -> None:
     caption says the seeds, the data and the test."""
     from matplotlib.ticker import MaxNLocator
 
-    from ..tools import plots
 
     plt = plots.pyplot()
     main = rows_table(results)

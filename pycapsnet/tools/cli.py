@@ -20,21 +20,40 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..training.argtypes import OneLineParser, name_and_factor, nonnegative_int, positive_float, positive_int
-from ..errors import BackendError, CapsNetError, first_line
-from ..core.model import routing_names
+from pycapsnet import backends
+from pycapsnet.backends import NAMES
+from pycapsnet.backends.base import FLOAT_DTYPES
+from pycapsnet.backends.host import machine_memory
+
+from . import gradcheck
+from .crosscheck import crosscheck, is_em, lower_precision, EM_FLOAT32_TOLERANCE, TOLERANCE
+from .inspect_run import inspect_run
+from .plan import format_bytes, measured_peak, parse_memory, plan, SEARCH_CAP
+from .plan_measured import measure_step, measured_batches, plan_network
+from .predict import cmd_predict
 from .tables import format_table  # noqa: F401  (also what the benchmarks print their tables with)
+from .. import __version__, plugins
+from ..core import architecture
+from ..core.capsules import PrimaryCaps
+from ..core.model import builtin_architecture, routing_names, CapsNetConfig
+from ..errors import first_line, BackendError, CapsNetError
+from ..experiments import add_parser as add_experiment
+from ..study import check_routing
+from ..training import data, download
+from ..training.argtypes import name_and_factor, nonnegative_int, positive_float, positive_int, OneLineParser
+from ..training.download import FETCHABLE
+from ..training.flags import add_accept_changed_data, add_arguments, add_limit_test
+from ..training.log import drop_stdout
+from ..training.optim import NAMES as OPTIMIZERS
+from ..training.recipe import refuse_ignored_flags, ARCHITECTURE
+from ..training.trainer import run, sigterm_as_ctrl_c
 
 def _backend(spec, dtype, device=None):
-    from pycapsnet import backends
-
     return backends.get(spec, device=device, dtype=dtype)
 
 
 # ---- gradcheck ---------------------------------------------------------------------------------
 def cmd_gradcheck(args):
-    from . import gradcheck
-
     B = _backend(args.backend, args.dtype)
     gradcheck.require_float64(B)  # before the table's header: a float32 run is refused in one line
     cols = {"layer": 40, "tensor": 22, "max abs err": 11, "rounding": 8, "max rel err": 11, "entries": 7, "kinks": 5,
@@ -64,8 +83,6 @@ def cmd_gradcheck(args):
 
 # ---- crosscheck --------------------------------------------------------------------------------
 def cmd_crosscheck(args):
-    from .crosscheck import EM_FLOAT32_TOLERANCE, TOLERANCE, crosscheck, is_em, lower_precision
-
     dtypes = args.dtype if args.dtype_b in (None, args.dtype) else f"{args.dtype} vs {args.dtype_b}"
     if args.checkpoint and args.routing:
         raise CapsNetError("--routing builds a seeded network; a --checkpoint brings its own: give one or the other")
@@ -87,8 +104,6 @@ def cmd_crosscheck(args):
 
 # ---- check-routing ---------------------------------------------------------------------------------
 def cmd_check_routing(args):
-    from ..study import check_routing
-
     print(f"routing {args.name!r} checked three ways (float64): finite differences of its layers, numpy against "
           "torch, and its backward against PyTorch's autograd of its own forward", flush=True)
     report = check_routing(args.name, samples=args.samples, tol=args.tol, seed=args.seed)
@@ -98,37 +113,26 @@ def cmd_check_routing(args):
 
 # ---- inspect -----------------------------------------------------------------------------------
 def cmd_inspect(args):
-    from .inspect_run import inspect_run
-
     return inspect_run(args)
 
 
 # ---- train / evaluate ----------------------------------------------------------------------------
 def cmd_train(args):
-    from ..training.trainer import run
-
     return run(args, args.backend)
 
 
 def cmd_evaluate(args):
-    from ..training.trainer import run
-
     args.resume, args.eval_only = args.checkpoint, True
     args.out, args.no_progress = None, False  # dtype and data left out: recipe.settle takes the run's
     return run(args, args.backend)
 
 
 def _predict(args):
-    from .predict import cmd_predict
-
     return cmd_predict(args)
 
 
 # ---- plan ---------------------------------------------------------------------------------------
 def cmd_data(args):
-    from ..training import download
-    from ..training.trainer import sigterm_as_ctrl_c
-
     sigterm_as_ctrl_c()  # a kill ends as a Ctrl-C does: the download's temporary is removed
     folder = download.download(args.name, args.dir, progress=not args.quiet)
     print(f"{args.name}: its files are in {folder}"
@@ -137,9 +141,7 @@ def cmd_data(args):
 
 
 def cmd_plan(args):
-    from pycapsnet.backends.host import machine_memory
 
-    from .plan import SEARCH_CAP, format_bytes, parse_memory
 
     budget = parse_memory(args.memory) if args.memory else machine_memory()
     p, shrink, measure = (_plan_described if args.network else _plan_builtin)(args)
@@ -168,9 +170,6 @@ def cmd_plan(args):
 
 def _plan_builtin(args):
     """(plan, flags that would shrink the step, the measurement) of a built-in network."""
-    from ..core.model import CapsNetConfig, builtin_architecture
-    from ..training.recipe import ARCHITECTURE, refuse_ignored_flags
-    from .plan import measured_peak, plan
 
     routing = args.routing or "dynamic"
     given = {k: getattr(args, k) for k in ARCHITECTURE if k != "routing" and getattr(args, k, None) is not None}
@@ -192,8 +191,6 @@ def _plan_builtin(args):
 
 def _plan_described(args):
     """(plan, [], the measurement) of a described network: its step run at small batches (plan_measured.py)."""
-    from ..core import architecture
-    from ..training.recipe import ARCHITECTURE
 
     flags = sorted("--" + k.replace("_", "-") for k in ARCHITECTURE if getattr(args, k, None) is not None)
     if flags:
@@ -208,7 +205,6 @@ def _plan_described(args):
 
 def _plan_arch(arch, what, args):
     """(plan, [], the measurement) of the network ``arch`` describes, measured at small batches."""
-    from .plan_measured import measure_step, measured_batches, plan_network
 
     c, h, w = arch["input_shape"]
     a, b = measured_batches()
@@ -222,7 +218,6 @@ def _plan_arch(arch, what, args):
 def _data_flags(p):
     """--dataset / --data-dir of the commands that read a checkpoint: left out, the run's own data
     (saved in the checkpoint), so that a model is scored on its own test split."""
-    from ..training import data
 
     p.add_argument("--dataset", choices=data.DATASETS, help="default: the data the run trained on")
     p.add_argument("--data-dir", default=None, help="the data directory: IDX files or a folder of images "
@@ -232,14 +227,8 @@ def _data_flags(p):
 def build_parser():
     """Every subcommand and its flags: a table of add_argument calls, long on purpose and read top
     to bottom."""
-    from pycapsnet.backends import NAMES
-    from pycapsnet.backends.base import FLOAT_DTYPES
-
-    from ..training.flags import add_accept_changed_data, add_arguments, add_limit_test
-
     p = OneLineParser(prog="pycapsnet", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    from .. import __version__
 
     p.add_argument("--version", action="version", version=f"pycapsnet {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -321,8 +310,6 @@ def build_parser():
     pr.add_argument("--batch-size", type=positive_int, default=64, help="images per forward (default: 64)")
     pr.set_defaults(fn=_predict)
 
-    from ..core.capsules import PrimaryCaps
-    from ..training.optim import NAMES as OPTIMIZERS
 
     pl = sub.add_parser("plan", help="will it fit? the memory of a train step, per layer, and the largest batch")
     pl.add_argument("--input-shape", type=positive_int, nargs=3, metavar=("C", "H", "W"), default=None,
@@ -353,10 +340,8 @@ def build_parser():
                     help="also run the step on the NumPy backend and report its measured peak")
     pl.set_defaults(fn=cmd_plan)
 
-    from ..experiments import add_parser as add_experiment
 
     add_experiment(sub, specs)
-    from ..training.download import FETCHABLE
 
     da = sub.add_parser("data", help="fetch MNIST, Fashion-MNIST or CIFAR-10 (binary) from their public addresses, "
                                      "verified by digest")
@@ -375,7 +360,6 @@ def build_parser():
     cr.add_argument("--seed", type=nonnegative_int, default=0)
     cr.set_defaults(fn=cmd_check_routing)
 
-    from .. import plugins
 
     for parser in sub.choices.values():  # every command takes --plugin (train's has it from add_arguments)
         if not any(plugins.FLAG in action.option_strings for action in parser._actions):
@@ -384,7 +368,6 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from .. import plugins
 
     try:  # before the parser is made: its --routing choices hold the routings the plugins register
         plugins.load_from_argv(argv)
@@ -409,7 +392,6 @@ def main(argv=None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader stopped (``| head``): stop as a program killed by SIGPIPE would
-        from ..training.log import drop_stdout
 
         drop_stdout()
         return 141

@@ -10,7 +10,11 @@ import numpy as np
 
 from pycapsnet import backends
 
+from ..core.model import CapsNet
+from ..core.network import ActivationHead
 from ..errors import CapsNetError
+from ..training import checkpoint as ckpt_mod, data
+from ..training.recipe import data_options, settle
 
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 # EM routing in float32: the E-step exponentiates log-likelihoods that are sums of 16 squared
@@ -21,7 +25,6 @@ EM_FLOAT32_TOLERANCE = 2e-3
 
 def is_em(model) -> bool:
     """Whether a network routes matrix capsules by EM (its class scores are activations)."""
-    from ..core.network import ActivationHead
 
     return isinstance(model.head, ActivationHead)
 
@@ -43,8 +46,6 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
     float64 one, which finite differences check (``pycapsnet gradcheck``).  Both sides then start
     from the same numbers -- the float32 weights and batch, which float64 holds exactly -- so what
     differs is float32's arithmetic alone."""
-    from ..training import checkpoint as ckpt_mod
-    from ..core.model import CapsNet
 
     dtypes = (dtype, dtype_b or dtype)
     low = lower_precision(*dtypes)
@@ -94,8 +95,6 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
 def batch_of(model, ckpt, batch, seed):
     """(x, y, what they are): the first test images of the checkpoint's own run, or of the embedded
     digits for a seeded 28x28 network; random images and labels only where neither exists, said so."""
-    from ..training import data
-    from ..training.recipe import data_options, settle
 
     if ckpt:
         run = settle(argparse.Namespace(eval_only=True, no_progress=True), ckpt)

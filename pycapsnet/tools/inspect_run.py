@@ -16,12 +16,18 @@ import os
 
 import numpy as np
 
+from pycapsnet import backends
+
+from ..core.capsules import AttentionCaps
 from ..errors import CapsNetError
-from . import coupling
+from ..training import checkpoint as ckpt_mod, data, files
+from ..training.preflight import checked_data
+from ..training.recipe import data_options, settle
+from ..training.run_dir import out_dir_for, save_reconstructions
+from . import coupling, plots
 
 
 def inspect_run(args) -> int:
-    from ..training.run_dir import out_dir_for
 
     try:
         with out_dir_for(args.out):  # made before the loading, so that a bad --out fails at once
@@ -32,12 +38,7 @@ def inspect_run(args) -> int:
 
 
 def _inspect(args) -> int:
-    from pycapsnet import backends
 
-    from ..training import checkpoint as ckpt_mod
-    from ..training import data
-    from ..training.preflight import checked_data
-    from ..training.recipe import data_options, settle
 
     B = backends.get(args.backend, device=args.device, dtype="float32")
     model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
@@ -73,7 +74,6 @@ def _inspect(args) -> int:
 def coupling_grads(model, split, index, out) -> str:
     """coupling_grad.npz: each routing layer's dL/dc_ij of every iteration for image ``index`` (its own
     loss, study.coupling(..., grad=True)); returns the path, after a line per layer of mean |dL/dc|."""
-    from ..training import files
 
     x, y = split.images(slice(index, index + 1)), split.y[index:index + 1]
     grads = coupling.grads(model, x, y, 1)
@@ -91,7 +91,6 @@ def draw(model, split, index, names, out, capsule=None, reach=0.25, about="image
     """The pictures of image ``index`` of ``split`` into ``out`` (reconstructions of the split's first
     images, Figure 4, each routing layer's coupling, EM's activations); returns their paths.  The
     command line's ``inspect`` and ``study.inspect`` both draw with it."""
-    from ..training.run_dir import save_reconstructions
 
     B = model.B
     x, y = split.images(slice(index, index + 1)), int(split.y[index])
@@ -114,7 +113,6 @@ def draw(model, split, index, names, out, capsule=None, reach=0.25, about="image
         written.append(figure_4(model, v, chosen, reach, os.path.join(out, "perturbation.png"), about, names[chosen]))
     written += coupling_pictures(routed, out, about, names, pred, em=bool(activations))
     if activations:
-        from . import plots
 
         written.append(plots.activation_bars(activations, os.path.join(out, "activations.png"), names, y, pred,
                                              f"class activations a_j per EM iteration, {about}"))
@@ -123,7 +121,6 @@ def draw(model, split, index, names, out, capsule=None, reach=0.25, about="image
 
 def figure_4(model, v, capsule, reach, path, about, name):
     """Each dimension of class capsule ``capsule`` moved over [-reach, reach] in ten steps, decoded."""
-    from . import plots
 
     steps = np.round(np.linspace(-reach, reach, 11), 6)
     D, B = v.shape[-1], model.B
@@ -139,11 +136,6 @@ def figure_4(model, v, capsule, reach, path, about, name):
 def coupling_pictures(routed, out, about, names, pred, em=False) -> list:
     """coupling.png and .npz for the class layer (the last routing layer), coupling_<layer>.png and
     .npz for each other; returns the paths written."""
-    from ..training import files
-    from . import plots
-
-    from ..core.capsules import AttentionCaps
-
     written = []
     for k, (name, layer, couplings) in enumerate(routed):
         last = k == len(routed) - 1

@@ -25,18 +25,21 @@ docs/performance.md compares the two from 28x28 to 224x224.
 from __future__ import annotations
 
 import math
+import tracemalloc
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pycapsnet import backends
 from pycapsnet.backends.host import cpu_threads
 from pycapsnet.backends.numpy_backend import NumpyBackend
 
-from ..core.capsules import ClassCaps
-from ..core.fourier import FourierConv2d, phase_grid
-from ..core.model import CapsNetConfig, geometry, param_shapes
-from .ledger import OPTIMIZER_SLOTS, LayerMemory, Ledger, conv_shape, decoder, im2col_work
+from .ledger import conv_shape, decoder, im2col_work, LayerMemory, Ledger, OPTIMIZER_SLOTS
 from .plan_em import walk_em
+from ..core.capsules import ClassCaps
+from ..core.fourier import phase_grid, FourierConv2d
+from ..core.model import geometry, param_shapes, CapsNet, CapsNetConfig
+from ..training import optim
 
 SEARCH_CAP = 1 << 40  # largest_batch searches no further
 
@@ -238,12 +241,8 @@ def measured_peak(config: CapsNetConfig, batch_size: int, dtype: str = "float32"
     a train step (optimizer step included) of the NumPy backend, seen by tracemalloc, from before the
     model is built (so its parameters and optimizer state count).  The largest of ``steps`` steps
     (the first makes the per-shape constants).  Random images and labels; NumPy backend only."""
-    import tracemalloc
 
-    from pycapsnet import backends
 
-    from ..training import optim
-    from ..core.model import CapsNet
 
     B = backends.get("numpy", dtype=dtype)
     c, h, w = config.input_shape

@@ -30,12 +30,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pycapsnet import backends
 from pycapsnet.backends.base import Backend
 from pycapsnet.backends.host import cpu_threads
 from pycapsnet.errors import CapsNetError
 
-from .ledger import OPTIMIZER_SLOTS, LayerMemory
+from .ledger import LayerMemory, OPTIMIZER_SLOTS
 from .plan import SEARCH_CAP  # largest_batch counts no further, as the built-in plan's
+from ..core import architecture
+from ..training import optim
 
 
 @dataclass
@@ -110,11 +113,6 @@ def measure_step(arch: dict, n: int, dtype: str = "float32", optimizer: str = "a
     at batch ``n`` on the NumPy backend under tracemalloc, from before the network is built.
     Returns {"peak", "peak_at", "state", "layers"}: the peak over both steps, and the second
     step's rows (LayerMemory, every layer of the body and the decoder in order)."""
-    from pycapsnet import backends
-
-    from ..core import architecture
-    from ..training import optim
-
     B = backends.get("numpy", dtype=dtype)
     rng = np.random.default_rng(0)
     x = rng.random((n, *arch["input_shape"])).astype(dtype)

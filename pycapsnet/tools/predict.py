@@ -11,7 +11,9 @@ depth scaled to [0, 1].  The score is the class capsule's length |v_j| (EM: its 
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 import numpy as np
 
@@ -89,8 +91,6 @@ def cmd_predict(args) -> int:
     """``pycapsnet predict RUN IMAGE_OR_DIR...``: a line per file, best class first (tab-separated:
     path, then class and score for each of the ``--top`` classes; ``--json``: a JSON object per
     line); files that cannot be read are named after the others, with exit 2."""
-    import json
-    import sys
 
     if args.top < 1:
         raise CapsNetError(f"--top must be at least 1, got {args.top}")

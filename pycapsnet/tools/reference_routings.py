@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from scipy import special
 
 
 class _Digamma(torch.autograd.Function):
@@ -23,7 +24,6 @@ class _Digamma(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from scipy import special
 
         (x,) = ctx.saved_tensors
         return g * torch.as_tensor(special.polygamma(1, x.detach().cpu().numpy()), dtype=x.dtype, device=x.device)

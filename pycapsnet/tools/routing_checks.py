@@ -1,6 +1,5 @@
 """Checking a routing, built-in or your own (pycapsnet.routings), three ways, each a list of rows
 (``study.check_routing`` and ``pycapsnet check-routing`` run them all):
-
     finite_differences   fourth-order finite differences (float64) of the routing in a fully connected
                          and a convolutional capsule layer, in each gradient mode it has
                          (gradcheck_routings.routing_layer_checks)
@@ -20,7 +19,9 @@ import numpy as np
 
 from pycapsnet import backends
 
-from ..core import routing_calls, routings
+from .gradcheck_routings import routing_layer_checks
+from ..core import init, routing_calls, routings
+from ..core.capsules import ClassCaps
 from ..errors import CapsNetError
 
 # The problem the routing is checked on: I children of K dims voting for J parents of D dims, n samples
@@ -48,7 +49,6 @@ def _modes(name) -> tuple:
 def finite_differences(name, samples=12, tol=1e-6, seed=0) -> list:
     """Finite differences of the routing's layers (fully connected, shared, after another routing
     layer, convolutional at strides 1 and 2), float64, each gradient mode."""
-    from .gradcheck_routings import routing_layer_checks
 
     B = backends.get("numpy", dtype="float64")
     return [{"check": "finite differences", "what": c.layer, "tensor": c.tensor, "max_abs": c.max_abs,
@@ -62,8 +62,6 @@ def layer(name, children, capsules, dim, backend="numpy", dtype="float64", seed=
           init_std=None, **options):
     """A routing layer on capsules: u (N, I, K) -> v (N, J, D), routed by ``name`` (ClassCaps with one
     position).  ``children`` (I, K): the child capsules' count and size."""
-    from ..core import init
-    from ..core.capsules import ClassCaps
 
     I, K = children
     std = init.routed_std(I, capsules, dim) if init_std is None else init_std

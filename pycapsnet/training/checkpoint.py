@@ -18,15 +18,14 @@ from dataclasses import fields
 
 import numpy as np
 
-from ..core import architecture, description, routing_source
-
 from . import files
-from ..errors import CapsNetError, printable
-from ..userfiles import open_regular, refuse_special
-from ..core.model import CapsNet, CapsNetConfig
-from ..core.network import Network
 from .log import say
 from .optim import NAMES as optim_names
+from ..core import architecture, description, routing_source, routings
+from ..core.model import param_shapes, CapsNet, CapsNetConfig
+from ..core.network import Network
+from ..errors import printable, CapsNetError
+from ..userfiles import open_regular, refuse_special
 
 FORMAT = "pycapsnet-checkpoint-1"
 
@@ -71,7 +70,6 @@ def save(path: str, model: Network, optimizer=None, **meta) -> str:
 
 def routings_of(model: Network) -> dict:
     """{name: module} of each routing the model's layers run that is not pycapsnet's own."""
-    from ..core import routings
 
     used = {getattr(layer, "routing", None) for _, layer in model.routing_layers() if hasattr(layer, "algo")}
     return {name: routings.module_of(name) for name in sorted(used - {None}) if not routings.is_builtin(name)}
@@ -80,7 +78,6 @@ def routings_of(model: Network) -> dict:
 def _unregistered(header, path) -> None:
     """Refuse, before the header's network is read, a checkpoint whose routings are not registered
     here, naming the module that registers each."""
-    from ..core import routings
 
     own = header.get("routings") if isinstance(header, dict) else None
     if own is None:
@@ -246,7 +243,6 @@ def param_shapes_of(header: dict, path: str) -> dict:
     """Name -> shape of the parameters of the header's network, from its arithmetic alone: nothing
     is built (a header edited to a huge layer is refused by its arrays' sizes, never allocated)."""
     if "config" in header:
-        from ..core.model import param_shapes
 
         return param_shapes(CapsNetConfig(**header["config"]))
     try:

@@ -10,21 +10,20 @@ import argparse
 from pycapsnet import backends
 from pycapsnet.backends.base import FLOAT_DTYPES
 
-from ..core.capsules import PrimaryCaps
-from ..core import routings
-from ..core.model import CapsNetConfig, routing_defaults, routing_names
-from ..core.routing import MODES as ROUTING_MODES
 from . import data, optim
 from .argtypes import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int
 from .recipe import ARCHITECTURE, EPOCHS, RECIPE, ROUTING_RECIPE
+from .. import plugins
+from ..core import routings
+from ..core.capsules import PrimaryCaps
+from ..core.model import routing_defaults, routing_names, CapsNetConfig
+from ..core.routing import MODES as ROUTING_MODES
 
 
 def add_arguments(p: argparse.ArgumentParser, backend: str | None):
     """The flags every training entry point shares (backend chosen by the script, or --backend): a
     table of add_argument calls, long on purpose and read top to bottom."""
     d = {**RECIPE, **ARCHITECTURE}
-    from .. import plugins
-
     plugins.add_flag(p)
     if backend is None:
         p.add_argument("--backend", default="numpy", choices=backends.NAMES, help="array backend (default: numpy)")

@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from ..arguments import is_sequence
+from ..core.network import Network
 from ..errors import CapsNetError
 
 
@@ -238,7 +239,6 @@ class SGD(Optimizer):
 
 def _network(model, who: str):
     """The network an optimizer updates: a Network, or the one a Model (pycapsnet.build, load) holds."""
-    from ..core.network import Network
 
     net = getattr(model, "network", model)
     if not isinstance(net, Network) and not all(hasattr(net, k) for k in ("B", "params", "grads")):

@@ -9,11 +9,12 @@ import numpy as np
 
 from pycapsnet.backends.host import machine_memory
 
-from ..core.model import CapsNetConfig, param_shapes
-from ..errors import CapsNetError
 from . import data, folder
 from .log import say
 from .recipe import Run
+from ..core.model import param_shapes, CapsNetConfig
+from ..errors import CapsNetError
+from ..tools.plan import format_bytes
 
 
 def check_parameters_fit(cfg: CapsNetConfig, dtype: str) -> None:
@@ -24,7 +25,6 @@ def check_parameters_fit(cfg: CapsNetConfig, dtype: str) -> None:
     n, largest = sum(math.prod(s) for s in shapes), max(math.prod(s) for s in shapes)
     need, have = 4 * n * np.dtype(dtype).itemsize + 8 * largest, machine_memory()
     if have and need > have:
-        from ..tools.plan import format_bytes
 
         h, w = cfg.input_shape[1:]
         share = "" if cfg.routing == "em" or cfg.share_spatial else " or --share-spatial (one transform for all positions)"

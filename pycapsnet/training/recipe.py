@@ -12,11 +12,12 @@ import os
 
 from pycapsnet.backends.base import FLOAT_DTYPES
 
-from ..core.model import CapsNetConfig
-from ..errors import CapsNetError
 from . import checkpoint, data, download, folder, optim
 from .argtypes import fraction, nonnegative_int, positive_float, positive_int
 from .log import say
+from ..core import routings
+from ..core.model import CapsNetConfig
+from ..errors import CapsNetError
 
 # Flags a resumed run takes from its checkpoint.  They default to None on the command line, so
 # that "given" and "left out" can be told apart; ``settle`` fills them in.
@@ -230,7 +231,6 @@ IGNORED_BY = {
 
 def ignored_by(routing) -> dict:
     """{setting: why it does nothing} for ``routing``'s network."""
-    from ..core import routings
 
     if routing in IGNORED_BY:
         return IGNORED_BY[routing]

@@ -7,9 +7,10 @@ import os
 
 import numpy as np
 
-from ..errors import CapsNetError
 from . import files
 from .log import say
+from ..errors import CapsNetError
+from ..tools import plots
 
 CONFUSION = ("confusion.json", "confusion.png")
 
@@ -29,7 +30,6 @@ def per_class(confusion: np.ndarray, classes, out_dir: str) -> None:
     paths = [os.path.join(out_dir, name) for name in CONFUSION]
     try:
         files.atomic_write(paths[0], lambda f: f.write(json.dumps(record, indent=1).encode()))
-        from ..tools import plots
 
         plots.confusion_matrix(confusion, classes, paths[1],
                                title=f"test accuracy {100 * np.trace(confusion) / max(confusion.sum(), 1):.2f}%")

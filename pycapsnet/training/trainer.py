@@ -11,15 +11,19 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import types
 
-from ..errors import BackendError, CapsNetError, OutOfMemory, first_line
 from . import checkpoint, distributed
-from .log import speaking
-from .loop import NotFinite, Training
 from .argtypes import OneLineParser
 from .flags import add_arguments
-from .recipe import Run, flag, settle
+from .log import speaking
+from .loop import NotFinite, Training
+from .recipe import check_recipe_values, flag, settle, ARCHITECTURE, RECIPE, Run
 from .run_dir import RunDir
+from .. import plugins
+from ..core.checks import nearest
+from ..core.network import Network
+from ..errors import first_line, BackendError, CapsNetError, OutOfMemory
 
 
 def describe(args, backend_name: str, network=None, model=None) -> Run:
@@ -113,7 +117,6 @@ def run(args, backend_name: str) -> int:
 
 def main(backend: str | None = None, argv=None) -> int:
     """Entry point of the per-backend scripts: ``sys.exit(main("numpy"))``."""
-    from .. import plugins
 
     try:  # before the parser is made: its --routing choices hold the routings the plugins register
         plugins.load_from_argv(argv)
@@ -144,12 +147,6 @@ def fit(network, backend: str = "numpy", **flags) -> dict:
     Python names (epochs=2, out="runs/mine", batch_size=16, limit=500, ...), each checked as the flag
     checks it: an unknown name is a TypeError naming the nearest.  Arrays in memory:
     ``pycapsnet.build(...).fit(x, y)``.  Bad input raises CapsNetError; a non-finite loss, NotFinite."""
-    import types
-
-    from ..core.checks import nearest
-    from ..core.network import Network
-    from .recipe import ARCHITECTURE, RECIPE, check_recipe_values
-
     known = {*RECIPE, *ARCHITECTURE, *FIT_OPTIONS}
     unknown = sorted(set(flags) - known)
     if unknown:
