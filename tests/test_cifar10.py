@@ -237,3 +237,44 @@ def test_the_routing_study_on_colour_images_with_crop_flip(tmp_path):
     assert "test images" in (tmp_path / "s" / "results.md").read_text()
     units = json.loads((tmp_path / "s" / "units.json").read_text())
     assert units["flags"]["data"]["dataset"] == "cifar10"
+
+
+@pytest.mark.parametrize("name", ["capsnet", "vb", "attention", "em", "efficient", "cnn"])
+def test_every_built_in_network_trains_on_colour_images(name):
+    from pycapsnet.experiments.networks import baseline_cnn
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((4, 3, 32, 32)).astype(np.float32), np.arange(4)
+    small = dict(conv_channels=8, primary_types=2, decoder_hidden=(16, 32)) if name in ("capsnet", "vb", "attention") \
+        else {}
+    network = baseline_cnn((3, 32, 32), channels=(8, 8, 8), hidden=(16, 16)) if name == "cnn" else name
+    model = pycapsnet.build(network, input_shape=(3, 32, 32), **small)
+    model.fit(x, y, epochs=1, progress=False)
+    assert model.predict_scores(x).shape == (4, 10)
+
+
+def test_the_torch_wrapper_and_its_gradcheck_at_three_by_32_by_32():
+    torch = pytest.importorskip("torch", reason="the torch wrapper")
+    import pycapsnet.torch as pct
+
+    model = pycapsnet.build("capsnet", input_shape=(3, 32, 32), backend="torch", dtype="float64", conv_channels=2,
+                            primary_types=1, decoder_hidden=(4, 8))
+    net = pct.Network(model.network)
+    x = torch.rand(1, 3, 32, 32, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: net(t)[1], (x,), eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+def test_predict_reads_colour_image_files(tmp_path, capsys):
+    from PIL import Image
+
+    from pycapsnet.training import trainer
+
+    _write(tmp_path / "d", n_train=8, n_test=8)
+    assert trainer.main("numpy", ["--dataset", "cifar10", "--data-dir", str(tmp_path / "d"), "--epochs", "1",
+                                  "--conv-channels", "8", "--primary-types", "2", "--decoder-hidden", "16", "32",
+                                  "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    capsys.readouterr()
+    assert cli.main(["predict", str(tmp_path / "run"), str(tmp_path / "a.png")]) == 0
+    out = capsys.readouterr().out.strip().split("\t")
+    assert out[0].endswith("a.png") and out[1] in cifar10.CLASSES
