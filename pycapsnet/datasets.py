@@ -86,6 +86,13 @@ def load_fashion_mnist(path=None, download: bool = False) -> Data:
     return _idx("fashion-mnist", path, download)
 
 
+def channel_stats(x) -> dict:
+    """{"mean": [...], "std": [...]}: each channel's mean and standard deviation over images x
+    (N, C, H, W) -- of a training split, for a description's first layer,
+    ``architecture.normalize(**pycapsnet.datasets.channel_stats(x_train))``."""
+    return data.channel_stats(images(x, np.shape(x)[1:], "x"))
+
+
 def load_cifar10(path=None, download: bool = False) -> Data:
     """CIFAR-10's 50,000 training and 10,000 test images (32x32 colour, 10 classes) from its binary
     version in ``path`` (cifar-10-batches-bin/, or the folder holding its .bin files), or, left

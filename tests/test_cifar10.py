@@ -278,3 +278,26 @@ def test_predict_reads_colour_image_files(tmp_path, capsys):
     assert cli.main(["predict", str(tmp_path / "run"), str(tmp_path / "a.png")]) == 0
     out = capsys.readouterr().out.strip().split("\t")
     assert out[0].endswith("a.png") and out[1] in cifar10.CLASSES
+
+
+def test_per_channel_normalisation_from_the_training_images_alike_for_every_row(tmp_path):
+    import json
+
+    import pycapsnet.experiments as experiments
+    from pycapsnet.core import architecture as A
+
+    _write(tmp_path / "d", n_train=12, n_test=10)
+    results = experiments.routings(out=str(tmp_path / "s"), quick=True, affine=False, dataset="cifar10",
+                                   data_dir=str(tmp_path / "d"), routings=["uniform", "cnn"], lr=2e-3, seeds=1,
+                                   normalize=True, progress=False)
+    norm = results["settings"]["normalize"]
+    train, _ = data.load("cifar10", str(tmp_path / "d"))
+    rows = json.loads((tmp_path / "s" / "units.json").read_text())["flags"]
+    assert rows["normalize"] == norm and "normalised per channel" in results["protocol"]["summary"]
+    # computed on the study's training images alone (its validation share held out of them)
+    assert len(norm["mean"]) == 3 and all(0.3 < m < 0.7 for m in norm["mean"]) and all(0.2 < s < 0.4 for s in norm["std"])
+    with pytest.raises(CapsNetError, match="as many channels"):
+        pycapsnet.build(A.network([A.normalize([0.5], [0.2]), A.conv2d(4, 9), A.relu(), A.primary_caps(2, 4),
+                                   A.dynamic_caps(10, 4)], decoder=None, input_shape=(3, 32, 32), n_classes=10))
+    st = pycapsnet.datasets.channel_stats(train.images())
+    np.testing.assert_allclose(st["mean"], train.images().mean(axis=(0, 2, 3)), rtol=1e-6)

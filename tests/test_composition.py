@@ -41,9 +41,11 @@ COMPOSED = [(mode, label) for mode in ("full", "final") for label in gradcheck.c
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_composed_networks_pass_finite_differences(backend):
-    """Two stacked routing layers and a ConvCaps network, both routing modes: every parameter and the input."""
+    """Two stacked routing layers and a ConvCaps network (also on colour images normalised per channel),
+    both routing modes: every parameter and the input."""
     results = gradcheck.composed_checks(backends.get(backend, dtype="float64"), samples=8)
-    assert len(results) == 2 * 15 + 2 * 13  # the input and 14 (two routing layers, each with a bias) or 12 tensors
+    assert len(results) == 2 * 15 + 2 * 2 * 13  # the input and 14 (two routing layers, each with a bias) or 12 tensors
+    assert sum(r.layer.startswith("colour") and r.tensor == "input" for r in results) == 2  # through Normalize
     assert all(r.passed for r in results), [(r.layer, r.tensor, r.max_rel) for r in results if not r.passed]
 
 

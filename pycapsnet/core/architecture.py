@@ -37,14 +37,14 @@ from .capsules import AttentionCaps, CapsuleLogits, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
 from .init import given, he_uniform, routed_std
 from .layer_norm import LayerNorm
-from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU, Sigmoid
+from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, Normalize, ReLU, Sigmoid
 from .losses import MarginLoss, NegativeLogLikelihood, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 from .network import ActivationHead, LengthHead, LogitsHead, MaskedDecoder, Network, Sequential
 from .parts import (  # noqa: F401 -- the parts of a description, re-exported: architecture.conv2d(...)
     DEFAULT_LOSS, attention_caps, batch_norm, capsule_logits, class_matrix_caps, conv2d, conv_caps, conv_matrix_caps,
     cross_entropy, decoder, dropout, dynamic_caps, flatten, layer_norm, linear, margin_loss, max_pool, network, nll_loss,
-    primary_caps, primary_matrix_caps, relu, spread_loss)
+    normalize, primary_caps, primary_matrix_caps, relu, spread_loss)
 from ..errors import CapsNetError
 from ..userfiles import read_regular
 
@@ -160,6 +160,13 @@ def _capsule_logits(B, flow, rng):
     return CapsuleLogits(B, flow.dim, rng=rng), Flow("flat", None, flow.types, 1)
 
 
+def _normalize(B, flow, rng, mean, std):
+    if flow.kind != "image" or len(mean) != flow.types or len(std) != flow.types:
+        raise _Misfit(f"it takes an image of as many channels as it has means and deviations ({len(mean)}), "
+                      f"here {flow.types if flow.kind == 'image' else 'no image'}")
+    return Normalize(B, mean, std), flow
+
+
 def _layer_norm(B, flow, rng, eps=1e-5):
     if flow.kind == "matrix":
         raise _Misfit("it takes an image, vector capsules or features, not (pose, activation) pairs")
@@ -189,7 +196,7 @@ LAYERS = {"conv2d": _conv2d, "relu": _relu, "max_pool": _max_pool, "flatten": _f
           "dropout": _dropout, "batch_norm": _batch_norm, "primary_caps": _primary_caps, "dynamic_caps": _dynamic_caps,
           "attention_caps": _attention_caps, "conv_caps": _conv_caps, "primary_matrix_caps": _primary_matrix_caps,
           "conv_matrix_caps": _conv_matrix_caps, "class_matrix_caps": _class_matrix_caps,
-          "capsule_logits": _capsule_logits, "layer_norm": _layer_norm}
+          "capsule_logits": _capsule_logits, "layer_norm": _layer_norm, "normalize": _normalize}
 HEADS = {"lengths": ("vector", LengthHead), "activations": ("matrix", ActivationHead), "logits": ("flat", LogitsHead)}
 LOSSES = {"margin": MarginLoss, "spread": SpreadLoss, "cross_entropy": SoftmaxCrossEntropy, "nll": NegativeLogLikelihood}
 

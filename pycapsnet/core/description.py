@@ -58,6 +58,10 @@ OPTIONS = {
     "em_lambda": _number(0, open_lo=True), "rate": _number(0, 1, open_hi=True),
     "momentum": _number(0, 1), "eps": _number(0, 1, open_lo=True), "bias": _number(-10, 10, none=True),
     "scale": _number(0, 1000, open_lo=True),
+    "mean": lambda v: None if isinstance(v, list) and v and all(_number(-1e6, 1e6)(x) is None for x in v) else
+    "a list of finite numbers, one per input channel",
+    "std": lambda v: None if isinstance(v, list) and v and all(_number(0, 1e6, open_lo=True)(x) is None for x in v)
+    else "a list of numbers above 0, one per input channel",
     "routing": lambda v: None if isinstance(v, str) and v in routings.names() else
     f"one of {', '.join(map(repr, routings.names()))}, the registered routings (a routing of your own: import the "
     "module that registers it, or --plugin MODULE)",
@@ -280,6 +284,10 @@ def _capsule_logits(o, kind, grid, t, d):
     return ({"W": (d,), "b": (1,)}, ("flat", None, t, 1)) if kind == "vector" and grid is None else None
 
 
+def _normalize(o, kind, grid, t, d):
+    return ({}, (kind, grid, t, d)) if kind == "image" and len(o["mean"]) == len(o["std"]) == t else None
+
+
 def _layer_norm(o, kind, grid, t, d):
     size = d if kind == "vector" else t
     return ({"gamma": (size,), "beta": (size,)}, (kind, grid, t, d)) if kind in ("vector", "image", "flat") else None
@@ -308,4 +316,5 @@ _STEPS = {"conv2d": _conv2d, "max_pool": _max_pool, "batch_norm": _batch_norm, "
           "primary_caps": _primary_caps, "dynamic_caps": _routed,
           "attention_caps": lambda o, *flow: _routed(o, *flow, attention=True), "conv_caps": _conv_caps,
           "primary_matrix_caps": _primary_matrix_caps, "conv_matrix_caps": _conv_matrix_caps,
-          "class_matrix_caps": _class_matrix_caps, "capsule_logits": _capsule_logits, "layer_norm": _layer_norm}
+          "class_matrix_caps": _class_matrix_caps, "capsule_logits": _capsule_logits, "layer_norm": _layer_norm,
+          "normalize": _normalize}

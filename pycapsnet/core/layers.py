@@ -226,6 +226,24 @@ class Conv2d(Layer):
         return dx[:, p:p + h, p:p + w, :]
 
 
+class Normalize(Layer):
+    """y_c = (x_c - μ_c) / σ_c for each channel c (the last axis: the body runs channels-last), μ and σ
+    constants of the network -- computed on a training split and recorded in its description, as
+    the CIFAR-10 capsule papers normalise their inputs;  dx = dy / σ.  No parameters: the decoder
+    still reconstructs the image as it was given."""
+
+    def __init__(self, backend, mean, std):
+        super().__init__(backend)
+        self.mean = backend.asarray(np.asarray(mean, np.float64))
+        self.inv_std = backend.asarray(1.0 / np.asarray(std, np.float64))
+
+    def forward(self, x):
+        return (x - self.mean) * self.inv_std
+
+    def backward(self, dy, input_grad=True):
+        return dy * self.inv_std
+
+
 class ReLU(Layer):
     """y = max(x, 0);  dx = dy * [x > 0]."""
 

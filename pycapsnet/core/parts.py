@@ -28,6 +28,12 @@ def relu(name=None):
     return _part("relu", name)
 
 
+def normalize(mean, std, name=None):
+    """Each input channel c as (x_c - mean[c]) / std[c]: the first layer of a network whose inputs are
+    normalised with a training split's statistics (pycapsnet.datasets.channel_stats)."""
+    return _part("normalize", name, mean=[float(m) for m in mean], std=[float(s) for s in std])
+
+
 def max_pool(kernel=2, stride=None, name=None):
     return _part("max_pool", name, kernel=kernel, stride=stride)
 

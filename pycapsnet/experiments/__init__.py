@@ -100,6 +100,9 @@ def _routings_flags(r) -> None:
                    help="every row's training augmentation: shift (by up to 2 pixels, the CapsNet paper's; the "
                         "default) or crop-flip (a random crop from a 4-pixel padding, flipped half the time: "
                         "CIFAR-10's in the capsule papers)")
+    r.add_argument("--normalize", action="store_true", default=None,
+                   help="every row's input normalised per channel with the mean and deviation of the training "
+                        "images (computed once, recorded in the settings; a first layer of each network)")
     r.add_argument("--limit-test", type=positive_int, default=None,
                    help="test digits (default: the whole test split; --limit limits training digits only)")
     r.add_argument("--val-fraction", type=fraction, default=None,
@@ -190,7 +193,7 @@ OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_s
                                      "affine_target": None},
              "multimnist": {"canvas": 36, "shift": 4, "pairs": None},
              "routings": {"canvas": 40, "no_affine": False, "routings": None, "affine_target": None, "dataset": None,
-                          "limit_test": None, "val_fraction": 0.1, "margin": None, "augment": None, "plan_seeds": None, "pilot": None,
+                          "limit_test": None, "val_fraction": 0.1, "margin": None, "augment": None, "normalize": None, "plan_seeds": None, "pilot": None,
                           "effect": None, "sweep": None, "sweep_seeds": 2,
                           "shard": None,
                           "choices": None, "merge": None, "conv_channels": None, "primary_types": None,
@@ -243,6 +246,7 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
              canvas: int | None = None, affine: bool = True, routings: list | None = None,
              affine_target: float | None = None, sweep: list | None = None, sweep_seeds: int = 2,
              shard: str | None = None, choices: str | None = None, margin: float | None = None, augment: str = "shift",
+             normalize: bool = False,
              conv_channels: int | None = None,
              primary_types: int | None = None, primary_dim: int | None = None, class_dim: int | None = None,
              progress: bool = True) -> dict:
@@ -268,7 +272,7 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
         no_affine=None if a.boolean(affine, "affine") else True, routings=None if routings is None else list(routings),
         dataset=dataset, data=_data_arrays(data), sweep=None if sweep is None else list(sweep),
         shard=None if shard is None else _checked("shard", shard, globals()["shard"]), choices=choices, merge=None,
-        augment=a.choice(augment, "augment", ("shift", "crop-flip")),
+        augment=a.choice(augment, "augment", ("shift", "crop-flip")), normalize=a.boolean(normalize, "normalize") or None,
         **{k: _checked(k, v, kind) for k, (v, kind) in numbers.items()})
     was = speaking()
     try:

@@ -184,6 +184,7 @@ class Study:
         self.backbone = {k: getattr(args, k) or v for k, v in (QUICK_BACKBONE if args.quick else BACKBONE).items()}
         self.affine_target = args.affine_target or protocol.AFFINE_TARGET
         self.augment = AUGMENTS[args.augment or "shift"]
+        self.norm = data.channel_stats(self.train.x) if args.normalize else None  # on the training images alone
         if not args.no_affine:  # every argument checked before the first unit trains
             if self.train.x.shape[1] != 1:
                 raise CapsNetError(f"the affine part places digits on a canvas and moves them: it reads one-channel "
@@ -205,12 +206,16 @@ class Study:
                 "lr_grid": list(tuning.LR_GRID), "lr_limits": list(tuning.LR_LIMITS),
                 "open_options": tuning.OPEN_OPTIONS, "tune_seeds": list(tuning.TUNE_SEEDS), "rule": tuning.RULE,
                 "val_fraction": a.val_fraction, "margin": a.margin, "augment": a.augment or "shift",
+                "normalize": self.norm,
                 "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target},
                 # a routing of the user's own, by its source: units of another version are not mixed
                 "routings": routing_source.sources(row_spec(r)[1] for r in self.rows if row_spec(r)[0] == "vector")}
 
     def network(self, row, shape, trial) -> dict:
-        return network(row, shape, self.backbone, _options(trial), n_classes=len(self.train.classes))
+        d = network(row, shape, self.backbone, _options(trial), n_classes=len(self.train.classes))
+        if self.norm is not None and shape[0] == len(self.norm["mean"]):  # every row's input alike
+            d = {**d, "body": [A.normalize(self.norm["mean"], self.norm["std"], name="norm"), *d["body"]]}
+        return d
 
     def tuned(self) -> list:
         """The rows that are tuned: every row, and each row of the sweep on its own."""

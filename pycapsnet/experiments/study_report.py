@@ -45,7 +45,10 @@ def declared(settings, baseline) -> dict:
                        f"batch {settings['batch_size']}, Adam decayed 0.85 per epoch; "
                        + ("random crops from a 4-pixel padding and horizontal flips"
                           if settings.get("augment") == "crop-flip" else "random shifts of up to 2 pixels")
-                       + " for every row; transforms at init.routed_std "
+                       + " for every row; "
+                       + ("inputs normalised per channel with the training images' statistics; "
+                          if settings.get("normalize") else "")
+                       + "transforms at init.routed_std "
                        f"for every row; baseline {baseline}; "
                        + (f"equivalence margin ±{margin:g} points, declared before the run" if margin is not None
                           else "no equivalence margin declared")}

@@ -74,6 +74,10 @@ def _settings_problem(flags: dict) -> str | None:
         return "dataset is not a dataset's name"
     if not all(_whole(s, 0) for s in flags.get("tune_seeds") or [None]):
         return "tuning seeds are not whole numbers"
+    norm = flags.get("normalize")
+    if norm is not None and not (isinstance(norm, dict) and all(isinstance(norm.get(k), list) and norm[k]
+                                                                 and _numbers(norm[k]) for k in ("mean", "std"))):
+        return "normalisation is not a mean and a deviation per channel"
     for part in ("train", "validation", "test"):
         record = flags["data"].get(part)
         if not (isinstance(record, dict) and _whole(record.get("digits"), 1) and isinstance(record.get("per_class"), list)

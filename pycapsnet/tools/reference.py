@@ -287,6 +287,9 @@ class AutogradNetwork(AutogradCapsNet):
                 h, grid = self.conv_capsules(h, grid, name, spec)
             elif kind == "capsule_logits":
                 h = (h * p[name + ".W"]).sum(-1) + p[name + ".b"]
+            elif kind == "normalize":  # h (N, C, H, W): each channel's own mean and deviation
+                shape = (1, -1, 1, 1)
+                h = (h - h.new_tensor(spec["mean"]).reshape(shape)) / h.new_tensor(spec["std"]).reshape(shape)
             elif kind == "layer_norm":
                 size = h.shape[1] if image else h.shape[-1]
                 normed = lambda t: F.layer_norm(t, (size,), p[name + ".gamma"], p[name + ".beta"], spec.get("eps", 1e-5))

@@ -376,6 +376,18 @@ def load_cifar10_dir(data_dir: str):
     return Split(x, y, source, classes), Split(xt, yt, source, classes)
 
 
+def channel_stats(x, batch: int = 4096) -> dict:
+    """{"mean", "std"}: each channel's mean and standard deviation over images x (N, C, H, W) in
+    [0, 1] (uint8 read as such), in float64, a batch at a time: what a ``normalize`` layer takes."""
+    total, square, n = 0.0, 0.0, 0
+    for a in range(0, len(x), batch):
+        part = as_float(x[a:a + batch]).astype(np.float64)
+        total, square = total + part.sum(axis=(0, 2, 3)), square + (part * part).sum(axis=(0, 2, 3))
+        n += part.shape[0] * part.shape[2] * part.shape[3]
+    mean = total / n
+    return {"mean": mean.tolist(), "std": np.sqrt(np.maximum(square / n - mean * mean, 1e-12)).tolist()}
+
+
 def random_shift(x: np.ndarray, max_shift: int, rng: np.random.Generator, part: slice = slice(None),
                  of: int | None = None) -> np.ndarray:
     """Shift each image by up to ``max_shift`` pixels in each direction, zero-filling (the paper's
