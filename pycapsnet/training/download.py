@@ -191,24 +191,30 @@ def download(name: str, folder: str | None = None, mirrors=None, progress: bool 
         if os.path.isfile(path) and _verify_file(path, expected, spec["digest"]):
             print(f"{stem}.gz: already here, verified", file=sys.stderr)
             continue
-        failures = []
-        for base in mirrors or spec["mirrors"]:
-            url = base.rstrip("/") + "/" + stem + ".gz"
-            try:
-                _fetch(url, expected, spec["digest"], path, show)
-                print(f"{stem}.gz: verified, from {base}", file=sys.stderr)
-                break
-            except _Bad as e:
-                failures.append(f"{url}: {e}")
-                print(f"{stem}.gz: {url}: {e}; trying the next mirror", file=sys.stderr)
-            except (OSError, _WriteFailed) as e:  # writing: a full disk, a folder gone
-                e = e.args[0] if isinstance(e, _WriteFailed) else e
-                raise CapsNetError(f"cannot write {path}: {e.strerror or e}; free some space or choose another "
-                                   "folder (pycapsnet data NAME DIR, or PYCAPSNET_DATA=DIR)") from None
-        else:
-            raise CapsNetError(f"could not fetch {stem}.gz from any mirror ({'; '.join(failures)}); check the "
-                               f"connection, or put the four files into {folder} by hand")
+        base_of = {b.rstrip("/") + "/" + stem + ".gz": b for b in mirrors or spec["mirrors"]}
+        url = _first_good(list(base_of), expected, spec["digest"], path, show, f"{stem}.gz",
+                          f"put the four files into {folder} by hand")
+        print(f"{stem}.gz: verified, from {base_of[url]}", file=sys.stderr)
     return folder
+
+
+def _first_good(urls, expected, kind, path, show, label, by_hand) -> str:
+    """``path`` fetched from the first of ``urls`` that serves the right content (the others said in a
+    line each); returns that url.  CapsNetError if none does, or if the file cannot be written here."""
+    failures = []
+    for url in urls:
+        try:
+            _fetch(url, expected, kind, path, show)
+            return url
+        except _Bad as e:
+            failures.append(f"{url}: {e}")
+            print(f"{label}: {url}: {e}; trying the next mirror", file=sys.stderr)
+        except (OSError, _WriteFailed) as e:  # writing: a full disk, a folder gone
+            e = e.args[0] if isinstance(e, _WriteFailed) else e
+            raise CapsNetError(f"cannot write {path}: {e.strerror or e}; free some space or choose another "
+                               "folder (pycapsnet data NAME DIR, or PYCAPSNET_DATA=DIR)") from None
+    raise CapsNetError(f"could not fetch {label} from any mirror ({'; '.join(failures)}); check the connection, or "
+                       f"{by_hand}")
 
 
 def download_archive(name: str, folder: str | None = None, urls=None, progress: bool = True) -> str:
@@ -222,22 +228,9 @@ def download_archive(name: str, folder: str | None = None, urls=None, progress: 
     if os.path.isfile(path) and _verify_file(path, spec["md5"], "md5 of gz"):
         print(f"{spec['file']}: already here, verified", file=sys.stderr)
     else:
-        failures = []
-        for url in urls or spec["urls"]:
-            try:
-                _fetch(url, spec["md5"], "md5 of gz", path, _progress if progress else _silent)
-                print(f"{spec['file']}: verified (MD5 {spec['md5']}), from {url}", file=sys.stderr)
-                break
-            except _Bad as e:
-                failures.append(f"{url}: {e}")
-                print(f"{spec['file']}: {url}: {e}", file=sys.stderr)
-            except (OSError, _WriteFailed) as e:
-                e = e.args[0] if isinstance(e, _WriteFailed) else e
-                raise CapsNetError(f"cannot write {path}: {e.strerror or e}; free some space or choose another "
-                                   "folder (pycapsnet data NAME DIR, or PYCAPSNET_DATA=DIR)") from None
-        else:
-            raise CapsNetError(f"could not fetch {spec['file']} ({'; '.join(failures)}); check the connection, or "
-                               f"put the archive into {folder} by hand")
+        url = _first_good(list(urls or spec["urls"]), spec["md5"], "md5 of gz", path,
+                          _progress if progress else _silent, spec["file"], f"put the archive into {folder} by hand")
+        print(f"{spec['file']}: verified (MD5 {spec['md5']}), from {url}", file=sys.stderr)
     cifar10.extract(path, folder)
     return folder
 
