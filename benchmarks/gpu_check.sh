@@ -43,6 +43,13 @@
 #              the record's rows and iteration sweep, on torch:$DEVICE; a call cut by its time limit goes
 #              on from its finished units when run again into the same OUTDIR: give it as many calls as
 #              it takes (each unit a few minutes); $STUDY_SHARD (K/N) splits it over machines (--merge)
+#  routings_cifar the routing study on CIFAR-10 (the binary files in $CIFAR_DIR, default data/cifar10:
+#              the GPU machine reaches no registry, so a call carries them (run's carry=["data/cifar10"]) -- `python
+#              benchmarks/cifar_subset.py SRC data/cifar10` writes a stratified 8,000 of the training
+#              images and the 10,000 test images in the authors' format, 55 MiB, within what a call
+#              carries), crop-flip and per-channel normalisation for every row, margin $STUDY_MARGIN
+#              (0.5), $STUDY_EPOCHS (10) epochs, $STUDY_SEEDS (5) seeds, the default rows; cut by its
+#              time limit, it goes on from its finished units when run again into the same OUTDIR
 #  The runs take $DEVICE (cuda) and extra flags in $RUN_FLAGS: DEVICE=cpu RUN_FLAGS="--limit 64
 #  --limit-test 32" runs them at toy size on a CPU, to catch a typo before the GPU's minutes.
 #
@@ -192,6 +199,13 @@ if want routings_full; then
         --data-dir "$data" --epochs "${STUDY_EPOCHS:-10}" --seeds "${STUDY_SEEDS:-5}" --no-affine \
         --routings uniform dynamic attention inverted self vb cnn --sweep 1 2 4 5 --sweep-seeds 2 \
         ${STUDY_SHARD:+--shard $STUDY_SHARD} --out "$out/routings_full" ${EXP_FLAGS:-}
+fi
+if want routings_cifar; then
+    backend=$([ "$device" = cpu ] && echo numpy || echo "torch:$device")
+    run routings_cifar 590 20 python -m pycapsnet experiment routings --backend "$backend" --dataset cifar10 \
+        --data-dir "${CIFAR_DIR:-data/cifar10}" --augment crop-flip --normalize --no-affine \
+        --margin "${STUDY_MARGIN:-0.5}" --epochs "${STUDY_EPOCHS:-10}" --seeds "${STUDY_SEEDS:-5}" \
+        ${STUDY_SHARD:+--shard $STUDY_SHARD} --out "$out/routings_cifar" ${EXP_FLAGS:-}
 fi
 echo "commands failed: $failed"
 exit "$failed"
