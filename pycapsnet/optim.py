@@ -35,7 +35,6 @@ def batches(x, y, batch_size: int = 32, epoch: int = 0, seed: int = 0, shift: in
     """The batches ``fit`` trains on in epoch ``epoch`` (0-based) with ``seed``: the images shuffled
     by a generator of (seed, epoch), each batch shifted by up to ``shift`` pixels (``augment``
     "efficient": Efficient-CapsNet's transforms).  Yields (x (B, C, H, W) float32, y (B,) int64)."""
-
     xa = _host(x, "x")
     if xa.ndim not in (3, 4):
         raise CapsNetError(f"x must be images, (N, C, H, W) or (N, H, W), got shape {tuple(xa.shape)}")

@@ -17,8 +17,6 @@ from .errors import CapsNetError, first_line, printable
 FLAG = "--plugin"
 HELP = ("import MODULE first (a module name, or a .py file), for the routings it registers; repeatable "
         "(installed packages' routings, in the entry-point group pycapsnet.routings, need none)")
-
-
 STRICT = "--strict"
 
 

@@ -64,7 +64,6 @@ def layer(name, children, capsules, dim, backend="numpy", dtype="float32", seed=
     ``children`` = (I, K), ``capsules`` J and ``dim`` D (ClassCaps with one position; its transforms
     W_ij start at ``init_std``, or init.routed_std).  forward(u), backward(dv) -> du, params, grads.
     Every argument is checked first: one CapsNetError naming it, and nothing allocated."""
-
     if not isinstance(name, str):
         raise CapsNetError(f"name must be a registered routing's name (a str), got {a.shown(name)}")
     get(name)
@@ -93,5 +92,4 @@ def layer(name, children, capsules, dim, backend="numpy", dtype="float32", seed=
 def check(name, samples: int = 12, tol: float = 1e-6, seed: int = 0):
     """study.check_routing: finite differences of its layers (float64), NumPy against PyTorch, and
     its hand-written backward against PyTorch's autograd of its own forward."""
-
     return check_routing(name, samples, tol, seed)

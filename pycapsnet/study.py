@@ -27,7 +27,7 @@ from pycapsnet.backends.host import machine_memory
 from . import arguments as a, arguments as arg  # (arg where a function's own parameter is named a)
 from .api import Model
 from .arrays import images, labels
-from .core import architecture, routings
+from .core import architecture, routing_calls, routings
 from .core.model import CapsNet
 from .core.network import Network
 from .errors import CapsNetError
@@ -77,7 +77,6 @@ def _network(target):
 
 def _checked_network(target, who: str):
     """The network of a Model or a network; CapsNetError for anything else."""
-
     net = _network(target)
     if not isinstance(net, Network):
         raise CapsNetError(f"{who} takes a Model (pycapsnet.build, load) or its network, not {type(target).__name__}")
@@ -203,16 +202,13 @@ class AutogradTwin:
         return self.reference.loss(self._tensor(x), self._labels(y, x))[0]
 
     def grads(self, x, y, input_grad: bool = False):
-
         x = self._host_images(x)
         return self.reference.grads(x, self._host_labels(y, x), a.boolean(input_grad, "input_grad"))
 
     def _host_images(self, x):
-
         return images(x, self.net.input_shape).astype(np.float64)
 
     def _host_labels(self, y, x):
-
         return labels(y, len(x), self.net.n_classes)
 
     def _tensor(self, x):
@@ -230,7 +226,6 @@ class AutogradTwin:
 
 def autograd_twin(target, dtype: str = "float64") -> AutogradTwin:
     """The model under PyTorch autograd, the same weights: the independent oracle of its backward."""
-
     return AutogradTwin(_checked_network(target, "autograd_twin"), a.choice(dtype, "dtype", ("float32", "float64")))
 
 
@@ -271,7 +266,6 @@ def measures(target, x, batch_size: int = 100) -> dict:
     """Each routing layer's routing's own measures (Routing.measures: a sparse routing's support, a
     gated one's gates) for images x, each iteration's mean over the images: {layer name: {measure:
     [per iteration]}}; {} for a layer whose routing declares none."""
-
     net = _checked_network(target, "measures")
     if not net.routing_layers():
         raise CapsNetError("this network has no routing layer (a CNN): its routing has no measures")
@@ -284,11 +278,9 @@ def measures(target, x, batch_size: int = 100) -> dict:
             net.forward(xa[start:start + batch_size])
             for name, layer in net.routing_layers():
                 own = layer.routing_measures() if hasattr(layer, "routing_measures") else {}
-                mine = sums.setdefault(name, {})
-                for k, v in own.items():
-                    mine[k] = [t + n * u for t, u in zip(mine.get(k, [0.0] * len(v)), v)]
+                routing_calls.add_measures(sums.setdefault(name, {}), own, n)
             net.release()
-    return {name: {k: [t / len(xa) for t in v] for k, v in own.items()} for name, own in sums.items()}
+    return {name: routing_calls.mean_measures(own, len(xa)) for name, own in sums.items()}
 
 
 def check_routing(name, samples: int = 12, tol: float = 1e-6, seed: int = 0) -> Report:
@@ -297,7 +289,6 @@ def check_routing(name, samples: int = 12, tol: float = 1e-6, seed: int = 0) -> 
     mode), its layer on NumPy against PyTorch, and its hand-written backward against PyTorch's
     autograd of its own forward -- which checks the backward against the forward, not the forward
     against the paper.  A Report: ``passed``, and a table of every tensor."""
-
     routings.get(name)  # an unknown name: one line naming the registered ones
     samples = a.whole(samples, "samples", least=1, most=MAX_SAMPLES)
     tol, seed = a.real(tol, "tol", 0, open_lo=True), a.whole(seed, "seed")
@@ -308,7 +299,6 @@ def check_routing(name, samples: int = 12, tol: float = 1e-6, seed: int = 0) -> 
 
 
 def _refuse_beyond_memory(need: int) -> None:
-
     have = machine_memory()
     if have and need > have // 2:
         raise CapsNetError(f"the coefficients of these images take {need / 2**30:.1f} GiB, more than half this "
@@ -322,7 +312,6 @@ def figure_4(target, x, capsule=None, reach: float = 0.25, steps: int = 11, path
     """The paper's Figure 4 for one image x (1, C, H, W): each dimension of a class capsule (its
     predicted class unless ``capsule``) moved over [-reach, reach] in ``steps`` steps, decoded.
     Returns (decoded (D, steps, C, H, W), the steps); ``path``: also drawn there (PNG)."""
-
     net = _checked_network(target, "figure_4")
     if net.decoder is None:
         raise CapsNetError("Figure 4 decodes class capsules, and this network has no decoder")
@@ -355,7 +344,6 @@ def figure_4(target, x, capsule=None, reach: float = 0.25, steps: int = 11, path
 def inspect(model, x, y, index: int = 0, out: str = "inspect") -> list:
     """``pycapsnet inspect`` for arrays: reconstructions of the first images, Figure 4 and every
     routing layer's coupling for image ``index`` of (x, y), written into ``out``; returns the paths."""
-
     model = model if isinstance(model, Model) else Model(_checked_network(model, "inspect"))
     if not model.network.routing_layers():
         raise CapsNetError("this network has no routing layer (a CNN): inspect draws routing")

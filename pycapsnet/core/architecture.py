@@ -236,7 +236,6 @@ DESCRIPTION_LIMIT = 16 << 20  # bytes: a description is a few KB; a larger file 
 def load(path) -> dict:
     """A description from a JSON file, or one of DESCRIBED by name; CapsNetError naming the file
     if it is not one."""
-
     if isinstance(path, str) and path in DESCRIBED and not os.path.exists(path):
         path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "networks", DESCRIBED[path])
     if not os.path.exists(path):
@@ -263,7 +262,6 @@ def _options(fn, spec, label):
     params = [p for p in params if p.kind != inspect.Parameter.VAR_KEYWORD]
     allowed = [p.name for p in params]
     if routed:
-
         name = spec.get("routing", "dynamic")
         allowed += list(routings.get(name).options) if name in routings.names() else []
         owners = {k: r for r in routings.names() for k in routings.get(r).options}
@@ -354,7 +352,6 @@ def _fits_memory(arch, B) -> None:
     host copies of parameters and moments that a checkpoint writes), and the largest is first
     drawn in float64 and copied (12 bytes an entry).  Working arrays come on top, so the bound
     is 90% of the memory, not all of it."""
-
     sizes = [math.prod(s) for s in description.param_shapes(arch).values()] or [0]
     need, have = 6 * sum(sizes) * np.dtype(B.dtype).itemsize + 12 * max(sizes), machine_memory()
     if have and need > 0.9 * have:
@@ -377,7 +374,6 @@ def _decoder(B, spec, n_in, input_shape, rng):
 
 def build(arch: dict, backend="numpy", seed: int = 0) -> Network:
     """The Network that ``arch`` describes, on ``backend`` (a Backend or a name)."""
-
     B = backends.get(backend)
     try:
         return Network(B, **assemble(B, arch, seed))

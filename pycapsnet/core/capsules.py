@@ -250,10 +250,9 @@ class ClassCaps(Layer):
         sums, total = {}, 0
         for sl, trace in self.trace:
             n = len(range(*sl.indices(1 << 40)))
-            for k, v in routing_calls.run_measures(self.algo, self.B, trace).items():
-                sums[k] = [a + n * b for a, b in zip(sums.get(k, [0.0] * len(v)), v)]
+            routing_calls.add_measures(sums, routing_calls.run_measures(self.algo, self.B, trace), n)
             total += n
-        return {k: [x / total for x in v] for k, v in sums.items()}
+        return routing_calls.mean_measures(sums, total)
 
     def coefficients(self) -> list:
         """The routing's coefficients of each iteration of the last forward, the blocks joined: (N, J, I)."""

@@ -181,7 +181,6 @@ def param_shapes(cfg: CapsNetConfig) -> dict:
     if cfg.routing == "em":
         return _em_param_shapes(cfg)
     if cfg.routing not in ("dynamic", "em", "attention"):
-
         return described(builtin_architecture(cfg))
     c, h, w = cfg.input_shape
     caps = cfg.primary_types * cfg.primary_dim

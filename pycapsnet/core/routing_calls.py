@@ -105,6 +105,18 @@ def run_measures(algo, B, trace) -> dict:
     return out
 
 
+def add_measures(sums: dict, own: dict, n: int) -> None:
+    """Add a routing's measures ``own`` ({name: [per iteration]}) of ``n`` samples into the running
+    ``sums``: their mean over every sample is the sums over the samples counted (``mean_measures``)."""
+    for k, v in own.items():
+        sums[k] = [t + n * u for t, u in zip(sums.get(k, [0.0] * len(v)), v)]
+
+
+def mean_measures(sums: dict, n: int) -> dict:
+    """The measures ``add_measures`` summed over ``n`` samples, as means."""
+    return {k: [t / n for t in v] for k, v in sums.items()}
+
+
 def _failed(algo, what, e, B):
     """The error a routing's failure becomes: the backend's own (out of memory, a refused host copy)
     as it is, anything else one line naming the routing and how to check it."""

@@ -32,14 +32,14 @@ from . import attention_routing, inverted_routing, routing, self_routing, vb_rou
 from .routing import MODES
 from .routing_contract import Routing
 from .. import errors
-from ..errors import CapsNetError
+from ..errors import CapsNetError, printable as _shown  # a file's or a third party's text, as one line
 
 DEFAULT_ITERS = 3
 ENTRY_POINTS = "pycapsnet.routings"
 _REGISTRY: dict = {}
 _LOADING = [False]  # while an entry point's module is imported
-_FROM_ENTRY_POINT: set = set()
-_SKIPPED: set = set()  # names whose installed class was skipped for an explicit one (said once)  # names an installed package's entry point registered (an explicit import replaces them)
+_FROM_ENTRY_POINT: set = set()  # names an installed package's entry point registered (an explicit import replaces them)
+_SKIPPED: set = set()  # names whose installed class was skipped for an explicit one (said once)
 _discovered = False
 # Options of the layers that route: a routing's own option may not take one of these names
 LAYER_OPTIONS = {"layer", "name", "capsules", "types", "dim", "kernel", "stride", "iters", "routing_grad",
@@ -169,8 +169,12 @@ def _discover() -> None:
             for ep in eps:
                 _load_entry_point(ep, name)
     for dist in metadata.distributions(path=current_folder_entries() or [os.getcwd()]):
-        if any(ep.group == ENTRY_POINTS for ep in dist.entry_points):
-            what = f"{dist.metadata['Name']} {dist.version}" if dist.metadata is not None else "a package"
+        try:  # (the folder's own metadata may be anything: it is only named, never loaded)
+            what = f"{dist.metadata['Name']} {dist.version}" if any(ep.group == ENTRY_POINTS for ep in
+                                                                     dist.entry_points) else None
+        except Exception:  # noqa: BLE001
+            what = "a package"
+        if what:
             _notice(f"the routing entry points of {_shown(what)} in the current folder are not loaded: only installed "
                     "packages' are (install it, or import its module: --plugin MODULE)")
 
@@ -210,11 +214,6 @@ def _load_entry_point(ep, dist) -> None:
 
 def _notice(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
-
-
-def _shown(text) -> str:
-    """A string from a file or a third party, printed as one line: control characters escaped."""
-    return errors.printable(str(text))
 
 
 def current_folder_entries() -> list:

@@ -58,13 +58,13 @@ def add_parser(sub, backends_help: str):
                    help="training digits used (default: all: 4,000 embedded, 60,000 from --data-dir; quick: 120); "
                         "table1, affine and multimnist shrink the test set in proportion, routings does not "
                         "(its --limit-test)")
-    x.add_argument("--batch-size", type=positive_int, default=32)
+    x.add_argument("--batch-size", type=positive_int, default=FLAG_DEFAULTS["batch_size"])
     x.add_argument("--lr", type=positive_float, default=None,
                    help="Adam's rate, decayed 0.85 per epoch (default: table1 2e-3, the library's; affine and "
                         "multimnist 1e-3, the paper's: on their larger canvases 2e-3 makes every class capsule "
                         "long within the first steps, docs/experiments.md)")
-    x.add_argument("--backend", default="numpy", help=f"{backends_help} (default: numpy)")
-    x.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    x.add_argument("--backend", default=FLAG_DEFAULTS["backend"], help=f"{backends_help} (default: numpy)")
+    x.add_argument("--dtype", default=FLAG_DEFAULTS["dtype"], choices=("float32", "float64"))
     a = x.add_argument_group("affine")
     a.add_argument("--canvas", type=int, default=None, help="canvas side (default: affine 40, multimnist 36)")
     a.add_argument("--max-rotation", type=float, default=None, help="degrees (default: 20, affNIST's)")
@@ -135,7 +135,6 @@ def _routings_flags(r) -> None:
 
 def shard(text: str) -> tuple:
     """K/N with 1 <= K <= N (argparse type)."""
-
     k, sep, n = text.partition("/")
     try:
         k, n = int(k), int(n)
@@ -147,8 +146,6 @@ def shard(text: str) -> tuple:
 
 
 def main(args) -> int:
-
-
     module = {"table1": table1, "affine": affine, "multimnist": multimnist, "routings": routing_study}[args.name]
     _refuse_flags_of_others(args)
     if getattr(args, "merge", None):
@@ -193,8 +190,8 @@ OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_s
                                      "affine_target": None},
              "multimnist": {"canvas": 36, "shift": 4, "pairs": None},
              "routings": {"canvas": 40, "no_affine": False, "routings": None, "affine_target": None, "dataset": None,
-                          "limit_test": None, "val_fraction": 0.1, "margin": None, "augment": None, "normalize": None, "plan_seeds": None, "pilot": None,
-                          "effect": None, "sweep": None, "sweep_seeds": 2,
+                          "limit_test": None, "val_fraction": 0.1, "margin": None, "augment": None, "normalize": None,
+                          "plan_seeds": None, "pilot": None, "effect": None, "sweep": None, "sweep_seeds": 2,
                           "shard": None,
                           "choices": None, "merge": None, "conv_channels": None, "primary_types": None,
                           "primary_dim": None, "class_dim": None}}
@@ -214,7 +211,7 @@ def _refuse_flags_of_others(args) -> None:
 
 # --merge reads every setting off the units: these flags, at other values than their defaults, would be ignored
 MERGE_READS = {"name", "merge", "out", "fn", "plugin", "strict", "command"}
-FLAG_DEFAULTS = {"batch_size": 32, "backend": "numpy", "dtype": "float32", "quick": False}
+FLAG_DEFAULTS = {"batch_size": 32, "backend": "numpy", "dtype": "float32", "quick": False}  # (add_parser's defaults)
 
 
 def _refuse_flags_beside_merge(args) -> None:
@@ -227,7 +224,6 @@ def _refuse_flags_beside_merge(args) -> None:
 
 
 def _plan_seeds(args) -> int:
-
     if not args.pilot or args.effect is None:
         raise CapsNetError("--plan-seeds needs --pilot DIR (a finished record) and --effect POINTS (such as 0.1)")
     print(study_plan.table(study_plan.plan(args.pilot, args.effect)))
@@ -235,7 +231,6 @@ def _plan_seeds(args) -> int:
 
 
 def _command(args) -> str:
-
     return "pycapsnet " + " ".join(sys.argv[1:]) if sys.argv and "pycapsnet" in sys.argv[0] else f"experiment {args.name}"
 
 
@@ -319,7 +314,6 @@ def _data_arrays(data):
 
 def _checked(name: str, value, kind):
     """A number given to the Python form, checked as the command line checks its flag (None: the default)."""
-
     if value is None:
         return None
     try:

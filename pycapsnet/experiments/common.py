@@ -11,12 +11,17 @@ from ..errors import CapsNetError
 from ..training.files import atomic_write
 
 
+def write_json(path: str, record) -> None:
+    """``record`` as JSON at ``path``, written whole (files.atomic_write)."""
+    atomic_write(path, lambda f: json.dump(record, f, indent=1), text=True)
+
+
 def write_results(module, results, out) -> None:
     """results.json, results.md (and the module's figure, where it draws one), each written whole; a
     full disk or a folder gone is one line."""
     text = module.table(results)
     try:
-        atomic_write(os.path.join(out, "results.json"), lambda f: json.dump(results, f, indent=1), text=True)
+        write_json(os.path.join(out, "results.json"), results)
         atomic_write(os.path.join(out, "results.md"), lambda f: f.write(text + "\n"), text=True)
         if hasattr(module, "FIGURE"):  # (the others draw theirs as they run)
             module.figure(results, os.path.join(out, module.FIGURE))

@@ -31,7 +31,6 @@ def source(limit=None, data_dir=None):
     """The digits an experiment is made from, (train, test) Splits: the embedded 4,000 / 1,000, or
     with ``data_dir`` the MNIST IDX files there (60,000 / 10,000).  With ``limit``, that many
     training digits and the test digits in the same proportion (at least 10)."""
-
     train_set, test_set = data.load_idx_dir(data_dir) if data_dir else data.load_embedded()
     if limit:
         n_test = max(round(limit * len(test_set) / len(train_set)), 10)
@@ -93,7 +92,6 @@ def affine(x: np.ndarray, canvas: int, rng: np.random.Generator, max_rotation=20
     (``affine_matrix``; angles uniform in +-max, scales uniform in ``scale``) about its centre, with
     bilinear interpolation (scipy.ndimage.affine_transform), cropped to its ink and placed at a
     random offset.  A map that makes the digit larger than the canvas is drawn again."""
-
     check_canvas(canvas)
     check_affine(max_rotation, max_shear, scale)
     n = x.shape[0]

@@ -77,7 +77,6 @@ def n_batches(n, batch_size):
 def train_network(args, B, description, seed, train_set, transform, desc, after_epoch=None, curve=None):
     """The described network built from ``seed`` and trained for --epochs on ``train_set``, each batch
     through ``transform(images, rng)`` (shifts, a canvas): (model, seconds per step)."""
-
     model = architecture.build(description, B, seed=seed)
     rng = np.random.default_rng(seed)
     batches = lambda epoch: shuffled(train_set.x, train_set.y, args.batch_size, rng,  # noqa: E731

@@ -34,7 +34,7 @@ import numpy as np
 import pycapsnet
 
 from . import digits, loop, study_protocol as protocol, study_report as report, study_tuning as tuning, study_units
-from .common import check_fits
+from .common import check_fits, write_json
 from .networks import baseline_cnn
 from .study_diagnostics import TestPass
 from .study_stats import pack
@@ -43,7 +43,6 @@ from ..core import architecture as A, routing_source, routings
 from ..core.description import param_shapes
 from ..errors import first_line, printable, CapsNetError
 from ..training import augment as augmentation, data
-from ..training.files import atomic_write
 from ..training.log import say
 from ..training.run_dir import lock, unlock
 
@@ -281,8 +280,9 @@ class Study:
     def _tune(self, val, shape) -> None:
         """This run's share of the tuning units, round after round while the next round is known."""
         while True:
-            keys, _ = tuning.plan(self.tuned(), routing_of, self.known())
-            todo = [k for k in keys if k not in self.known() and self.mine(k, keys)]
+            known = self.known()
+            keys, _ = tuning.plan(self.tuned(), routing_of, known)
+            todo = [k for k in keys if k not in known and self.mine(k, keys)]
             if not todo:
                 return
             for key in todo:
@@ -295,7 +295,6 @@ class Study:
         """The tuning units a merged run's choices.json was made from (its units.json beside it), each
         checked against the digest the file lists, and the file's choices recomputed from them by the
         rule: a file that does not follow from its units, or whose units are absent, is refused."""
-
         def refuse(what):
             raise CapsNetError(f"--choices {path}: {what}; give the choices.json a merge wrote, beside its units.json")
 
@@ -325,9 +324,7 @@ class Study:
         return merged
 
     def _write_choices(self) -> None:
-
-        record = choices_record(self.settings, self.tuned(), self.known())
-        atomic_write(os.path.join(self.out, "choices.json"), lambda f: json.dump(record, f, indent=1), text=True)
+        write_json(os.path.join(self.out, "choices.json"), choices_record(self.settings, self.tuned(), self.known()))
 
     def _affine_unit(self, row, t, seed, desc) -> dict:
         """Trained on digits placed at random on the canvas; translated validation after each epoch;
@@ -378,7 +375,6 @@ def choices_record(settings, tuned, known) -> dict:
 
 def code_digest() -> str:
     """A digest of the library's source (pycapsnet and its backends): units of other code are not mixed."""
-
     root = os.path.dirname(os.path.abspath(pycapsnet.__file__))
     h = hashlib.sha256()
     for base in (root, os.path.realpath(os.path.join(root, "backends"))):
@@ -412,7 +408,6 @@ def _source(args):
 def run(args, B, out, units=None) -> dict:
     """The study's units this process runs into ``out``, which it locks meanwhile: two runs with one
     --out (two shards) would each write the file the other is writing."""
-
     held = lock(out)
     try:
         study = Study(args, B, lambda out, settings, layout: Units(out, flags=settings, layout=layout), out)

@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from ..core import routing_calls
 from ..tools import coupling
 from .study_protocol import CHILD_ACTIVE, DIAGNOSTIC_DIGITS, PARENT_ACTIVE
 
@@ -102,9 +103,7 @@ class TestPass:
         return self
 
     def _own(self, layer, n):
-        own = layer.routing_measures() if hasattr(layer, "routing_measures") else {}
-        for k, v in own.items():
-            self.own[k] = [a + n * b for a, b in zip(self.own.get(k, [0.0] * len(v)), v)]
+        routing_calls.add_measures(self.own, layer.routing_measures() if hasattr(layer, "routing_measures") else {}, n)
         self.own_seen += n
 
     def _children(self, u):
@@ -127,7 +126,7 @@ class TestPass:
                     "note": "no routing layer (a CNN)"}
         ent = None if self.coupling is None else [entropy(c) for c in self.coupling]
         dyn = None if self.coupling is None else [dynamics(c) for c in self.coupling]
-        own = {k: [x / self.own_seen for x in v] for k, v in self.own.items()}
+        own = routing_calls.mean_measures(self.own, self.own_seen)
         return {"entropy": ent, "dynamics": dyn, "own": own,
                 "starved_children": float(np.mean(self.child_max <= CHILD_ACTIVE)),
                 "starved_parents": float(np.mean(self.parent_max <= PARENT_ACTIVE)) if self.lengths_head else None,

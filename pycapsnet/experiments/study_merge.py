@@ -6,14 +6,12 @@ units file already in --out that holds units it does not.  It writes choices.jso
 next step: the choices made so far, and the rows whose tuning waits for another round."""
 from __future__ import annotations
 
-import json
 import os
 
 from . import routing_study, study_report as report, study_tuning as tuning, study_units
-from .common import write_results
+from .common import write_json, write_results
 from .units import FILE, Units
 from ..errors import printable, CapsNetError
-from ..training.files import atomic_write
 from ..training.log import say
 from ..training.run_dir import lock, out_dir_for, unlock
 
@@ -32,11 +30,11 @@ def merge(args) -> int:
                 _refuse_other_choices(units, tuned, origin)
             results = report.assemble(flags, units, layout["rows"], layout["sweep"], layout["seeds"],
                                       layout["sweep_seeds"], routing_study.routing_of)
-            _write(os.path.join(out, FILE), {"flags": flags, "layout": layout, "units": units})
+            write_json(os.path.join(out, FILE), {"flags": flags, "layout": layout, "units": units})
             study_units.write_long_form(units, out)
             results.update(command="pycapsnet experiment routings --merge " + " ".join(args.merge), merged=list(args.merge))
             if flags["fixed_lr"] is None:  # the shards' next step: another round of tuning, or the main units
-                _write(os.path.join(out, "choices.json"), routing_study.choices_record(flags, tuned, units))
+                write_json(os.path.join(out, "choices.json"), routing_study.choices_record(flags, tuned, units))
             write_results(routing_study, results, out)
         finally:
             unlock(out, held)
@@ -103,6 +101,3 @@ def _refuse_other_choices(units, tuned, origin) -> None:
                                + " the merged tuning units make: its figures are not this study's; train it again "
                                "with the merged choices.json")
 
-
-def _write(path, record) -> None:
-    atomic_write(path, lambda fh: json.dump(record, fh, indent=1), text=True)

@@ -31,7 +31,7 @@ from .inspect_run import inspect_run
 from .plan import format_bytes, measured_peak, parse_memory, plan, SEARCH_CAP
 from .plan_measured import measure_step, measured_batches, plan_network
 from .predict import cmd_predict
-from .tables import format_table  # noqa: F401  (also what the benchmarks print their tables with)
+from .tables import format_table
 from .. import __version__, plugins
 from ..core import architecture
 from ..core.capsules import PrimaryCaps
@@ -141,8 +141,6 @@ def cmd_data(args):
 
 
 def cmd_plan(args):
-
-
     budget = parse_memory(args.memory) if args.memory else machine_memory()
     p, shrink, measure = (_plan_described if args.network else _plan_builtin)(args)
     n = args.batch_size
@@ -170,7 +168,6 @@ def cmd_plan(args):
 
 def _plan_builtin(args):
     """(plan, flags that would shrink the step, the measurement) of a built-in network."""
-
     routing = args.routing or "dynamic"
     given = {k: getattr(args, k) for k in ARCHITECTURE if k != "routing" and getattr(args, k, None) is not None}
     refuse_ignored_flags(given, routing)   # e.g. --share-spatial with --routing em: one line, as train says
@@ -191,7 +188,6 @@ def _plan_builtin(args):
 
 def _plan_described(args):
     """(plan, [], the measurement) of a described network: its step run at small batches (plan_measured.py)."""
-
     flags = sorted("--" + k.replace("_", "-") for k in ARCHITECTURE if getattr(args, k, None) is not None)
     if flags:
         raise CapsNetError(f"{', '.join(flags)} set{'s' if len(flags) == 1 else ''} a built-in network; "
@@ -205,7 +201,6 @@ def _plan_described(args):
 
 def _plan_arch(arch, what, args):
     """(plan, [], the measurement) of the network ``arch`` describes, measured at small batches."""
-
     c, h, w = arch["input_shape"]
     a, b = measured_batches()
     how = "measured" if args.batch_size <= b else f"measured at batches {a} and {b}, extrapolated"
@@ -218,7 +213,6 @@ def _plan_arch(arch, what, args):
 def _data_flags(p):
     """--dataset / --data-dir of the commands that read a checkpoint: left out, the run's own data
     (saved in the checkpoint), so that a model is scored on its own test split."""
-
     p.add_argument("--dataset", choices=data.DATASETS, help="default: the data the run trained on")
     p.add_argument("--data-dir", default=None, help="the data directory: IDX files or a folder of images "
                                                     "(default: the run's)")
@@ -368,7 +362,6 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-
     try:  # before the parser is made: its --routing choices hold the routings the plugins register
         plugins.load_from_argv(argv)
     except CapsNetError as e:

@@ -25,7 +25,6 @@ EM_FLOAT32_TOLERANCE = 2e-3
 
 def is_em(model) -> bool:
     """Whether a network routes matrix capsules by EM (its class scores are activations)."""
-
     return isinstance(model.head, ActivationHead)
 
 
@@ -46,7 +45,6 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
     float64 one, which finite differences check (``pycapsnet gradcheck``).  Both sides then start
     from the same numbers -- the float32 weights and batch, which float64 holds exactly -- so what
     differs is float32's arithmetic alone."""
-
     dtypes = (dtype, dtype_b or dtype)
     low = lower_precision(*dtypes)
     ckpt = ckpt_mod.load(checkpoint) if checkpoint else None  # read once, for both sides and the batch
@@ -95,7 +93,6 @@ def crosscheck(spec_a, spec_b, dtype="float64", checkpoint=None, batch=8, seed=0
 def batch_of(model, ckpt, batch, seed):
     """(x, y, what they are): the first test images of the checkpoint's own run, or of the embedded
     digits for a seeded 28x28 network; random images and labels only where neither exists, said so."""
-
     if ckpt:
         run = settle(argparse.Namespace(eval_only=True, no_progress=True), ckpt)
         _, test = data.load(run.dataset, run.data_dir, **data_options(run))

@@ -28,7 +28,6 @@ from . import coupling, plots
 
 
 def inspect_run(args) -> int:
-
     try:
         with out_dir_for(args.out):  # made before the loading, so that a bad --out fails at once
             return _inspect(args)
@@ -38,8 +37,6 @@ def inspect_run(args) -> int:
 
 
 def _inspect(args) -> int:
-
-
     B = backends.get(args.backend, device=args.device, dtype="float32")
     model, ckpt = ckpt_mod.load_model(args.checkpoint, B)
     if not model.routing_layers():
@@ -74,7 +71,6 @@ def _inspect(args) -> int:
 def coupling_grads(model, split, index, out) -> str:
     """coupling_grad.npz: each routing layer's dL/dc_ij of every iteration for image ``index`` (its own
     loss, study.coupling(..., grad=True)); returns the path, after a line per layer of mean |dL/dc|."""
-
     x, y = split.images(slice(index, index + 1)), split.y[index:index + 1]
     grads = coupling.grads(model, x, y, 1)
     arrays = {f"{layer}/iteration_{r + 1}": g[0] for layer, gs in grads.items() for r, g in enumerate(gs)
@@ -91,7 +87,6 @@ def draw(model, split, index, names, out, capsule=None, reach=0.25, about="image
     """The pictures of image ``index`` of ``split`` into ``out`` (reconstructions of the split's first
     images, Figure 4, each routing layer's coupling, EM's activations); returns their paths.  The
     command line's ``inspect`` and ``study.inspect`` both draw with it."""
-
     B = model.B
     x, y = split.images(slice(index, index + 1)), int(split.y[index])
     with model.evaluating(), B.quiet_float_errors():  # no dropout, batch norm's running statistics
@@ -113,7 +108,6 @@ def draw(model, split, index, names, out, capsule=None, reach=0.25, about="image
         written.append(figure_4(model, v, chosen, reach, os.path.join(out, "perturbation.png"), about, names[chosen]))
     written += coupling_pictures(routed, out, about, names, pred, em=bool(activations))
     if activations:
-
         written.append(plots.activation_bars(activations, os.path.join(out, "activations.png"), names, y, pred,
                                              f"class activations a_j per EM iteration, {about}"))
     return written
@@ -121,7 +115,6 @@ def draw(model, split, index, names, out, capsule=None, reach=0.25, about="image
 
 def figure_4(model, v, capsule, reach, path, about, name):
     """Each dimension of class capsule ``capsule`` moved over [-reach, reach] in ten steps, decoded."""
-
     steps = np.round(np.linspace(-reach, reach, 11), 6)
     D, B = v.shape[-1], model.B
     tweaked = np.repeat(v, D * len(steps), axis=0)  # (D*S, J, D)

@@ -241,9 +241,6 @@ def measured_peak(config: CapsNetConfig, batch_size: int, dtype: str = "float32"
     a train step (optimizer step included) of the NumPy backend, seen by tracemalloc, from before the
     model is built (so its parameters and optimizer state count).  The largest of ``steps`` steps
     (the first makes the per-shape constants).  Random images and labels; NumPy backend only."""
-
-
-
     B = backends.get("numpy", dtype=dtype)
     c, h, w = config.input_shape
     rng = np.random.default_rng(0)

@@ -91,7 +91,6 @@ def cmd_predict(args) -> int:
     """``pycapsnet predict RUN IMAGE_OR_DIR...``: a line per file, best class first (tab-separated:
     path, then class and score for each of the ``--top`` classes; ``--json``: a JSON object per
     line); files that cannot be read are named after the others, with exit 2."""
-
     if args.top < 1:
         raise CapsNetError(f"--top must be at least 1, got {args.top}")
     run = load(args.run, args.backend, args.device)

@@ -24,7 +24,6 @@ class _Digamma(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-
         (x,) = ctx.saved_tensors
         return g * torch.as_tensor(special.polygamma(1, x.detach().cpu().numpy()), dtype=x.dtype, device=x.device)
 

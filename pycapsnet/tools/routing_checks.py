@@ -49,7 +49,6 @@ def _modes(name) -> tuple:
 def finite_differences(name, samples=12, tol=1e-6, seed=0) -> list:
     """Finite differences of the routing's layers (fully connected, shared, after another routing
     layer, convolutional at strides 1 and 2), float64, each gradient mode."""
-
     B = backends.get("numpy", dtype="float64")
     return [{"check": "finite differences", "what": c.layer, "tensor": c.tensor, "max_abs": c.max_abs,
              "max_rel": c.max_rel, "agree": c.passed,
@@ -62,7 +61,6 @@ def layer(name, children, capsules, dim, backend="numpy", dtype="float64", seed=
           init_std=None, **options):
     """A routing layer on capsules: u (N, I, K) -> v (N, J, D), routed by ``name`` (ClassCaps with one
     position).  ``children`` (I, K): the child capsules' count and size."""
-
     I, K = children
     std = init.routed_std(I, capsules, dim) if init_std is None else init_std
     return ClassCaps(backends.get(backend, dtype=dtype), positions=1, types=I, in_dim=K, n_classes=capsules,

@@ -70,7 +70,6 @@ def save(path: str, model: Network, optimizer=None, **meta) -> str:
 
 def routings_of(model: Network) -> dict:
     """{name: module} of each routing the model's layers run that is not pycapsnet's own."""
-
     used = {getattr(layer, "routing", None) for _, layer in model.routing_layers() if hasattr(layer, "algo")}
     return {name: routings.module_of(name) for name in sorted(used - {None}) if not routings.is_builtin(name)}
 
@@ -78,7 +77,6 @@ def routings_of(model: Network) -> dict:
 def _unregistered(header, path) -> None:
     """Refuse, before the header's network is read, a checkpoint whose routings are not registered
     here, naming the module that registers each."""
-
     own = header.get("routings") if isinstance(header, dict) else None
     if own is None:
         return
@@ -97,7 +95,7 @@ def _unregistered(header, path) -> None:
     recorded = header.get("routing_sources")
     for name, was, now in routing_source.differences(recorded if isinstance(recorded, dict) else {}):
         line = printable(routing_source.said(name, was, now), 400)
-        if routing_source.STRICT[0]:
+        if routing_source.strict():
             raise CapsNetError(f"{path}: {line}: its results may not be reproduced by this code; register the "
                                "version it was trained with, or load it without --strict (strict=False)")
         print(f"warning: {path}: {line}; its results may not be reproduced by this code (--strict refuses it)",
@@ -115,7 +113,6 @@ def _how_to_register(module: str) -> str:
         return f"import {module} first (on the command line: --plugin {module})"
     return (f"no module {top} is installed here (the package that holds it was uninstalled, or never installed): "
             f"install it, or give its file with --plugin PATH/{top}.py")
-
 
 
 def load(path: str) -> dict:
@@ -243,7 +240,6 @@ def param_shapes_of(header: dict, path: str) -> dict:
     """Name -> shape of the parameters of the header's network, from its arithmetic alone: nothing
     is built (a header edited to a huge layer is refused by its arrays' sizes, never allocated)."""
     if "config" in header:
-
         return param_shapes(CapsNetConfig(**header["config"]))
     try:
         description.check(header["architecture"])

@@ -16,13 +16,12 @@ import re
 import warnings
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from pycapsnet.backends.host import machine_memory
 
 from .log import say
 from ..errors import CapsNetError
-from ..tools.plan import format_bytes  # for messages only: not imported unless one is said
+from ..tools.plan import format_bytes
 from ..userfiles import read_regular
 
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -30,7 +29,6 @@ GREY_MODES = ("1", "L", "LA", "I", "F")  # besides the 16-bit ones, I;16*
 
 
 def _bytes(n: float) -> str:
-
     return format_bytes(n)
 
 
@@ -164,6 +162,7 @@ def _decode(files, image_size, channels, progress):
     bar = files
     if progress:
         try:
+            from tqdm.auto import tqdm  # (optional: the bar is a convenience, not a dependency of reading)
 
             # disable=None: no bar when stderr is not a terminal (no carriage returns in a log)
             bar = tqdm(files, desc="decoding images", leave=False, dynamic_ncols=True, disable=None)

@@ -239,7 +239,6 @@ class SGD(Optimizer):
 
 def _network(model, who: str):
     """The network an optimizer updates: a Network, or the one a Model (pycapsnet.build, load) holds."""
-
     net = getattr(model, "network", model)
     if not isinstance(net, Network) and not all(hasattr(net, k) for k in ("B", "params", "grads")):
         raise CapsNetError(f"{who} updates a network's parameters: give it a Model (pycapsnet.build(...)) or its "

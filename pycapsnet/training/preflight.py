@@ -25,7 +25,6 @@ def check_parameters_fit(cfg: CapsNetConfig, dtype: str) -> None:
     n, largest = sum(math.prod(s) for s in shapes), max(math.prod(s) for s in shapes)
     need, have = 4 * n * np.dtype(dtype).itemsize + 8 * largest, machine_memory()
     if have and need > have:
-
         h, w = cfg.input_shape[1:]
         share = "" if cfg.routing == "em" or cfg.share_spatial else " or --share-spatial (one transform for all positions)"
         raise CapsNetError(f"the network for {h}x{w} images holds {n:,} parameters, {format_bytes(need)} with their "

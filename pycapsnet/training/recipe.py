@@ -231,7 +231,6 @@ IGNORED_BY = {
 
 def ignored_by(routing) -> dict:
     """{setting: why it does nothing} for ``routing``'s network."""
-
     if routing in IGNORED_BY:
         return IGNORED_BY[routing]
     own = routings.get(routing)

@@ -117,7 +117,6 @@ def run(args, backend_name: str) -> int:
 
 def main(backend: str | None = None, argv=None) -> int:
     """Entry point of the per-backend scripts: ``sys.exit(main("numpy"))``."""
-
     try:  # before the parser is made: its --routing choices hold the routings the plugins register
         plugins.load_from_argv(argv)
     except CapsNetError as e:
