@@ -301,3 +301,15 @@ def test_per_channel_normalisation_from_the_training_images_alike_for_every_row(
                                    A.dynamic_caps(10, 4)], decoder=None, input_shape=(3, 32, 32), n_classes=10))
     st = pycapsnet.datasets.channel_stats(train.images())
     np.testing.assert_allclose(st["mean"], train.images().mean(axis=(0, 2, 3)), rtol=1e-6)
+
+
+def test_the_normalize_layer_under_the_torch_wrappers_gradcheck():
+    torch = pytest.importorskip("torch", reason="the torch wrapper")
+    import pycapsnet.torch as pct
+    from pycapsnet.tools.gradcheck import composed_architectures
+
+    arch = composed_architectures()["colour, normalised, ConvCaps routing=full"]
+    assert arch["body"][0]["layer"] == "normalize"
+    net = pct.Network(pycapsnet.build(arch, backend="torch", dtype="float64"))
+    x = torch.rand(1, 3, 13, 13, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: net(t)[1], (x,), eps=1e-6, atol=1e-5)
