@@ -44,13 +44,13 @@ def commit() -> str:
         return "unknown"
 
 
-def step_of(row, backbone, batch, seed=0):
+def step_of(row, backbone, batch, shape=(1, 28, 28), seed=0, backend="numpy"):
     """A function that runs one training step of ``row``'s network, and the network."""
-    B = backends.get("numpy", dtype="float32")
-    net = architecture.build(routing_study.network(row, (1, 28, 28), backbone), B, seed=seed)
+    B = backends.get(backend, dtype="float32")
+    net = architecture.build(routing_study.network(row, shape, backbone), B, seed=seed)
     opt = Adam(net, lr=1e-3)
     rng = np.random.default_rng(seed)
-    x = rng.random((batch, 1, 28, 28)).astype(np.float32)
+    x = rng.random((batch, *shape)).astype(np.float32)
     y = rng.integers(0, 10, batch)
 
     def step():
@@ -66,10 +66,15 @@ def main():
     p.add_argument("--steps", type=int, default=5, help="timed steps a row a round (after one untimed)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="the --quick backbone (a toy size)")
+    p.add_argument("--backbone", default="capsnet", choices=tuple(routing_study.BACKBONES))
+    p.add_argument("--data", default="mnist", choices=("mnist", "cifar10"), help="the images' shape: 1x28x28 "
+                   "(MNIST, Fashion-MNIST) or 3x32x32 (CIFAR-10)")
+    p.add_argument("--backend", default="numpy", choices=("numpy", "torch"))
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    backbone = routing_study.QUICK_BACKBONE if a.quick else routing_study.BACKBONE
-    steps = {row: step_of(row, backbone, a.batch) for row in a.rows}
+    backbone = routing_study.BACKBONES[a.backbone][1 if a.quick else 0]
+    shape = (1, 28, 28) if a.data == "mnist" else (3, 32, 32)
+    steps = {row: step_of(row, backbone, a.batch, shape, backend=a.backend) for row in a.rows}
     per_round = {row: [] for row in a.rows}
     for _ in range(a.rounds):
         for row, (step, _) in steps.items():
@@ -82,11 +87,13 @@ def main():
     rows = {row: {"cpu_ms_per_step": statistics.median(ms), "rounds": ms, "params": steps[row][1].n_params(),
                   "vs_uniform": statistics.median(ms) / base if base else None} for row, ms in per_round.items()}
     record = {"cpu": cpu_model(), "commit": commit(), "batch": a.batch, "steps": a.steps, "rounds": a.rounds,
-              "threads": os.environ.get("PYCAPSNET_THREADS", "default"), "backbone": backbone, "rows": rows,
-              "command": "python benchmarks/study_rows.py " + " ".join(f"--{k} {v}" for k, v in
-                                                                      (("batch", a.batch), ("steps", a.steps),
-                                                                       ("rounds", a.rounds)))}
-    print(f"{record['cpu']}, commit {record['commit']}, batch {a.batch}, float32, threads {record['threads']}: "
+              "threads": os.environ.get("PYCAPSNET_THREADS", "default"), "backbone": backbone, "data": a.data,
+              "backend": a.backend, "rows": rows,
+              "command": "python benchmarks/study_rows.py " + " ".join(
+                  f"--{k} {v}" for k, v in (("batch", a.batch), ("steps", a.steps), ("rounds", a.rounds),
+                                            ("backbone", a.backbone), ("data", a.data), ("backend", a.backend)))}
+    print(f"{record['cpu']}, commit {record['commit']}, {a.backend}, {a.backbone} backbone on {a.data}'s shape, "
+          f"batch {a.batch}, float32, threads {record['threads']}: "
           "CPU ms per training step (median over rounds)")
     print("| row | parameters | CPU ms/step | × uniform's |\n|---|---|---|---|")
     for row, r in rows.items():

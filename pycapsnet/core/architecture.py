@@ -41,10 +41,11 @@ from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, Normalize, ReLU
 from .losses import MarginLoss, NegativeLogLikelihood, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 from .network import ActivationHead, LengthHead, LogitsHead, MaskedDecoder, Network, Sequential
+from .residual import Residual
 from .parts import (  # noqa: F401 -- the parts of a description, re-exported: architecture.conv2d(...)
     DEFAULT_LOSS, attention_caps, batch_norm, capsule_logits, class_matrix_caps, conv2d, conv_caps, conv_matrix_caps,
     cross_entropy, decoder, dropout, dynamic_caps, flatten, layer_norm, linear, margin_loss, max_pool, network, nll_loss,
-    normalize, primary_caps, primary_matrix_caps, relu, spread_loss)
+    normalize, primary_caps, primary_matrix_caps, relu, residual, basic_block, spread_loss)
 from ..errors import CapsNetError
 from ..userfiles import read_regular
 
@@ -192,11 +193,25 @@ def _class_matrix_caps(B, flow, rng, capsules, iters=2, routing_grad="full", em_
     return layer, Flow("matrix", None, capsules)
 
 
+def _residual(B, flow, rng, body, shortcut=None):
+    """residual.Residual: ``body`` and ``shortcut`` (None: the identity) built from ``flow``, and
+    refused unless both emit the same."""
+    main, out, last = _chain(B, body, flow, rng, "the block's input", "the residual block's ")
+    side, side_out, side_last = (None, flow, "the identity shortcut") if shortcut is None else \
+        _chain(B, shortcut, flow, rng, "the block's input", "the residual block's shortcut's ")
+    if out != side_out:
+        raise _Misfit(f"its body ends in {last}, which emits {out}, and its shortcut ({side_last}) emits {side_out}: "
+                      "they are added, so they must emit the same (a projection where the body changes the shape: "
+                      "a 1x1 convolution of the body's stride and channels)")
+    return Residual(B, main, side), out
+
+
 LAYERS = {"conv2d": _conv2d, "relu": _relu, "max_pool": _max_pool, "flatten": _flatten, "linear": _linear,
           "dropout": _dropout, "batch_norm": _batch_norm, "primary_caps": _primary_caps, "dynamic_caps": _dynamic_caps,
           "attention_caps": _attention_caps, "conv_caps": _conv_caps, "primary_matrix_caps": _primary_matrix_caps,
           "conv_matrix_caps": _conv_matrix_caps, "class_matrix_caps": _class_matrix_caps,
-          "capsule_logits": _capsule_logits, "layer_norm": _layer_norm, "normalize": _normalize}
+          "capsule_logits": _capsule_logits, "layer_norm": _layer_norm, "normalize": _normalize,
+          "residual": _residual}
 HEADS = {"lengths": ("vector", LengthHead), "activations": ("matrix", ActivationHead), "logits": ("flat", LogitsHead)}
 LOSSES = {"margin": MarginLoss, "spread": SpreadLoss, "cross_entropy": SoftmaxCrossEntropy, "nll": NegativeLogLikelihood}
 
@@ -289,14 +304,20 @@ def build_body(B, body, input_shape, rng=None):
     if c == h != w:  # (20, 20, 64): a square image's height, width and channels, in that order
         raise CapsNetError(f"input_shape is (channels, height, width); {tuple(input_shape)} reads as a {h}x{w} "
                            f"image of {c} channels -- if it is a {c}x{h} image of {w} channels, give ({w}, {c}, {h})")
-    flow, prev, layers, counts = Flow("image", (h, w), c), "the input", [], {}
+    return _chain(B, body, Flow("image", (h, w), c), rng, "the input")
+
+
+def _chain(B, body, flow, rng, prev, within=""):
+    """(Sequential, the Flow it emits, its last layer in words) of the layers ``body`` describes,
+    taking ``flow`` from ``prev``; ``within``: the block they are part of, in messages."""
+    layers, counts = [], {}
     for k, spec in enumerate(body):
         kind = spec.get("layer") if isinstance(spec, dict) else None
         if kind not in LAYERS:
-            raise CapsNetError(f"body layer {k + 1}: unknown layer {kind!r}; use one of {', '.join(LAYERS)}")
+            raise CapsNetError(f"{within}body layer {k + 1}: unknown layer {kind!r}; use one of {', '.join(LAYERS)}")
         counts[kind] = counts.get(kind, 0) + 1
         name = str(spec.get("name") or f"{kind}{counts[kind]}")
-        label = f"layer '{name}' ({kind})"
+        label = f"{within}layer '{name}' ({kind})"
         options = _options(LAYERS[kind], spec, label)
         try:
             layer, out = LAYERS[kind](B, flow, rng, **options)

@@ -99,21 +99,26 @@ def check(arch) -> None:
     _check_decoder(arch.get("decoder"))
 
 
-def _check_layer(k, spec, counts):
+def _check_layer(k, spec, counts, within=""):
     """A body layer: a known kind, its options known and present (architecture._options), each
-    of the type and range it takes.  Named as build_body names it."""
+    of the type and range it takes.  Named as build_body names it; ``within``: the block it is
+    part of, in messages."""
     from .architecture import LAYERS, _options  # (architecture imports this module: read when called)
 
     if not isinstance(spec, dict) or not isinstance(spec.get("layer"), str):
-        raise CapsNetError(f"body layer {k + 1} must be an object with a 'layer' name, got {_short(spec)}")
+        raise CapsNetError(f"{within}body layer {k + 1} must be an object with a 'layer' name, got {_short(spec)}")
     kind = spec["layer"]
     if kind not in LAYERS:
-        raise CapsNetError(f"body layer {k + 1}: unknown layer {kind!r}; use one of {', '.join(LAYERS)}")
+        raise CapsNetError(f"{within}body layer {k + 1}: unknown layer {kind!r}; use one of {', '.join(LAYERS)}")
     name = spec.get("name")
     if name is not None and (not isinstance(name, str) or not name or "." in name):
-        raise CapsNetError(f"body layer {k + 1}: its name must be a non-empty string without '.', got {name!r}")
+        raise CapsNetError(f"{within}body layer {k + 1}: its name must be a non-empty string without '.', "
+                           f"got {name!r}")
     counts[kind] = counts.get(kind, 0) + 1
-    label = f"layer '{name or f'{kind}{counts[kind]}'}' ({kind})"
+    label = f"{within}layer '{name or f'{kind}{counts[kind]}'}' ({kind})"
+    if kind == "residual":
+        _options(LAYERS[kind], spec, label)
+        return _check_branches(spec, label)
     if kind in ROUTED_LAYERS and "routing" in spec:  # checked first: which options belong depends on it
         problem = OPTIONS["routing"](spec["routing"])
         if problem:
@@ -131,6 +136,20 @@ def _check_layer(k, spec, counts):
             problem = None if rule is None else rule(value)  # (no rule: _options refused the unknown ones)
         if problem:
             raise CapsNetError(f"{label}: {option} must be {problem}, got {_short(value)}")
+
+
+def _check_branches(spec, label):
+    """A residual block's body (a non-empty list of layers) and shortcut (null or one), each layer checked."""
+    for branch in ("body", "shortcut"):
+        layers = spec.get(branch)
+        if layers is None and branch == "shortcut":
+            continue
+        if not isinstance(layers, list) or not layers:
+            raise CapsNetError(f"{label}: {branch} must be a non-empty list of layers"
+                               + (" or null (the identity)" if branch == "shortcut" else "") + f", got {_short(layers)}")
+        counts = {}
+        for k, inner in enumerate(layers):
+            _check_layer(k, inner, counts, f"{label}, {branch}: ")
 
 
 def routing_of(spec):
@@ -186,34 +205,47 @@ def param_shapes(arch) -> dict:
     be weighed against memory, or against the arrays a file holds, before anything is built.  The
     walk stops where a layer does not fit its input (building says why); tests hold it to what
     ``architecture.build`` makes."""
-    from .architecture import LAYERS  # (architecture imports this module: read when called)
-
     c, h, w = arch["input_shape"]
-    kind, grid, types, dim = "image", (h, w), c, 1
-    shapes, counts = {}, {}
-    for spec in arch["body"]:
-        layer = spec["layer"]
-        counts[layer] = counts.get(layer, 0) + 1
-        name = str(spec.get("name") or f"{layer}{counts[layer]}")
-        o = {p.name: p.default for p in list(inspect.signature(LAYERS[layer]).parameters.values())[3:]
-             if p.kind != p.VAR_KEYWORD}
-        o.update({k: v for k, v in spec.items() if k not in ("layer", "name")})
-        step = _STEPS.get(layer)
-        if step is None:  # relu, dropout: nothing learned, nothing reshaped
-            continue
-        found = step(o, kind, grid, types, dim)
-        if found is None:
-            break
-        params, (kind, grid, types, dim) = found
-        if grid is not None and min(grid) < 1:
-            break
-        shapes.update({f"{name}.{k}": tuple(int(d) for d in s) for k, s in params.items()})
+    shapes = {}
+    kind, grid, types, dim = _walk(arch["body"], ("image", (h, w), c, 1), shapes, "") or (None, (0,), 0, 0)
     decoder = arch.get("decoder")
     if decoder and kind in ("vector", "matrix") and grid is None:
         sizes = (arch["n_classes"] * (dim if kind == "vector" else 16), *decoder.get("hidden", ()), c * h * w)
         for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]), start=1):
             shapes.update({f"decoder{k}.W": (a, b), f"decoder{k}.b": (b,)})
     return shapes
+
+
+def _walk(body, flow, shapes, prefix):
+    """The flow (kind, grid, types, dim) that ``body`` emits from ``flow``, its parameters' shapes
+    added to ``shapes`` under ``prefix``; None where a layer does not fit."""
+    from .architecture import LAYERS  # (architecture imports this module: read when called)
+
+    counts = {}
+    for spec in body:
+        layer = spec["layer"]
+        counts[layer] = counts.get(layer, 0) + 1
+        name = str(spec.get("name") or f"{layer}{counts[layer]}")
+        o = {p.name: p.default for p in list(inspect.signature(LAYERS[layer]).parameters.values())[3:]
+             if p.kind != p.VAR_KEYWORD}
+        o.update({k: v for k, v in spec.items() if k not in ("layer", "name")})
+        if layer == "residual":
+            out = _walk(o["body"], flow, shapes, f"{prefix}{name}.body.")
+            if o["shortcut"] is not None and out is not None:
+                out = out if _walk(o["shortcut"], flow, shapes, f"{prefix}{name}.shortcut.") == out else None
+            if out is None:
+                return None
+            flow = out
+            continue
+        step = _STEPS.get(layer)
+        if step is None:  # relu, dropout: nothing learned, nothing reshaped
+            continue
+        found = step(o, *flow)
+        if found is None or (found[1][1] is not None and min(found[1][1]) < 1):
+            return None
+        params, flow = found
+        shapes.update({f"{prefix}{name}.{k}": tuple(int(d) for d in s) for k, s in params.items()})
+    return flow
 
 
 def _out(grid, k, s, p=0):

@@ -34,7 +34,8 @@ class Sequential(Layer):
             raise CapsNetError(f"layer names must be unique, got {self.names}")
 
     def __repr__(self):
-        return "Sequential(\n" + "".join(f"  {name}: {layer!r}\n" for name, layer in self) + ")"
+        inner = "".join(f"  {name}: " + repr(layer).replace("\n", "\n  ") + "\n" for name, layer in self)
+        return f"{type(self).__name__}(\n{inner})"
 
     def __iter__(self):
         return iter(zip(self.names, self.layers))
@@ -48,6 +49,14 @@ class Sequential(Layer):
             if isinstance(layer, Sequential):
                 yield from layer.named_layers(f"{prefix}{name}.")
             elif layer.params:
+                yield prefix + name, layer
+
+    def leaves(self, prefix=""):
+        """(dotted name, layer) for every layer that is not itself a Sequential, in forward order."""
+        for name, layer in self:
+            if isinstance(layer, Sequential):
+                yield from layer.leaves(f"{prefix}{name}.")
+            else:
                 yield prefix + name, layer
 
     @property
@@ -213,7 +222,7 @@ class Network:
                 offset += size
 
     def __repr__(self):
-        parts = [f"  {name}: {layer!r}" for name, layer in self.body]
+        parts = [f"  {name}: " + repr(layer).replace("\n", "\n  ") for name, layer in self.body]
         parts += [f"  head: {type(self.head).__name__}, loss: {type(self.class_loss).__name__}"
                   + (f", decoder: {' -> '.join(str(l.params['W'].shape[1]) for _, l in self.decoder.named_layers())}"
                      if self.decoder is not None else "")]
@@ -275,17 +284,8 @@ class Network:
     # ---- generators: what a layer draws from while training (Dropout, random routing) ------------
     def generators(self) -> dict:
         """{dotted layer name: its NumPy generator} of every layer that draws as it runs."""
-        found = {}
-
-        def walk(prefix, seq):
-            for name, layer in seq:
-                if isinstance(layer, Sequential):
-                    walk(f"{prefix}{name}.", layer)
-                elif isinstance(getattr(layer, "rng", None), np.random.Generator):
-                    found[prefix + name] = layer.rng
-
-        walk("", self.body)
-        return found
+        return {name: layer.rng for name, layer in self.body.leaves()
+                if isinstance(getattr(layer, "rng", None), np.random.Generator)}
 
     def generator_state(self) -> dict:
         """Each generator's state (``bit_generator.state``: plain Python, JSON-able), by layer name;

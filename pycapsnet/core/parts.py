@@ -105,6 +105,23 @@ def capsule_logits(name=None):
     return _part("capsule_logits", name)
 
 
+def residual(body, shortcut=None, name=None):
+    """A residual block (residual.py): the sum of ``body``'s output and ``shortcut``'s (lists of
+    parts), or of ``body``'s and its input where ``shortcut`` is None."""
+    return _part("residual", name, body=list(body), **({} if shortcut is None else {"shortcut": list(shortcut)}))
+
+
+def basic_block(channels, stride=1, project=False, name=None):
+    """ResNet's basic block for CIFAR-10 (He et al. 2016, §4.2): 3x3 convolution (``stride``), batch
+    norm, ReLU, 3x3 convolution, batch norm, plus the input -- or, ``project`` (where the block changes
+    the channels or the grid), the input through a 1x1 convolution of ``stride`` and batch norm.  The
+    ReLU after the sum is the next part: ``[basic_block(16), relu(), ...]``."""
+    body = [conv2d(channels, 3, stride, 1, name="conv1"), batch_norm(name="bn1"), relu(name="relu1"),
+            conv2d(channels, 3, 1, 1, name="conv2"), batch_norm(name="bn2")]
+    shortcut = [conv2d(channels, 1, stride, name="conv"), batch_norm(name="bn")] if project else None
+    return residual(body, shortcut, name)
+
+
 def layer_norm(eps=1e-5, name=None):
     """Layer normalisation over the last axis: a capsule's components, an image's channels, features."""
     return _part("layer_norm", name, eps=eps)

@@ -127,6 +127,10 @@ def _routings_flags(r) -> None:
                    help="a merged run's choices.json: the tuning done, a shard runs its main units")
     r.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                    help="build the table from these output folders into --out (units of other settings or code refused)")
+    r.add_argument("--backbone", default=None, choices=tuple(routing_study.BACKBONES),
+                   help="every row's layers before its class layer: capsnet (conv 9x9 then primary capsules 9x9/2; "
+                        "the default) or resnet20 (ResNet-20's 16/32/64-channel residual stages, then primary "
+                        "capsules 3x3 of 32 types of 16D: SR-CapsNet's CIFAR-10 backbone)")
     for name, what in (("conv-channels", "conv1's channels (default: 64; quick: 8)"),
                        ("primary-types", "primary capsule types (default: 16; quick: 2)"),
                        ("primary-dim", "primary capsule dims (default: 8)"), ("class-dim", "class capsule dims (default: 16)")):
@@ -191,7 +195,7 @@ OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_s
              "multimnist": {"canvas": 36, "shift": 4, "pairs": None},
              "routings": {"canvas": 40, "no_affine": False, "routings": None, "affine_target": None, "dataset": None,
                           "limit_test": None, "val_fraction": 0.1, "margin": None, "augment": None, "normalize": None,
-                          "plan_seeds": None, "pilot": None, "effect": None, "sweep": None, "sweep_seeds": 2,
+                          "backbone": None, "plan_seeds": None, "pilot": None, "effect": None, "sweep": None, "sweep_seeds": 2,
                           "shard": None,
                           "choices": None, "merge": None, "conv_channels": None, "primary_types": None,
                           "primary_dim": None, "class_dim": None}}
@@ -241,7 +245,7 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
              canvas: int | None = None, affine: bool = True, routings: list | None = None,
              affine_target: float | None = None, sweep: list | None = None, sweep_seeds: int = 2,
              shard: str | None = None, choices: str | None = None, margin: float | None = None, augment: str = "shift",
-             normalize: bool = False,
+             normalize: bool = False, backbone: str = "capsnet",
              conv_channels: int | None = None,
              primary_types: int | None = None, primary_dim: int | None = None, class_dim: int | None = None,
              progress: bool = True) -> dict:
@@ -268,6 +272,7 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
         dataset=dataset, data=_data_arrays(data), sweep=None if sweep is None else list(sweep),
         shard=None if shard is None else _checked("shard", shard, globals()["shard"]), choices=choices, merge=None,
         augment=a.choice(augment, "augment", ("shift", "crop-flip")), normalize=a.boolean(normalize, "normalize") or None,
+        backbone=a.choice(backbone, "backbone", tuple(routing_study.BACKBONES)),
         **{k: _checked(k, v, kind) for k, (v, kind) in numbers.items()})
     was = speaking()
     try:

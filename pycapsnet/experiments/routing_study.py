@@ -3,8 +3,11 @@ fixed before anything trains (study_protocol.py): the same data, recipe, tuning 
 choices on validation only, the test set read once, statistics that name their tests
 (study_stats.py), the literature's diagnostics (study_diagnostics.py).
 
-    backbone   conv1 9x9/1, C channels, ReLU -> primary capsules 9x9/2, T types of K dims (EM: 1x1
-               matrix capsules on the same convolution) -> 10 class capsules of D dims, routed by
+    backbone   capsnet (the default): conv1 9x9/1, C channels, ReLU -> primary capsules 9x9/2, T types
+               of K dims; resnet20 (--backbone resnet20, Hahn et al.'s for SR-CapsNet): conv 3x3 of 16,
+               batch norm, ReLU, three stages of three basic blocks (16, 32, 64 channels; the 2nd and 3rd
+               stride 2 with a 1x1 projection) -> primary capsules 3x3/1 on the 8x8 map, 32 types of
+               16 dims; then (EM: 1x1 matrix capsules on the same map) -> 10 class capsules of D dims, routed by
                the row's routing with its paper's head (Routing.head: inverted's logits, self's NLL),
                the transforms W_ij of every row at init.routed_std (the same rule for all; the
                dynamic-routing paper's network starts them at 0.01), no decoder
@@ -52,6 +55,10 @@ FIGURE = "routings.png"
 table, figure = report.table, report.figure
 QUICK_BACKBONE = dict(conv_channels=8, primary_types=2, primary_dim=8, class_dim=16)
 BACKBONE = dict(conv_channels=64, primary_types=16, primary_dim=8, class_dim=16)
+# The ResNet's: "kind" names it (a backbone without one is the CapsNet-style one, as records before it)
+RESNET20 = dict(kind="resnet20", widths=[16, 32, 64], blocks=3, primary_types=32, primary_dim=16, class_dim=16)
+QUICK_RESNET20 = dict(kind="resnet20", widths=[4, 8, 8], blocks=1, primary_types=2, primary_dim=4, class_dim=8)
+BACKBONES = {"capsnet": (BACKBONE, QUICK_BACKBONE), "resnet20": (RESNET20, QUICK_RESNET20)}
 DEFAULT_ROWS = ("uniform", "dynamic", "attention", "inverted", "self", "vb", "random", "em", "cnn")
 SWEEP_ROUTINGS = ("dynamic", "vb")  # --sweep K...: these routings at K iterations
 VERSION = 3  # of the protocol: units of another version are not reused
@@ -85,13 +92,13 @@ def network(row, shape, backbone, options=None, decoder=None, n_classes=10) -> d
     kind, routing, iters = row_spec(row)
     if kind == "cnn":
         return matched_cnn(shape, backbone, n_classes)
-    stem = [A.conv2d(backbone["conv_channels"], 9, name="conv1"), A.relu(name="relu1")]
+    stem, primary = stem_of(backbone)
     if kind == "em":
         body = stem + [A.primary_matrix_caps(backbone["primary_types"], name="primary"),
                        A.class_matrix_caps(n_classes, iters=iters, name="classcaps")]
         return A.network(body, head="activations", loss=A.spread_loss(), decoder=None, input_shape=shape,
                          n_classes=n_classes)
-    body = stem + [A.primary_caps(backbone["primary_types"], backbone["primary_dim"], kernel=9, stride=2, name="primary"),
+    body = stem + [A.primary_caps(backbone["primary_types"], backbone["primary_dim"], **primary, name="primary"),
                    A.dynamic_caps(n_classes, backbone["class_dim"], iters=iters, routing=routing, name="classcaps",
                                   **(options or {}))]
     head, loss = routings.get(routing).head
@@ -100,6 +107,21 @@ def network(row, shape, backbone, options=None, decoder=None, n_classes=10) -> d
     loss = A.margin_loss() if loss == "margin" else {"loss": loss}
     return A.network(body, head=head, loss=loss, decoder=decoder and A.decoder(decoder), input_shape=shape,
                      n_classes=n_classes)
+
+
+def stem_of(backbone) -> tuple:
+    """(the layers before the primary capsules, the primary capsules' kernel, stride and convolution)."""
+    if backbone.get("kind", "capsnet") == "capsnet":
+        return [A.conv2d(backbone["conv_channels"], 9, name="conv1"), A.relu(name="relu1")], \
+            dict(kernel=9, stride=2)
+    widths = backbone["widths"]
+    stem = [A.conv2d(widths[0], 3, padding=1, name="conv1"), A.batch_norm(name="bn1"), A.relu(name="relu1")]
+    for s, w in enumerate(widths, start=1):
+        for b in range(1, backbone["blocks"] + 1):
+            first = b == 1 and s > 1  # a stage's first block halves the grid and widens: projected
+            stem += [A.basic_block(w, 2 if first else 1, project=first, name=f"block{s}_{b}"),
+                     A.relu(name=f"relu{s}_{b}")]
+    return stem, dict(kernel=3, stride=1, conv="im2col")  # (the Fourier convolution pays on large kernels only)
 
 
 def matched_cnn(shape, backbone, n_classes=10) -> dict:
@@ -180,7 +202,7 @@ class Study:
         self.rows = check_rows(args.routings)
         self.sweep = [f"{r}-{k}" for r in SWEEP_ROUTINGS if r in self.rows for k in (args.sweep or ())
                       if k != routings.DEFAULT_ITERS]
-        self.backbone = {k: getattr(args, k) or v for k, v in (QUICK_BACKBONE if args.quick else BACKBONE).items()}
+        self.backbone = backbone_of(args)
         self.affine_target = args.affine_target or protocol.AFFINE_TARGET
         self.augment = AUGMENTS[args.augment or "shift"]
         self.norm = data.channel_stats(self.train.x) if args.normalize else None  # on the training images alone
@@ -353,6 +375,17 @@ class Study:
         loop.train_network(run, self.B, description, seed, self.train, lambda x, r: digits.place(data.as_float(x), canvas, r),
                            desc, after_epoch=score)
         return read
+
+
+def backbone_of(args) -> dict:
+    """--backbone's sizes (--quick: a toy size), with --primary-types, --primary-dim, --class-dim and
+    (CapsNet-style only) --conv-channels given in their place."""
+    name = getattr(args, "backbone", None) or "capsnet"
+    sizes = BACKBONES[name][1 if args.quick else 0]
+    if "conv_channels" not in sizes and getattr(args, "conv_channels", None):
+        raise CapsNetError(f"--conv-channels sets the CapsNet-style backbone's first convolution; the {name} "
+                           f"backbone's widths are its paper's {sizes['widths']}: drop --conv-channels")
+    return {k: getattr(args, k, None) or v for k, v in sizes.items()}
 
 
 def _options(trial: dict) -> dict:

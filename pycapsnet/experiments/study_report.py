@@ -48,6 +48,9 @@ def declared(settings, baseline) -> dict:
                        + " for every row; "
                        + ("inputs normalised per channel with the training images' statistics; "
                           if settings.get("normalize") else "")
+                       + (f"the ResNet-20 backbone (stages of {settings['backbone']['widths']} channels, "
+                          f"{settings['backbone']['blocks']} blocks each, batch norm); "
+                          if settings["backbone"].get("kind") == "resnet20" else "")
                        + "transforms at init.routed_std "
                        f"for every row; baseline {baseline}; "
                        + (f"equivalence margin ±{margin:g} points, declared before the run" if margin is not None

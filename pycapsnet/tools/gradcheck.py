@@ -218,7 +218,9 @@ def composed_architectures(mode="full"):
     layers stacked (primary -> 4 capsules of 5D, transforms shared over positions -> 3 classes),
     each with a bias on s_j, its convolutions started and scaled as the paper's published code
     does, and ConvCaps between PrimaryCaps and the class capsules (3x3/1 windows
-    over a 5x5 primary grid), the latter also on colour images normalised per channel."""
+    over a 5x5 primary grid), the latter also on colour images normalised per channel; and a
+    ResNet's residual blocks (one with the identity shortcut, one projecting to a strided grid),
+    batch-normed in training mode, before primary capsules."""
     two = [arch.conv2d(6, 3, init_std=0.3, bias=0.1, name="conv1"), arch.relu(name="relu1"),
            arch.primary_caps(3, 4, 3, 2, init_std=0.2, bias=0.1, scale=0.25, name="primary"),
            arch.dynamic_caps(4, 5, routing_grad=mode, share_spatial=True, bias=0.1, name="caps1"),
@@ -227,10 +229,16 @@ def composed_architectures(mode="full"):
             arch.conv_caps(3, 4, 3, 1, routing_grad=mode, name="convcaps"),
             arch.dynamic_caps(3, 6, routing_grad=mode, name="classcaps")]
     colour = [arch.normalize([0.5, 0.4, 0.3], [0.25, 0.2, 0.3], name="norm"), *conv]
+    resnet = [arch.conv2d(4, 3, padding=1, name="conv1"), arch.batch_norm(name="bn1"), arch.relu(name="relu1"),
+              arch.basic_block(4, name="block1"), arch.relu(name="relu2"),
+              arch.basic_block(6, 2, project=True, name="block2"), arch.relu(name="relu3"),
+              arch.primary_caps(2, 4, 3, 1, conv="im2col", name="primary"),
+              arch.dynamic_caps(3, 6, routing_grad=mode, name="classcaps")]
     small = dict(decoder=arch.decoder((8, 12)), input_shape=(1, 13, 13), n_classes=3)
     return {f"two routing layers routing={mode}": arch.network(two, **small),
             f"ConvCaps network routing={mode}": arch.network(conv, **small),
-            f"colour, normalised, ConvCaps routing={mode}": arch.network(colour, **{**small, "input_shape": (3, 13, 13)})}
+            f"colour, normalised, ConvCaps routing={mode}": arch.network(colour, **{**small, "input_shape": (3, 13, 13)}),
+            f"residual blocks routing={mode}": arch.network(resnet, **{**small, "input_shape": (3, 9, 9)})}
 
 
 def composed_checks(B, samples=12, eps=1e-5, tol=1e-6, floor=1e-4, seed=0, batch=3):

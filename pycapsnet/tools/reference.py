@@ -235,20 +235,39 @@ class AutogradNetwork(AutogradCapsNet):
 
     @classmethod
     def from_model(cls, model, device="cpu", dtype=torch.float32):
-        masks = {name: model.B.to_numpy(layer.mask) for name, layer in model.body
+        masks = {name: model.B.to_numpy(layer.mask) for name, layer in model.body.leaves()
                  if getattr(layer, "mask", None) is not None and layer.training}
         state = model.state_dict()
         buffers = {k: state.pop(k) for k in model.buffers}
-        drawn = {name: model.B.to_numpy(layer.drawn) for name, layer in model.body
+        drawn = {name: model.B.to_numpy(layer.drawn) for name, layer in model.body.leaves()
                  if getattr(layer, "drawn", None) is not None}
         return cls(model.architecture, state, device, dtype, masks, buffers, model.training, drawn)
 
     def forward(self, x, y=None):
-        p, names, h, grid, image = self.params, {}, x, None, True  # image: h is (N, C, H, W)
-        for spec in self.arch["body"]:
+        p, h = self.params, self.body(self.arch["body"], x, None, True)[0]  # x: images (N, C, H, W)
+        if self.arch.get("head") == "logits":
+            return h, h, None
+        v = h
+        lengths = v.norm(dim=-1)
+        if not self.arch.get("decoder"):
+            return v, lengths, None
+        n, J = v.shape[0], v.shape[1]
+        mask = F.one_hot(y if y is not None else lengths.argmax(1), J).to(v.dtype)
+        z = (v * mask[..., None]).reshape(n, -1)
+        n_dec = len(self.arch["decoder"]["hidden"]) + 1
+        for k in range(1, n_dec + 1):
+            z = z @ p[f"decoder{k}.W"] + p[f"decoder{k}.b"]
+            z = F.relu(z) if k < n_dec else torch.sigmoid(z)
+        return v, lengths, z.reshape(n, *x.shape[1:])
+
+    def body(self, specs, h, grid, image, prefix=""):
+        """(output, capsule grid, whether it is an image) of the layers ``specs`` from h; parameters
+        named under ``prefix`` (a residual block's branches)."""
+        p, names = self.params, {}
+        for spec in specs:
             kind = spec["layer"]
             names[kind] = names.get(kind, 0) + 1
-            name = spec.get("name") or f"{kind}{names[kind]}"
+            name = prefix + (spec.get("name") or f"{kind}{names[kind]}")
             if kind == "conv2d":
                 h = F.conv2d(h, p[name + ".W"].permute(3, 2, 0, 1), p[name + ".b"], stride=spec.get("stride", 1),
                              padding=spec.get("padding", 0))
@@ -294,22 +313,14 @@ class AutogradNetwork(AutogradCapsNet):
                 size = h.shape[1] if image else h.shape[-1]
                 normed = lambda t: F.layer_norm(t, (size,), p[name + ".gamma"], p[name + ".beta"], spec.get("eps", 1e-5))
                 h = normed(h.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) if image else normed(h)
+            elif kind == "residual":  # the body's output plus the shortcut's, or plus the input
+                out = self.body(spec["body"], h, grid, image, name + ".body.")
+                side = self.body(spec["shortcut"], h, grid, image, name + ".shortcut.")[0] if spec.get("shortcut") \
+                    else h
+                h, grid, image = out[0] + side, out[1], out[2]
             else:
                 raise ValueError(f"the autograd reference has no {kind}")
-        if self.arch.get("head") == "logits":
-            return h, h, None
-        v = h
-        lengths = v.norm(dim=-1)
-        if not self.arch.get("decoder"):
-            return v, lengths, None
-        n, J = v.shape[0], v.shape[1]
-        mask = F.one_hot(y if y is not None else lengths.argmax(1), J).to(v.dtype)
-        z = (v * mask[..., None]).reshape(n, -1)
-        n_dec = len(self.arch["decoder"]["hidden"]) + 1
-        for k in range(1, n_dec + 1):
-            z = z @ p[f"decoder{k}.W"] + p[f"decoder{k}.b"]
-            z = F.relu(z) if k < n_dec else torch.sigmoid(z)
-        return v, lengths, z.reshape(n, *x.shape[1:])
+        return h, grid, image
 
     def attention_capsules(self, h, name):
         """Self-attention routing from the description's sizes: W (P|1, T, J, D, K), bias (P|1, T, J)."""
