@@ -78,16 +78,20 @@ def _batch(n, size=28, seed=0):
     return x, y
 
 
-def _median_time(fn, warmup, steps, sync):
+def _median_time(fn, warmup, steps, sync, cpu=None):
+    """(median wall seconds of fn, each call's); ``cpu``: a list that gets each call's process CPU
+    seconds (every thread's), which a busy machine disturbs far less than wall time."""
     for _ in range(warmup):
         fn()
     sync()
     times = []
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
         sync()
         times.append(time.perf_counter() - t)
+        if cpu is not None:
+            cpu.append(time.process_time() - c)
     return float(np.median(times)), times
 
 
@@ -111,7 +115,8 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28, floor=False
         train()
     sync()
     reset()
-    t_train, all_train = _median_time(train, 0, steps, sync)
+    cpu = []
+    t_train, all_train = _median_time(train, 0, steps, sync, cpu)
     if mem_fn is None:
         peak = process_memory()["peak"] - made["mem0"]
     else:
@@ -120,6 +125,7 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28, floor=False
     out = {"impl": impl, "label": made["label"], "batch": batch, "dtype": dtype, "input_size": input_size,
            "threads": thread_counts(made.get("backend")), "params": int(made["n_params"]),
            "train_step_s": t_train, "train_samples_per_s": batch / t_train,
+           "train_cpu_step_s": float(np.median(cpu)),  # on a GPU: the host's share only
            "train_step_all_s": all_train, "eval_samples_per_s": batch / t_eval,
            "peak_train_mem_mb": peak / 2**20, "routing_iters": made["routing_iters"],
            "share_spatial": bool(cfg.get("share_spatial", False)), "compile_s": made.get("compile_s")}
@@ -430,6 +436,8 @@ def _median_run(runs):
     out["train_samples_per_s_rounds"] = [r["train_samples_per_s"] for r in runs]
     out["eval_samples_per_s"] = float(np.median([r["eval_samples_per_s"] for r in runs]))
     out["eval_samples_per_s_rounds"] = [r["eval_samples_per_s"] for r in runs]
+    out["train_cpu_step_s_rounds"] = [r["train_cpu_step_s"] for r in runs]
+    out["train_cpu_step_s"] = float(np.median(out["train_cpu_step_s_rounds"]))
     if all("floor_s" in r.get("floor", {}) for r in runs):  # each round's own floor (worker), without its products
         out["train_step_s_rounds"] = [r["train_step_s"] for r in runs]
         out["floor_rounds"] = [{k: r["floor"][k] for k in ("floor_s", "fourier_floor_s")} for r in runs]
@@ -513,6 +521,10 @@ def table_row(r, ref, floor, args, compiled=None):
     # no data loading, evaluation or logging)
     r["epoch_60k_s"] = 60000 / r["train_samples_per_s"]
     row["60k epoch s"] = f"{r['epoch_60k_s']:.1f}"
+    if "train_cpu_step_s" in r:
+        rounds = r.get("train_cpu_step_s_rounds", [])
+        row["CPU s/step"] = f"{r['train_cpu_step_s']:.3f}" + (
+            f" ({min(rounds):.3f}-{max(rounds):.3f})" if len(rounds) > 1 else "")
     if ref and r is not ref:
         r["speedup_vs_autograd"], r["speedup_vs_autograd_rounds"] = _ratio(r, ref)
         r["memory_vs_autograd"] = r["peak_train_mem_mb"] / ref["peak_train_mem_mb"]
@@ -546,6 +558,9 @@ def table_row(r, ref, floor, args, compiled=None):
         row["own products s"] = f"{r.get('own_products_paired_s', floor[key]):.3f}"
         r["step_over_own_floor_rounds"] = per_round
         row["step / own"] = _ratio_text(r["step_over_own_floor"], per_round, unit="")
+        # CPU time per step over the products' time (one thread: both are one core's seconds)
+        r["cpu_step_over_own_floor"] = r["train_cpu_step_s"] / r.get("own_products_paired_s", floor[key])
+        row["CPU step / own"] = f"{r['cpu_step_over_own_floor']:.2f}"
     return row
 
 
@@ -658,9 +673,10 @@ def main(argv=None):
     threads = {r["impl"]: r["threads"] for r in results["main"] if r.get("threads")}
     if threads:
         print("threads: " + "; ".join(f"{impl}: {threads_text(t)}" for impl, t in threads.items()))
-    print(format_table(rows, ["implementation", "train samples/s", "60k epoch s", "eval samples/s", "peak train MB",
+    print(format_table(rows, ["implementation", "train samples/s", "60k epoch s", "CPU s/step", "eval samples/s",
+                              "peak train MB",
                             "train vs autograd", "train vs compiled", "compile s", "memory vs autograd",
-                            "GEMM floor s", "step / floor", "own products s", "step / own"]))
+                            "GEMM floor s", "step / floor", "own products s", "step / own", "CPU step / own"]))
 
     if args.scaling:
         results["scaling"] = scaling(args)

@@ -8,7 +8,13 @@ Times are per step, averaged over --steps steps after 2 warm-up steps.  "rest" i
 timed parts: the decoder, the losses, masking and the glue between layers.  "products" is the part
 of each spent in the backend's matrix products (B.matmul and B.predictions, û = W u, called from the
 step's own thread; products inside split_batch's blocks count as the rest of their layer), so
-"other" is the memory-bound work around them: copies, the routing passes, squash, Adam.
+"other" is the memory-bound work around them: copies, the routing passes, squash, Adam.  "CPU" is
+the process's CPU time (every thread's), which a busy machine disturbs far less than wall time.
+For the paper network, "floor" is the time of the part's own matrix products on preallocated
+operands (bench.step_products, timed in the same process after the steps) and "CPU / floor" how
+far the part is from it: the products' floor only, not the bytes the elementwise passes must move.
+"ideal" is the same products' FLOPs at the rate of a 2048x2048x2048 product on this machine: what
+they would cost at the BLAS's best shape.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2, network=None):
 
         model = architecture.build(dict(architecture.load(network), input_shape=[1, 28, 28], n_classes=10), B)
     opt = Adam(model)
-    spent, in_products = {}, {}
+    spent, in_products, cpu = {}, {}, {}
     main_thread, products = threading.main_thread(), [0.0]  # seconds in B.matmul, on the step's thread
 
     def timed(obj, method, label):
@@ -52,10 +58,11 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2, network=None):
 
         def wrapper(*args, **kwargs):
             B.synchronize()
-            t, p = time.perf_counter(), products[0]
+            t, c, p = time.perf_counter(), time.process_time(), products[0]
             out = inner(*args, **kwargs)
             B.synchronize()
             spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+            cpu[label] = cpu.get(label, 0.0) + time.process_time() - c
             in_products[label] = in_products.get(label, 0.0) + products[0] - p
             return out
         setattr(obj, method, wrapper)
@@ -87,19 +94,51 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2, network=None):
     timed(opt, "step", "Adam")
     for k in range(warmup + steps):
         if k == warmup:
-            spent.clear()
-            in_products.clear()
+            for d in (spent, in_products, cpu):
+                d.clear()
             products[0] = 0.0
             B.synchronize()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
         model.train_step_grads(x, y)
         opt.step()
     B.synchronize()
-    step = (time.perf_counter() - start) / steps
-    rows = [(label, t / steps, in_products[label] / steps) for label, t in spent.items()]
-    rows.append(("rest (decoder, losses, glue)", step - sum(t for _, t, _ in rows),
-                 (products[0] - sum(in_products.values())) / steps))
-    return step, rows
+    step, step_cpu = (time.perf_counter() - start) / steps, (time.process_time() - start_cpu) / steps
+    rows = [(label, t / steps, in_products[label] / steps, cpu[label] / steps) for label, t in spent.items()]
+    rows.append(("rest (decoder, losses, glue)", step - sum(r[1] for r in rows),
+                 (products[0] - sum(in_products.values())) / steps, step_cpu - sum(r[3] for r in rows)))
+    return (step, step_cpu), rows
+
+
+# The products of bench.step_products that each part of the paper network runs (Fourier PrimaryCaps)
+FLOOR_OF = {"conv1 forward": ("conv1 forward",), "conv1 backward": ("conv1 dW",),
+            "PrimaryCaps (convolution + squash) forward": (
+                "fourier input transform", "fourier kernel transform (forward)", "fourier forward",
+                "fourier output transform"),
+            "PrimaryCaps (convolution + squash) backward": (
+                "fourier output transform dY", "fourier dW", "fourier kernel gradient transform",
+                "fourier kernel transform (again, for dX)", "fourier dX", "fourier input transform dX"),
+            "ClassCaps (u_hat = W u, routing) forward": ("classcaps u_hat",),
+            "ClassCaps (u_hat = W u, routing) backward": ("classcaps dW", "classcaps du"),
+            "rest (decoder, losses, glue)": ("decoder",)}
+
+
+def floors(backend, batch):
+    """({part: seconds of its products on preallocated operands}, {part: their GFLOP}) for the paper
+    network (FLOOR_OF), and the GFLOP/s of a 2048^3 product with the backend's matmul."""
+    from benchmarks.bench import gemm_floor
+
+    per = gemm_floor(backend, batch, "float32", 3, {})["products"]
+    mine = lambda labels: [v for k, v in per.items() if any(k.startswith(p) for p in labels)]  # noqa: E731
+    B = backends.get(backend, dtype="float32")
+    a = B.asarray(np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32))
+    B.matmul(a, a)
+    B.synchronize()
+    t = time.perf_counter()
+    B.matmul(a, a)
+    B.synchronize()
+    peak = 2 * 2048 ** 3 / 1e9 / (time.perf_counter() - t)
+    return ({part: sum(v["s"] for v in mine(labels)) for part, labels in FLOOR_OF.items()},
+            {part: sum(v["gflops"] for v in mine(labels)) for part, labels in FLOOR_OF.items()}, peak)
 
 
 def main(argv=None):
@@ -110,17 +149,27 @@ def main(argv=None):
     p.add_argument("--network", default=None, help="a described network (a JSON file, or efficient) for 28x28 digits")
     args = p.parse_args(argv)
     from benchmarks.bench import thread_counts, threads_text
+    from benchmarks.distributed_step import cpu_model
+    from benchmarks.provenance import code_version
 
     try:
         B = backends.get(args.backend, dtype="float32")
-        step, rows = profile(B, args.batch_size, args.steps, network=args.network)
+        (step, step_cpu), rows = profile(B, args.batch_size, args.steps, network=args.network)
     except backends.BackendError as e:  # unknown name, missing library or GPU
         p.exit(2, f"{p.prog}: error: {e}\n")
-    print(f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step "
-          f"({args.batch_size / step:.1f} samples/s); threads: {threads_text(thread_counts(B))}")
-    print(f"  {'':44s} {'time':>8s} {'share':>6s} {'products':>9s} {'other':>7s}")
-    for label, t, p in rows + [("step", step, sum(p for _, _, p in rows))]:
-        print(f"  {label:44s} {t:6.3f} s {100 * t / step:5.1f}% {p:7.3f} s {t - p:5.3f} s")
+    floor, gflop, peak = floors(args.backend, args.batch_size) if args.network is None else ({}, {}, None)
+    floor["step"], gflop["step"] = sum(floor.values()), sum(gflop.values())
+    code = code_version()
+    print(f"{cpu_model()}, commit {code['commit'][:7]}{'' if code.get('clean') else ' (with changes)'}: "
+          f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step "
+          f"({args.batch_size / step:.1f} samples/s), {step_cpu:.3f} s of CPU; threads: {threads_text(thread_counts(B))}"
+          + (f"; a 2048^3 product: {peak:.0f} GFLOP/s" if peak else ""))
+    print(f"  {'':44s} {'time':>8s} {'share':>6s} {'products':>9s} {'other':>7s} {'CPU':>8s} {'floor':>8s} "
+          f"{'CPU / floor':>11s} {'ideal':>8s} {'CPU / ideal':>11s}")
+    for label, t, p, c in rows + [("step", step, sum(r[2] for r in rows), step_cpu)]:
+        f, ideal = floor.get(label), gflop.get(label, 0) / peak if peak else None
+        print(f"  {label:44s} {t:6.3f} s {100 * t / step:5.1f}% {p:7.3f} s {t - p:5.3f} s {c:6.3f} s "
+              + (f"{f:6.3f} s {c / f:11.2f} {ideal:6.3f} s {c / ideal:11.2f}" if f else ""))
 
 
 if __name__ == "__main__":
