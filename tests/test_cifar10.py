@@ -313,3 +313,54 @@ def test_the_normalize_layer_under_the_torch_wrappers_gradcheck():
     net = pct.Network(pycapsnet.build(arch, backend="torch", dtype="float64"))
     x = torch.rand(1, 3, 13, 13, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: net(t)[1], (x,), eps=1e-6, atol=1e-5)
+
+
+# ---- train --normalize: the training split's statistics, a first layer, recorded ------------------
+def test_train_normalize_records_the_training_splits_statistics_in_the_checkpoint(tmp_path, capsys):
+    from pycapsnet.core.layers import Normalize
+    from pycapsnet.training import checkpoint
+    from pycapsnet.training.trainer import main as train_main
+
+    _write(tmp_path / "d", n_train=40, n_test=10)
+    out = str(tmp_path / "run")
+    small = ["--conv-channels", "4", "--primary-types", "2", "--decoder-hidden", "8", "--no-progress"]
+    assert train_main("numpy", ["--dataset", "cifar10", "--data-dir", str(tmp_path / "d"), "--epochs", "1",
+                                "--limit", "30", "--val-fraction", "0.2", "--normalize", "--out", out, *small]) == 0
+    assert "normalised per channel with the training images' mean" in capsys.readouterr().out
+    header = checkpoint.load(out)["header"]
+    (x, y), _ = pycapsnet.datasets.load_cifar10(str(tmp_path / "d"))
+    split = data.Split(x, y).limited(30, 0).held_out(0.2, 0)[0]  # what the run trained on: --limit, then validation out
+    want = data.channel_stats(split.x)
+    np.testing.assert_allclose(header["config"]["input_mean"], want["mean"], rtol=1e-12)
+    np.testing.assert_allclose(header["config"]["input_std"], want["std"], rtol=1e-12)
+    model = checkpoint.model_of(checkpoint.load(out), "numpy")
+    assert isinstance(model.body["norm"], Normalize) and [n for n, _ in model.body][:2] == ["norm", "conv1"]
+    assert cli.main(["evaluate", out, "--limit-test", "10"]) == 0
+    assert train_main("numpy", ["--resume", out, "--epochs", "2", "--no-progress"]) == 0
+    assert train_main("numpy", ["--resume", out, "--epochs", "3", "--normalize", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "drop --normalize" in err and err.count("\n") == 1
+
+
+def test_fit_normalize_puts_the_layer_first_in_a_description(tmp_path):
+    from pycapsnet.core import architecture as A
+    from pycapsnet.training import checkpoint
+    from pycapsnet.training.trainer import fit
+
+    _write(tmp_path / "d", n_train=20, n_test=10)
+    body = [A.conv2d(4, 9), A.relu(), A.primary_caps(2, 4), A.dynamic_caps(10, 4)]
+    flags = dict(dataset="cifar10", data_dir=str(tmp_path / "d"), epochs=1, batch_size=10, no_progress=True)
+    fit(A.network(body, decoder=None), out=str(tmp_path / "a"), normalize=True, **flags)
+    arch = checkpoint.load(str(tmp_path / "a"))["header"]["architecture"]
+    assert arch["body"][0]["layer"] == "normalize" and len(arch["body"][0]["mean"]) == 3
+    with pytest.raises(CapsNetError, match="normalises its input already"):
+        fit(arch, out=str(tmp_path / "b"), normalize=True, **flags)
+
+
+@pytest.mark.parametrize("mean,std,said", [((0.5,), None, "go together"), ((0.5, 0.5), (0.2, 0.2), "per input channel"),
+                                           ((0.5,), (0.0,), "above 0"), ((float("nan"),), (0.2,), "finite")])
+def test_a_config_refuses_statistics_it_cannot_normalise_with(mean, std, said):
+    from pycapsnet.core.model import CapsNetConfig
+
+    with pytest.raises(CapsNetError, match=said):
+        CapsNetConfig(input_mean=mean, input_std=std)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import math
+
 import numpy as np
 
 from pycapsnet import backends as _backends
@@ -85,6 +87,8 @@ class CapsNetConfig:
     m_plus: float = 0.9
     m_minus: float = 0.1
     lam: float = 0.5
+    input_mean: tuple = None              # each channel's mean and deviation: a first layer normalises
+    input_std: tuple = None               # the input with them (train --normalize: the training split's)
 
     def __post_init__(self):
         if not isinstance(self.routing, str) or self.routing not in routing_names():
@@ -114,6 +118,7 @@ class CapsNetConfig:
         if len(self.matrix_types) != len(EM_KERNELS):
             raise CapsNetError(f"CapsNetConfig.matrix_types needs {len(EM_KERNELS)} sizes (one per ConvMatrixCaps), "
                                f"got {self.matrix_types}")
+        self._check_normalisation()
         if self.routing == "em" and self.class_dim != 16:
             raise CapsNetError(f"CapsNetConfig.class_dim is the pose size, 16 (4x4), with routing 'em', "
                                f"got {self.class_dim}")
@@ -125,6 +130,21 @@ class CapsNetConfig:
         for name, allowed in (("routing_grad", ROUTING_MODES), ("primary_conv", PrimaryCaps.FULL_CONVS)):
             if getattr(self, name) not in allowed:
                 raise CapsNetError(f"CapsNetConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def _check_normalisation(self):
+        if (self.input_mean is None) != (self.input_std is None):
+            raise CapsNetError("CapsNetConfig.input_mean and input_std go together: give both (a number per "
+                               "input channel each) or neither")
+        if self.input_mean is None:
+            return
+        self.input_mean, self.input_std = tuple(self.input_mean), tuple(self.input_std)
+        c = self.input_shape[0]
+        finite = lambda t: all(isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool)
+                               and math.isfinite(v) for v in t)  # noqa: E731
+        if len(self.input_mean) != c or len(self.input_std) != c or not finite(self.input_mean + self.input_std) \
+                or min(self.input_std) <= 0:
+            raise CapsNetError(f"CapsNetConfig.input_mean and input_std need a finite number per input channel "
+                               f"({c}), the deviations above 0; got {self.input_mean} and {self.input_std}")
 
     def to_dict(self):
         return asdict(self)
@@ -227,6 +247,8 @@ def builtin_architecture(cfg: CapsNetConfig) -> dict:
     names that checkpoints have always used: conv1, primary, [convcaps1, convcaps2,] classcaps,
     decoder1 ..."""
     body = [arch.conv2d(cfg.conv_channels, cfg.conv_kernel, cfg.conv_stride, name="conv1"), arch.relu(name="relu1")]
+    if cfg.input_mean is not None:  # no parameters: the other layers keep their checkpoints' names
+        body.insert(0, arch.normalize(cfg.input_mean, cfg.input_std, name="norm"))
     routed = dict(iters=cfg.routing_iters, routing_grad=cfg.routing_grad)
     if cfg.routing == "em":
         em = dict(routed, em_lambda=cfg.em_lambda)

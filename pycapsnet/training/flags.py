@@ -136,6 +136,10 @@ def add_arguments(p: argparse.ArgumentParser, backend: str | None):
                         "'efficient': Efficient-CapsNet (Mazzia et al. 2021) and 'capsnet-published': the paper's "
                         "network as its published code builds it (docs/published-code.md), descriptions the "
                         "package carries")
+    p.add_argument("--normalize", action="store_true",
+                   help="a first layer that normalises each input channel with the mean and deviation of the "
+                        "training images (after --limit and --val-fraction), recorded in the checkpoint with the "
+                        "network: colour images such as CIFAR-10's")
     p.add_argument("--out", default=None, help="output directory (default: runs/<backend>)")
     p.add_argument("--resume", default=None, metavar="CKPT",
                    help="continue from a checkpoint file or run directory: the run's architecture, and its "

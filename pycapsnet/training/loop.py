@@ -106,10 +106,11 @@ class Training:
             model = self._new_model(B, train_set)
             self.read = {}
         else:
-            train_set, test_set = data.load(run.dataset, run.data_dir, **data_options(run))
-            model = self._restored(B, train_set) if ckpt else self._new_model(B, train_set)
-            self.read = checked_data(run, train_set, test_set)
-            train_set, test_set, self.val_set = self._parts(train_set, test_set)
+            loaded, test_set = data.load(run.dataset, run.data_dir, **data_options(run))
+            self.read = checked_data(run, loaded, test_set)
+            train_set, test_set, self.val_set = self._parts(loaded, test_set)
+            # (the model after the split: --normalize reads the images it trains on)
+            model = self._restored(B, loaded) if ckpt else self._new_model(B, train_set)
         splits = {"train": train_set, "test": test_set, "validation": self.val_set}
         for name, split in splits.items():
             if split is None or (run.eval_only and name != "test"):
@@ -159,11 +160,21 @@ class Training:
         if run.model is not None:
             return run.model
         data_shape, n_classes = tuple(int(d) for d in train_set.x.shape[1:]), len(train_set.classes)
+        stats = data.channel_stats(train_set.x) if run.normalize else None
+        if stats:
+            say("normalised per channel with the training images' mean "
+                f"{[round(m, 4) for m in stats['mean']]} and deviation {[round(d, 4) for d in stats['std']]}")
         if run.network is None:
-            cfg = CapsNetConfig(input_shape=data_shape, n_classes=n_classes, **run.architecture)
+            norm = {"input_mean": tuple(stats["mean"]), "input_std": tuple(stats["std"])} if stats else {}
+            cfg = CapsNetConfig(input_shape=data_shape, n_classes=n_classes, **run.architecture, **norm)
             check_parameters_fit(cfg, run.dtype)
             return CapsNet(B, cfg, seed=run.seed)
         arch = dict(architecture.load(run.network) if isinstance(run.network, str) else run.network)
+        if stats and isinstance(arch.get("body"), list):  # (not a list: the description's check says so)
+            if arch["body"] and isinstance(arch["body"][0], dict) and arch["body"][0].get("layer") == "normalize":
+                raise CapsNetError("--normalize, and the network description normalises its input already (its first "
+                                   "layer): drop one of them")
+            arch["body"] = [architecture.normalize(stats["mean"], stats["std"], name="norm"), *arch["body"]]
         for key, value in (("input_shape", list(data_shape)), ("n_classes", n_classes)):
             if arch.get(key) is None:
                 arch[key] = value

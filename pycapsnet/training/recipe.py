@@ -96,6 +96,7 @@ class Run:
     tensorboard: str | None = None  # --tensorboard DIR: the same, as TensorBoard events
     graph: bool = True  # record the step where the backend can (a CUDA graph)
     compile: bool = False  # the train step compiled into fused kernels (torch backend: torch.compile)
+    normalize: bool = False  # a first layer normalising each channel with the training split's statistics
 
     @property
     def recipe(self) -> dict:
@@ -174,6 +175,12 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
         raise CapsNetError("--shift with --augment crop-flip: its crops move each image by up to 4 pixels from a "
                            "4-pixel padding; drop --shift, or use --augment shift")
     refuse_floor_above_lr(values["lr"], values["lr_min"])
+    normalize = bool(getattr(args, "normalize", False))
+    if normalize and (ckpt or model is not None):
+        raise CapsNetError("--normalize with " + ("--resume or --eval-only: the run's network normalises as its "
+                                                  f"checkpoint {ckpt['path']} records; drop --normalize" if ckpt else
+                                                  "a network already built: its layers are what they are; give "
+                                                  "a description instead, or put a normalize layer first in it"))
     if values["early_stop"] is not None and values["val_fraction"] is None:
         raise CapsNetError("--early-stop needs --val-fraction F: it stops on the validation accuracy (never on the "
                            "test split, which would then no longer be a test)")
@@ -185,7 +192,7 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
                eval_only=evaluating, accept_changed_data=bool(getattr(args, "accept_changed_data", False)),
                overwrite=bool(getattr(args, "overwrite", False)),
                progress=not getattr(args, "no_progress", False), graph=not getattr(args, "no_graph", False),
-               compile=bool(getattr(args, "compile", False)),
+               compile=bool(getattr(args, "compile", False)), normalize=normalize,
                log_csv=getattr(args, "log_csv", None), tensorboard=getattr(args, "tensorboard", None))
 
 

@@ -134,7 +134,7 @@ def main(backend: str | None = None, argv=None) -> int:
 # fit's keywords beyond the recipe's and the architecture's: where the run goes and how it shows
 FIT_OPTIONS = {"epochs": None, "out": None, "resume": None, "overwrite": False, "no_progress": False,
                "log_csv": None, "tensorboard": None, "no_graph": False, "compile": False, "device": None,
-               "accept_changed_data": False}
+               "accept_changed_data": False, "normalize": False}
 
 
 def fit(network, backend: str = "numpy", **flags) -> dict:
