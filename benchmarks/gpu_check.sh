@@ -48,7 +48,8 @@
 #              benchmarks/cifar_subset.py SRC data/cifar10` writes a stratified 8,000 of the training
 #              images and the 10,000 test images in the authors' format, 55 MiB, within what a call
 #              carries), crop-flip and per-channel normalisation for every row, margin $STUDY_MARGIN
-#              (0.5), $STUDY_EPOCHS (10) epochs, $STUDY_SEEDS (5) seeds, the default rows; cut by its
+#              (0.5), $STUDY_EPOCHS (10) epochs, $STUDY_SEEDS (5) seeds, the default rows, on
+#              $STUDY_BACKBONE (resnet20: SR-CapsNet's; capsnet: the CapsNet-style one); cut by its
 #              time limit, it goes on from its finished units when run again into the same OUTDIR
 #  The runs take $DEVICE (cuda) and extra flags in $RUN_FLAGS: DEVICE=cpu RUN_FLAGS="--limit 64
 #  --limit-test 32" runs them at toy size on a CPU, to catch a typo before the GPU's minutes.
@@ -205,6 +206,7 @@ if want routings_cifar; then
     run routings_cifar 590 20 python -m pycapsnet experiment routings --backend "$backend" --dataset cifar10 \
         --data-dir "${CIFAR_DIR:-data/cifar10}" --augment crop-flip --normalize --no-affine \
         --margin "${STUDY_MARGIN:-0.5}" --epochs "${STUDY_EPOCHS:-10}" --seeds "${STUDY_SEEDS:-5}" \
+        --backbone "${STUDY_BACKBONE:-resnet20}" \
         ${STUDY_SHARD:+--shard $STUDY_SHARD} --out "$out/routings_cifar" ${EXP_FLAGS:-}
 fi
 echo "commands failed: $failed"
