@@ -436,8 +436,9 @@ def _median_run(runs):
     out["train_samples_per_s_rounds"] = [r["train_samples_per_s"] for r in runs]
     out["eval_samples_per_s"] = float(np.median([r["eval_samples_per_s"] for r in runs]))
     out["eval_samples_per_s_rounds"] = [r["eval_samples_per_s"] for r in runs]
-    out["train_cpu_step_s_rounds"] = [r["train_cpu_step_s"] for r in runs]
-    out["train_cpu_step_s"] = float(np.median(out["train_cpu_step_s_rounds"]))
+    if all("train_cpu_step_s" in r for r in runs):
+        out["train_cpu_step_s_rounds"] = [r["train_cpu_step_s"] for r in runs]
+        out["train_cpu_step_s"] = float(np.median(out["train_cpu_step_s_rounds"]))
     if all("floor_s" in r.get("floor", {}) for r in runs):  # each round's own floor (worker), without its products
         out["train_step_s_rounds"] = [r["train_step_s"] for r in runs]
         out["floor_rounds"] = [{k: r["floor"][k] for k in ("floor_s", "fourier_floor_s")} for r in runs]
@@ -558,9 +559,9 @@ def table_row(r, ref, floor, args, compiled=None):
         row["own products s"] = f"{r.get('own_products_paired_s', floor[key]):.3f}"
         r["step_over_own_floor_rounds"] = per_round
         row["step / own"] = _ratio_text(r["step_over_own_floor"], per_round, unit="")
-        # CPU time per step over the products' time (one thread: both are one core's seconds)
-        r["cpu_step_over_own_floor"] = r["train_cpu_step_s"] / r.get("own_products_paired_s", floor[key])
-        row["CPU step / own"] = f"{r['cpu_step_over_own_floor']:.2f}"
+        if "train_cpu_step_s" in r:  # CPU time per step over the products' (one thread: both one core's seconds)
+            r["cpu_step_over_own_floor"] = r["train_cpu_step_s"] / r.get("own_products_paired_s", floor[key])
+            row["CPU step / own"] = f"{r['cpu_step_over_own_floor']:.2f}"
     return row
 
 

@@ -146,13 +146,15 @@ def test_the_results_picture_names_a_file_that_is_not_a_benchmark(tmp_path, caps
 
 
 def test_step_profile_accounts_for_the_whole_step():
+    """Wall and CPU time of each part, the products within them; the parts add up to the step."""
     from benchmarks.profile_step import profile
 
-    step, rows = profile("numpy", batch=2, steps=1, warmup=1)
-    times = {label: (t, products) for label, t, products in rows}
+    (step, cpu), rows = profile("numpy", batch=2, steps=1, warmup=1)
+    times = {label: (t, products) for label, t, products, _ in rows}
     assert "PrimaryCaps (convolution + squash) backward" in times and "Adam" in times
     assert all(t > 0 for label, (t, _) in times.items() if not label.startswith("rest"))
     assert abs(sum(t for t, _ in times.values()) - step) < 1e-9
+    assert abs(sum(c for *_, c in rows) - cpu) < 1e-9 and cpu > 0  # CPU time: the parts add up to it too
     # the products are part of their layer's time: PrimaryCaps' convolution is products, Adam none
     assert all(0 <= p <= t for label, (t, p) in times.items() if not label.startswith("rest"))
     assert times["PrimaryCaps (convolution + squash) forward"][1] > 0 and times["Adam"][1] == 0

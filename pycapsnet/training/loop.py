@@ -107,10 +107,12 @@ class Training:
             self.read = {}
         else:
             loaded, test_set = data.load(run.dataset, run.data_dir, **data_options(run))
+            model = self._restored(B, loaded) if ckpt else None
             self.read = checked_data(run, loaded, test_set)
             train_set, test_set, self.val_set = self._parts(loaded, test_set)
-            # (the model after the split: --normalize reads the images it trains on)
-            model = self._restored(B, loaded) if ckpt else self._new_model(B, train_set)
+            # a new model after the split: --normalize reads the images it trains on
+            if model is None:
+                model = self._new_model(B, train_set)
         splits = {"train": train_set, "test": test_set, "validation": self.val_set}
         for name, split in splits.items():
             if split is None or (run.eval_only and name != "test"):
