@@ -3,6 +3,7 @@ the statistics give the textbook values, shards merge into the unsharded table, 
 refused, your own data and routings run."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -201,6 +202,28 @@ def test_shards_merged_give_the_unsharded_table_and_mixed_settings_are_refused(t
     refused = _study(tmp_path / "m2", "--merge", str(tmp_path / "s1"), str(tmp_path / "o"))
     assert refused.returncode == 2 and "were run with other epochs" in refused.stderr
     assert refused.stderr.count("\n") == 1
+
+
+def test_a_unit_trained_in_two_folders_merges_where_only_its_timing_differs(tmp_path):
+    """A stopped run's last unit, run again by a shard: the same figures (training is reproducible),
+    another step time; a unit whose figures differ is still refused."""
+    from pycapsnet.experiments import study_units
+
+    assert _study(tmp_path / "a", *SMALL, "--lr", "0.002").returncode == 0
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "b" / ".lock").unlink(missing_ok=True)
+    path = tmp_path / "b" / "units.json"
+    record = json.loads(path.read_text())
+    key = next(k for k, u in record["units"].items() if isinstance(u.get("val"), list) and u["val"])
+    record["units"][key] = study_units.sealed({**record["units"][key], "step": record["units"][key]["step"] * 1.5})
+    path.write_text(json.dumps(record))
+    merged = _study(tmp_path / "m", "--merge", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert merged.returncode == 0, merged.stderr
+    unit = record["units"][key]
+    record["units"][key] = study_units.sealed({**unit, "val": [*unit["val"][:-1], unit["val"][-1] + 1e-3]})
+    path.write_text(json.dumps(record))
+    refused = _study(tmp_path / "m2", "--merge", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert refused.returncode == 2 and "hold different figures" in refused.stderr, refused.stderr
 
 
 @pytest.mark.parametrize("forge,said", [

@@ -58,7 +58,7 @@ def _merged(dirs) -> tuple:
             raise CapsNetError(f"--merge: {d} is a study of other rows or seeds than {first}: merge the shards of "
                                "one command")
         for key, value in u.items():
-            if key in units and units[key] != value:
+            if key in units and _figures(units[key]) != _figures(value):
                 raise CapsNetError(f"--merge: {origin[key]} and {d} hold different figures for unit '{key}': a unit "
                                    "is trained once; merge the folders of one study's shards")
             units.setdefault(key, value)
@@ -66,6 +66,15 @@ def _merged(dirs) -> tuple:
     if layout is None:
         raise CapsNetError(f"--merge: {first} holds no routing study's units")
     return flags, units, layout, origin
+
+
+# What a unit records of how long it took, and the digest that covers it: a unit trained twice (a
+# stopped run's last unit run again by a shard) has the same figures, not the same timings
+TIMING = ("step", "digest")
+
+
+def _figures(unit) -> dict:
+    return {k: v for k, v in unit.items() if k not in TIMING} if isinstance(unit, dict) else unit
 
 
 def _refuse_other_units(out, flags, layout, units) -> None:
