@@ -339,6 +339,16 @@ class TorchBackend(Backend):
     def digamma(self, x):
         return self.torch.special.digamma(x)
 
+    def trigamma(self, x):
+        """On the CPU, SciPy's ψ' on the tensor's memory (the NumPy backend's, to float64's precision):
+        Backend's series is some forty elementwise ops, each its own pass in eager PyTorch.  Traced
+        steps, GPUs and tensors that require grad keep the series (PyTorch's ops only)."""
+        if self._device.type != "cpu" or self._tracing() or x.requires_grad:
+            return super().trigamma(x)
+        from scipy import special
+
+        return self.torch.from_numpy(special.polygamma(1, x.numpy()).astype(x.numpy().dtype, copy=False))
+
     def _as_caller(self, fn):
         """PyTorch's grad and inference modes are per thread: a pool thread runs a part in the
         caller's, so that a forward under ``torch.inference_mode()`` may write in place into the
