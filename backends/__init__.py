@@ -89,5 +89,30 @@ def gpu_unavailable_reason(name: str) -> str | None:
     return None
 
 
+def busy_machine_note(B: Backend, window: float = 0.1) -> str | None:
+    """A line for a run about to start on the CPU backend ``B``, where other processes keep some of
+    the cores it spreads its work over busy, else None.  On every core a step then waits for the
+    busy ones (a 2-core machine with one busy: 0.74x the speed of one thread, docs/performance.md).
+    Only said, not changed: the BLAS's thread count changes a step's float rounding, so a count
+    that followed the machine's load would make a run's numbers depend on it.  Nothing is said
+    where the user chose the threads (PYCAPSNET_THREADS or OMP_NUM_THREADS)."""
+    from .host import busy_cores
+
+    chosen = any(os.environ.get(k, "").strip() for k in ("PYCAPSNET_THREADS", "OMP_NUM_THREADS"))
+    threads = getattr(B, "threads", 1)
+    if B.device != "cpu" or chosen or threads <= 1:
+        return None
+    busy = busy_cores(window)
+    if busy is None or busy < 0.5:
+        return None
+    free = max(1, threads - round(busy))
+    if free >= threads:
+        return None
+    return (f"note: other processes keep about {busy:.1f} of this machine's {threads} cores busy, and a step spread "
+            f"over all {threads} waits for them; on the free ones it would be faster: OMP_NUM_THREADS={free} "
+            f"PYCAPSNET_THREADS={free} (the thread count changes the float rounding: a record keeps it fixed)")
+
+
 __all__ = ["Backend", "BackendError", "get", "gpu_unavailable_reason", "device_for_rank", "autograd_reference",
+           "busy_machine_note",
            "NAMES"]

@@ -89,6 +89,44 @@ def cpu_threads() -> int:
     return max(1, min(available, asked or available))
 
 
+def _cpu_seconds(cpus) -> float | None:
+    """Seconds the CPUs ``cpus`` have spent busy since boot, every process's (Linux's /proc/stat:
+    user, nice, system, irq, softirq and steal time), or None where the system does not say."""
+    busy = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                    t = [int(v) for v in fields[:8]]
+                    busy += t[0] + t[1] + t[2] + t[5] + t[6] + t[7]
+    except (OSError, ValueError, IndexError):
+        return None
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def busy_cores(window: float = 0.2) -> float | None:
+    """How many of the cores this process may use other processes keep busy, measured over the next
+    ``window`` seconds (their busy time less this process's own CPU time), or None where the system
+    does not say.  A step spread over every core waits for the slowest: on a 2-core machine with one
+    core busy, two threads ran slower than one (docs/performance.md)."""
+    import time
+
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # not on Linux
+        return None
+    before, own, t0 = _cpu_seconds(cpus), time.process_time(), time.perf_counter()
+    if before is None:
+        return None
+    time.sleep(window)
+    after = _cpu_seconds(cpus)
+    if after is None:
+        return None
+    others = (after - before) - (time.process_time() - own)
+    return min(float(len(cpus)), max(0.0, others / (time.perf_counter() - t0)))
+
+
 def cpu_info() -> dict:
     """The first processor's fields in Linux's /proc/cpuinfo ('vendor_id', 'model name', 'cpu
     family', 'model', 'flags', ...), or {} where there is none."""

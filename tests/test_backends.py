@@ -92,6 +92,56 @@ def test_host_threads_follow_pycapsnet_threads_then_omp_num_threads(spec, monkey
             backends.get(spec)
 
 
+def test_busy_cores_measures_other_processes_not_this_one():
+    """busy_cores counts the cores other processes keep busy (this process's own CPU time left out):
+    a number within the cores this process may use, on Linux; a busy loop here does not add to it
+    (whatever else the machine runs meanwhile)."""
+    from pycapsnet.backends.host import busy_cores
+
+    cores = len(os.sched_getaffinity(0))
+    busy = busy_cores(0.2)
+    assert busy is not None and 0.0 <= busy <= cores
+    import threading
+
+    stop = threading.Event()
+    spin = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+    spin.start()
+    try:
+        with_own = busy_cores(0.2)
+    finally:
+        stop.set()
+        spin.join()
+    assert with_own is not None and with_own < busy + 0.5, "this process's own busy thread was counted as another's"
+
+
+@pytest.mark.parametrize("spec", CPU_BACKENDS)
+def test_a_busy_machine_is_said_once_with_the_fix_and_never_where_the_user_chose(spec, monkeypatch):
+    """Other processes keeping cores busy: one line naming the thread count that would be faster;
+    nothing on an idle machine, with one thread, or where PYCAPSNET_THREADS or OMP_NUM_THREADS chose."""
+    from pycapsnet.backends import host
+
+    for k in ("PYCAPSNET_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(k, raising=False)
+    B = backends.get(spec)
+    B.threads = 4
+    monkeypatch.setattr(host, "busy_cores", lambda window=0.1: 1.2)
+    note = backends.busy_machine_note(B)
+    assert "OMP_NUM_THREADS=3 PYCAPSNET_THREADS=3" in note and "1.2 of this machine's 4 cores" in note
+    monkeypatch.setattr(host, "busy_cores", lambda window=0.1: 0.2)
+    assert backends.busy_machine_note(B) is None
+    monkeypatch.setattr(host, "busy_cores", lambda window=0.1: 3.9)
+    assert "OMP_NUM_THREADS=1 " in backends.busy_machine_note(B)  # never fewer than one
+    monkeypatch.setattr(host, "busy_cores", lambda window=0.1: None)  # the system does not say
+    assert backends.busy_machine_note(B) is None
+    monkeypatch.setattr(host, "busy_cores", lambda window=0.1: 2.0)
+    for k in ("PYCAPSNET_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(k, "4")
+        assert backends.busy_machine_note(B) is None, k
+        monkeypatch.delenv(k)
+    B.threads = 1
+    assert backends.busy_machine_note(B) is None
+
+
 def test_name_may_carry_the_device():
     pytest.importorskip("torch")
     B = backends.get("torch:cpu", dtype="float64")

@@ -173,6 +173,23 @@ def test_evaluate_and_train_subcommands(ckpt, tmp_path, capsys):
     assert os.path.exists(os.path.join(out, "checkpoint.npz"))
 
 
+def test_train_says_when_other_processes_keep_its_cores_busy(tmp_path, capsys, monkeypatch):
+    """The busy-machine note (backends.busy_machine_note) is said by train where the threads were
+    not chosen, and the run goes on."""
+    from pycapsnet.backends import host
+
+    for k in ("PYCAPSNET_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(host, "busy_cores", lambda window=0.1: 1.0)
+    monkeypatch.setattr(host, "cpu_threads", lambda: 2)
+    monkeypatch.setattr("pycapsnet.backends.numpy_backend.cpu_threads", lambda: 2)
+    out = str(tmp_path / "run")
+    assert cli.main(["train", "--conv-channels", "8", "--primary-types", "2", "--limit", "64", "--limit-test", "20",
+                     "--epochs", "1", "--no-progress", "--out", out]) == 0
+    printed = capsys.readouterr()
+    assert "OMP_NUM_THREADS=1 PYCAPSNET_THREADS=1" in printed.out + printed.err
+
+
 def test_errors_exit_2_without_traceback(tmp_path):
     bad = tmp_path / "nope.npz"
     for argv, msg in [(["inspect", str(bad)], "checkpoint not found"),

@@ -172,6 +172,9 @@ def main(args) -> int:
 def _run(args, module, out, B) -> int:
     say(f"experiment {args.name}{' (quick)' if args.quick else ''} on {B.label}: {args.epochs} epoch(s), "
         f"{args.seeds} seed(s), results in {out}")
+    note = backends.busy_machine_note(B)
+    if note:
+        say(note)
     t0 = time.perf_counter()
     units = None if getattr(module, "OWN_UNITS", False) else Units(out, args)  # the routing study keeps its own
     try:

@@ -125,6 +125,9 @@ class Training:
         say(f"pycapsnet on {B.label}: {model.n_params():,} parameters, "
             + " / ".join(f"{len(split)} {name}" for name, split in splits.items() if split is not None)
             + f" images ({'arrays' if run.arrays is not None else run.data_dir or run.dataset})")
+        note = None if launched else backends.busy_machine_note(B)
+        if note:
+            say(note)
         return model, train_set, test_set
 
     def _parts(self, train_set, test_set):
