@@ -111,6 +111,21 @@ def test_diagnostics_on_known_coefficients():
     assert study_diagnostics.dynamics(one_hot) == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("row, has_parents", [("dynamic", True), ("self", False), ("inverted", False)])
+def test_starved_parents_only_where_class_scores_are_capsules_own(row, has_parents):
+    """Lengths (margin loss) have a threshold of activity; self routing's scores, a distribution over the
+    classes under its NLL, and inverted's logits have none: their starved-parents share is not given."""
+    from pycapsnet import backends
+    from pycapsnet.core import architecture as A
+
+    d = routing_study.network(row, (1, 28, 28), routing_study.QUICK_BACKBONE)
+    model = A.build(d, backends.get("numpy", dtype="float64"), seed=0)
+    x = np.random.default_rng(0).random((6, 1, 28, 28))
+    m = study_diagnostics.TestPass(model).run(x, np.arange(6) % 10, batch=3).measures()
+    assert (m["starved_parents"] is not None) == has_parents
+    assert 0.0 <= m["starved_children"] <= 1.0
+
+
 # ---- the protocol ----------------------------------------------------------------------------------
 def test_the_test_set_is_sealed_until_every_rows_choice_is_fixed():
     sealed = study_protocol.SealedTest(object())

@@ -13,7 +13,8 @@
     starvation    the share of the routing layer's child capsules (and of its parents) that never
                   activate on any test digit: a child whose length (EM: activation) never exceeds
                   CHILD_ACTIVE, a class capsule whose length never exceeds PARENT_ACTIVE (Mitterreiter
-                  et al.; Everett et al. 2023's vanishing activations)
+                  et al.; Everett et al. 2023's vanishing activations); parents' not where the class
+                  scores are logits or a distribution over the classes (self routing's)
 
 Coefficients that are no distribution over the parents have no entropy or distance here: attention
 routing's c_ij + β_ij (β is a learned, unnormalised bias), whose softmax part c_ij is measured
@@ -65,7 +66,11 @@ class TestPass:
         self.wrong, self.coupling, self.note = [], None, None
         self.own, self.own_seen = {}, 0  # the routing's own measures (Routing.measures), summed over images
         self.child_max = self.parent_max = None
-        self.lengths_head = getattr(model.head, "name", None) != "logits" and type(model.head).__name__ != "LogitsHead"
+        # starved parents: only for scores that are lengths or activations of their own, not logits, and
+        # not scores that form a distribution over the classes (self routing's, under its NLL: they sum
+        # to 1, so a class below PARENT_ACTIVE is no inactive capsule)
+        self.lengths_head = getattr(model.head, "name", None) != "logits" and type(model.head).__name__ != "LogitsHead" \
+            and getattr(getattr(model, "class_loss", None), "name", None) != "nll"
 
     def run(self, x, y, batch=100):
         layer = self.layer
