@@ -347,7 +347,8 @@ class TorchBackend(Backend):
             return super().trigamma(x)
         from scipy import special
 
-        return self.torch.from_numpy(special.polygamma(1, x.numpy()).astype(x.numpy().dtype, copy=False))
+        a = x.numpy()
+        return self.torch.from_numpy(special.polygamma(1, a).astype(a.dtype, copy=False))
 
     def _as_caller(self, fn):
         """PyTorch's grad and inference modes are per thread: a pool thread runs a part in the

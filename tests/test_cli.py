@@ -181,7 +181,6 @@ def test_train_says_when_other_processes_keep_its_cores_busy(tmp_path, capsys, m
     for k in ("PYCAPSNET_THREADS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(host, "busy_cores", lambda window=0.1: 1.0)
-    monkeypatch.setattr(host, "cpu_threads", lambda: 2)
     monkeypatch.setattr("pycapsnet.backends.numpy_backend.cpu_threads", lambda: 2)
     out = str(tmp_path / "run")
     assert cli.main(["train", "--conv-channels", "8", "--primary-types", "2", "--limit", "64", "--limit-test", "20",

@@ -69,7 +69,7 @@ class TestPass:
         # starved parents: only for scores that are lengths or activations of their own, not logits, and
         # not scores that form a distribution over the classes (self routing's, under its NLL: they sum
         # to 1, so a class below PARENT_ACTIVE is no inactive capsule)
-        self.lengths_head = getattr(model.head, "name", None) != "logits" and type(model.head).__name__ != "LogitsHead" \
+        self.parents_thresholded = getattr(model.head, "name", None) != "logits" and type(model.head).__name__ != "LogitsHead" \
             and getattr(getattr(model, "class_loss", None), "name", None) != "nll"
 
     def run(self, x, y, batch=100):
@@ -134,5 +134,5 @@ class TestPass:
         own = routing_calls.mean_measures(self.own, self.own_seen)
         return {"entropy": ent, "dynamics": dyn, "own": own,
                 "starved_children": float(np.mean(self.child_max <= CHILD_ACTIVE)),
-                "starved_parents": float(np.mean(self.parent_max <= PARENT_ACTIVE)) if self.lengths_head else None,
+                "starved_parents": float(np.mean(self.parent_max <= PARENT_ACTIVE)) if self.parents_thresholded else None,
                 "note": self.note}
