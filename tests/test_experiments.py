@@ -179,11 +179,11 @@ def test_experiments_take_mnist_idx_files(tmp_path):
     (["affine", "--canvas", "100000"], "give a smaller --canvas or --limit"),
     (["multimnist", "--pairs", "1000000000"], "give fewer --pairs"),
     (["table1", "--canvas", "40", "--shift", "2"], "experiment table1 does not read --canvas, --shift"),
-    (["affine", "--pairs", "3"], "experiment affine does not read --pairs (multimnist does): drop it"),
+    (["affine", "--pairs", "3"], "experiment affine does not read --pairs (multimnist and routings do): drop it"),
     (["routings", "--routings", "dynamic-3", "bogus"], "--routings bogus: not a row of the study; give a registered"),
     (["routings", "--canvas", "10"], "--canvas 10 is smaller than a digit"),  # before the first unit trains
     (["routings", "--limit", "3"], "the study's 3 training digits leave a class with fewer than 2"),
-    (["routings", "--pairs", "2"], "experiment routings does not read --pairs (multimnist does)"),
+    (["routings", "--pairs", "2"], "experiment routings reads --pairs in its MultiMNIST part only: add --multimnist"),
     (["routings", "--epochs", "0"], "--epochs"),
     (["routings", "--affine-target", "100.5"], "--affine-target: must be a percentage above 0 and at most 100"),
     (["table1", "--affine-target", "90"], "experiment table1 does not read --affine-target (affine and routings do)"),

@@ -370,3 +370,61 @@ def test_a_tuning_trial_that_diverges_is_recorded_with_its_curves_and_the_study_
     assert results["complete"] and results["tuning"]["uniform"]["chosen"] != "lr=0.004"
     kept = next(u for k, u in units.items() if k.startswith("tune") and not u.get("diverged"))
     assert set(kept["measures"]) >= {"entropy", "dynamics", "starved_children"}  # a collapse can be read
+
+
+# ---- the MultiMNIST part (--multimnist) ------------------------------------------------------------
+def test_the_multimnist_part_tunes_on_validation_pairs_and_its_shards_merge_into_the_unsharded_table(tmp_path):
+    """Its own tuning rows, its choices in choices.json, its main units at those choices, the main table's
+    statistics on the test pairs; em has no capsules to mask, so it has no MultiMNIST row."""
+    flags = ["--quick", "--no-affine", "--routings", "uniform", "dynamic", "em", "--limit", "100", "--limit-test", "40",
+             "--multimnist", "--margin", "5", "--seeds", "2"]
+    whole = _study(tmp_path / "whole", *flags)
+    assert whole.returncode == 0, whole.stderr
+    b = json.loads((tmp_path / "whole" / "results.json").read_text())
+    mm = b["multimnist"]
+    assert set(mm["rows"]) == {"uniform", "dynamic"} and mm["baseline"] == "uniform" and mm["test_pairs"] == 40
+    assert mm["settings"] == {"shift": 4, "canvas": 36, "pairs": 1, "decoder": [32, 64], "val_seed": 12344,
+                              "test_seed": 12345}
+    assert {"multimnist:uniform", "multimnist:dynamic"} <= set(b["tuning"]) and "multimnist:em" not in b["tuning"]
+    dynamic = mm["rows"]["dynamic"]
+    assert dynamic["word"] in ("better", "worse", "equivalent", "inconclusive") and dynamic["tost"] is not None
+    assert len(dynamic["mcnemar_per_seed"]) == 2 and dynamic["measures"] is None
+    units = json.loads((tmp_path / "whole" / "units.json").read_text())["units"]
+    chosen = json.loads((tmp_path / "whole" / "choices.json").read_text())["choices"]
+    for s in range(2):
+        unit = units[f"multimnist dynamic seed {s}"]
+        assert unit["trial"] == chosen["multimnist:dynamic"] and unit["choices"] == tuning.digest(chosen)
+        wrong = st.unpack(unit["wrong"], 40)
+        assert unit["test_error"] == pytest.approx(100 * wrong.mean()) and dynamic["errors"][s] == unit["test_error"]
+    assert "MultiMNIST (Sabour et al. §6)" in (tmp_path / "whole" / "results.md").read_text()
+    a = _sharded(tmp_path, *flags)
+    assert a["multimnist"] == b["multimnist"] and a["tuning"] == b["tuning"] and a["embedded"] == b["embedded"]
+
+
+def test_the_multimnist_part_refuses_what_it_cannot_take(tmp_path):
+    shift = _study(tmp_path / "s", *SMALL, "--shift", "2")
+    assert shift.returncode == 2 and "--shift in its MultiMNIST part only: add --multimnist" in shift.stderr
+    assert shift.stderr.count("\n") == 1 and not (tmp_path / "s").exists()
+    rows = _study(tmp_path / "r", "--quick", "--no-affine", "--routings", "em", "cnn", "--multimnist")
+    assert rows.returncode == 2 and "--routings names none" in rows.stderr
+    x = np.random.default_rng(0).random((60, 3, 32, 32)).astype(np.float32)
+    y = np.arange(60) % 10
+    with pytest.raises(CapsNetError, match="one-channel digits, and these images are 3x32x32: drop --multimnist"):
+        experiments.routings(out=str(tmp_path / "c"), quick=True, affine=False, data=((x, y), (x[:20], y[:20])),
+                             routings=["uniform"], lr=2e-3, multimnist=True, progress=False)
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_multimnist_unit_whose_error_is_not_its_record_of_missed_pairs_is_refused(tmp_path):
+    from pycapsnet.experiments import study_units
+
+    results = experiments.routings(out=str(tmp_path / "a"), quick=True, affine=False, routings=["uniform"], lr=2e-3,
+                                   seeds=1, limit=60, limit_test=20, multimnist=True, shift=2, pairs=1, progress=False)
+    assert results["complete"] and results["multimnist"]["settings"]["canvas"] == 32
+    path = tmp_path / "a" / "units.json"
+    record = json.loads(path.read_text())
+    unit = record["units"]["multimnist uniform seed 0"]
+    record["units"]["multimnist uniform seed 0"] = study_units.sealed({**unit, "test_error": (unit["test_error"] + 5) % 100})
+    path.write_text(json.dumps(record))
+    refused = _study(tmp_path / "m", "--merge", str(tmp_path / "a"))
+    assert refused.returncode == 2 and "is not what its own record of wrong digits says" in refused.stderr

@@ -76,9 +76,9 @@ def add_parser(sub, backends_help: str):
                         "(the paper's: 99.23; default: affine, the lowest of the networks' best accuracies within "
                         "10 points of the highest; routings, 97, fixed by its protocol before any run); a network "
                         "that never reaches it is not read")
-    m = x.add_argument_group("multimnist")
+    m = x.add_argument_group("multimnist (and routings --multimnist)")
     m.add_argument("--shift", type=nonnegative_int, default=None,
-                   help="pixels each digit moves in each direction (default: 4)")
+                   help="pixels each digit moves in each direction (default: 4); the canvas is 28 + 2 shift in routings")
     m.add_argument("--pairs", type=int, default=None,
                    help="pairs made per training digit per epoch (default: 2; quick: 1); the test set has 1 per digit")
     _routings_flags(x.add_argument_group("routings (docs/experiments.md, 'Does routing help?')"))
@@ -109,6 +109,10 @@ def _routings_flags(r) -> None:
                    help="the share of the training digits held out for validation, stratified (default: 0.1)")
     r.add_argument("--no-affine", action="store_true", default=None,
                    help="without the affine-robustness units")
+    r.add_argument("--multimnist", action="store_true", default=None,
+                   help="with the MultiMNIST part: every row with class capsules, the paper's decoder and objective, "
+                        "on overlapping digit pairs (--shift, --pairs), tuned on validation pairs, its own table "
+                        "against the baseline (study_multimnist.py)")
     r.add_argument("--margin", type=positive_float, default=None, metavar="POINTS",
                    help="the equivalence margin in points of test error, declared before the run: a row is called "
                         "equivalent to the baseline only where the TOST at it passes (default: none, never)")
@@ -196,7 +200,8 @@ def _run(args, module, out, B) -> int:
 OWN_FLAGS = {"table1": {}, "affine": {"canvas": 40, "max_rotation": 20.0, "max_shear": 45.0, "scale": (0.8, 1.2),
                                      "affine_target": None},
              "multimnist": {"canvas": 36, "shift": 4, "pairs": None},
-             "routings": {"canvas": 40, "no_affine": False, "routings": None, "affine_target": None, "dataset": None,
+             "routings": {"canvas": 40, "no_affine": False, "multimnist": None, "shift": None, "pairs": None,
+                          "routings": None, "affine_target": None, "dataset": None,
                           "limit_test": None, "val_fraction": 0.1, "margin": None, "augment": None, "normalize": None,
                           "backbone": None, "plan_seeds": None, "pilot": None, "effect": None, "sweep": None, "sweep_seeds": 2,
                           "shard": None,
@@ -245,7 +250,8 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
              seeds: int | None = None, data=None, dataset: str | None = None, data_dir: str | None = None,
              limit: int | None = None, limit_test: int | None = None, val_fraction: float = 0.1,
              batch_size: int = 32, lr: float | None = None, backend: str = "numpy", dtype: str = "float32",
-             canvas: int | None = None, affine: bool = True, routings: list | None = None,
+             canvas: int | None = None, affine: bool = True, multimnist: bool = False, shift: int | None = None,
+             pairs: int | None = None, routings: list | None = None,
              affine_target: float | None = None, sweep: list | None = None, sweep_seeds: int = 2,
              shard: str | None = None, choices: str | None = None, margin: float | None = None, augment: str = "shift",
              normalize: bool = False, backbone: str = "capsnet",
@@ -256,22 +262,24 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
     units); returns what results.json holds, and writes it, results.md and routings.png into ``out``
     (a stopped run goes on where it stopped).  ``data``: your own, ((x, y), (x_test, y_test)) as
     arrays or what a pycapsnet.datasets loader returns; else ``dataset`` and ``data_dir`` as the
-    command line's --dataset and --data-dir.  ``progress`` False: only the table is printed."""
+    command line's --dataset and --data-dir.  ``multimnist``: with the MultiMNIST part (--multimnist),
+    its pairs set by ``shift`` and ``pairs``.  ``progress`` False: only the table is printed."""
     numbers = dict(epochs=(epochs, positive_int), seeds=(seeds, positive_int), limit=(limit, positive_int),
                    limit_test=(limit_test, positive_int), val_fraction=(val_fraction, fraction),
                    batch_size=(batch_size, positive_int), lr=(lr, positive_float), affine_target=(affine_target, percent),
                    sweep_seeds=(sweep_seeds, positive_int), margin=(margin, positive_float),
                    conv_channels=(conv_channels, positive_int),
                    primary_types=(primary_types, positive_int), primary_dim=(primary_dim, positive_int),
-                   class_dim=(class_dim, positive_int), canvas=(canvas, positive_int))
+                   class_dim=(class_dim, positive_int), canvas=(canvas, positive_int), shift=(shift, nonnegative_int),
+                   pairs=(pairs, positive_int))
     if routings is not None and (isinstance(routings, str) or not all(isinstance(r, str) for r in routings)):
         raise CapsNetError(f"routings must be a list of row names such as ['uniform', 'dynamic'], got {routings!r}")
     if sweep is not None and (isinstance(sweep, (str, int)) or not all(isinstance(k, int) and k >= 1 for k in sweep)):
         raise CapsNetError(f"sweep must be a list of iteration counts such as [1, 2, 5], got {sweep!r}")
     args = argparse.Namespace(
         name="routings", quick=a.boolean(quick, "quick"), out=a.path(out, "out"), data_dir=a.path(data_dir, "data_dir", none=True),
-        backend=backend, dtype=dtype, max_rotation=None, max_shear=None, scale=None, shift=None, pairs=None,
-        no_affine=None if a.boolean(affine, "affine") else True, routings=None if routings is None else list(routings),
+        backend=backend, dtype=dtype, max_rotation=None, max_shear=None, scale=None,
+        no_affine=None if a.boolean(affine, "affine") else True, multimnist=a.boolean(multimnist, "multimnist") or None, routings=None if routings is None else list(routings),
         dataset=dataset, data=_data_arrays(data), sweep=None if sweep is None else list(sweep),
         shard=None if shard is None else _checked("shard", shard, globals()["shard"]), choices=choices, merge=None,
         augment=a.choice(augment, "augment", ("shift", "crop-flip")), normalize=a.boolean(normalize, "normalize") or None,

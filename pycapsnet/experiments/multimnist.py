@@ -100,6 +100,24 @@ def train_one(args, B, seed, x_tr, y_tr, test, pairs, figure, description=None, 
     desc = desc or f"multimnist seed {seed}"
     if description is None:
         description = capsnet((1, canvas, canvas), **(QUICK_CAPSNET if args.quick else {}))
+    losses = []
+    model, t = trained_on_pairs(args, B, description, seed, x_tr, y_tr, pairs, canvas, lr or args.lr, desc,
+                                curve=losses)
+    predicted = top_two(model, test[0])
+    right = recognised(predicted, test[1], test[2])
+    error = 100 * float(1 - right.mean())
+    say(f"{desc}: test error {error:.2f}% ({int((~right).sum())} of {len(right)} pairs)")
+    if figure is not None:
+        segmentation_figure(model, test, predicted, right, figure)
+    model.release()
+    return {"error": error, "step": t, "params": model.n_params(), "losses": losses}
+
+
+def trained_on_pairs(args, B, description, seed, x_tr, y_tr, pairs, canvas, lr, desc, after_epoch=None, curve=None):
+    """The described network (class capsules and a decoder) built from ``seed`` and trained for
+    --epochs on ``pairs`` fresh pairs of each training digit per epoch, shifted by up to --shift
+    pixels on the canvas, by the objective above; ``after_epoch(model, epoch)`` after each epoch.
+    Returns (model, seconds per step)."""
     model = A.build(description, B, seed=seed)
     rng = np.random.default_rng(seed)
 
@@ -111,16 +129,15 @@ def train_one(args, B, seed, x_tr, y_tr, test, pairs, figure, description=None, 
             yield tuple(part[idx] for part in made)
 
     n = loop.n_batches(len(y_tr) * pairs, args.batch_size)
-    losses = []
-    _, t = loop.train(model, args.epochs, batches, n, step, lr=lr or args.lr, desc=desc, curve=losses)
-    predicted = top_two(model, test[0])
-    right = recognised(predicted, test[1], test[2])
-    error = 100 * float(1 - right.mean())
-    say(f"{desc}: test error {error:.2f}% ({int((~right).sum())} of {len(right)} pairs)")
-    if figure is not None:
-        segmentation_figure(model, test, predicted, right, figure)
-    model.release()
-    return {"error": error, "step": t, "params": model.n_params(), "losses": losses}
+    _, t = loop.train(model, args.epochs, batches, n, step, lr=lr, desc=desc, curve=curve,
+                      after_epoch=None if after_epoch is None else lambda epoch: after_epoch(model, epoch))
+    return model, t
+
+
+def wrong_pairs(model, made) -> np.ndarray:
+    """Whether each pair of ``made`` (digits.multimnist's) is missed: its two longest capsules are not
+    exactly its two classes."""
+    return ~recognised(top_two(model, made[0]), made[1], made[2])
 
 
 def recognised(predicted, a, b):

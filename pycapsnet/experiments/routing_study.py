@@ -23,6 +23,9 @@ unit is the unit of work of ``--shard K/N`` too):
                             (NAME-k) at their routing's chosen trial
     affine ROW seed S       trained on digits placed at random on a canvas, read on the translated and
                             affine test digits at the last epoch and at the protocol's target
+    tune multimnist:ROW TRIAL seed S, multimnist ROW seed S
+                            the MultiMNIST part (--multimnist; study_multimnist.py): its own tuning
+                            on validation pairs, then its main units on the test pairs
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ import numpy as np
 
 import pycapsnet
 
-from . import digits, loop, study_protocol as protocol, study_report as report, study_tuning as tuning, study_units
+from . import digits, loop, study_multimnist, study_protocol as protocol, study_report as report, study_tuning as tuning
+from . import study_units
 from .common import check_fits, write_json
 from .networks import baseline_cnn
 from .study_diagnostics import TestPass
@@ -87,8 +91,10 @@ def check_rows(chosen) -> list:
     return rows
 
 
-def network(row, shape, backbone, options=None, decoder=None, n_classes=10) -> dict:
-    """The description of ``row``'s network on the backbone (``options``: its routing's own)."""
+def network(row, shape, backbone, options=None, decoder=None, n_classes=10, head=None) -> dict:
+    """The description of ``row``'s network on the backbone (``options``: its routing's own; ``decoder``:
+    the hidden sizes of a reconstruction decoder; ``head``: (head, loss description) in place of the
+    routing paper's, for a row with class capsules)."""
     kind, routing, iters = row_spec(row)
     if kind == "cnn":
         return matched_cnn(shape, backbone, n_classes)
@@ -101,10 +107,13 @@ def network(row, shape, backbone, options=None, decoder=None, n_classes=10) -> d
     body = stem + [A.primary_caps(backbone["primary_types"], backbone["primary_dim"], **primary, name="primary"),
                    A.dynamic_caps(n_classes, backbone["class_dim"], iters=iters, routing=routing, name="classcaps",
                                   **(options or {}))]
-    head, loss = routings.get(routing).head
+    if head is None:
+        head, loss = routings.get(routing).head
+        loss = A.margin_loss() if loss == "margin" else {"loss": loss}
+    else:
+        head, loss = head
     if head == "logits":
         body.append(A.capsule_logits(name="logits"))
-    loss = A.margin_loss() if loss == "margin" else {"loss": loss}
     return A.network(body, head=head, loss=loss, decoder=decoder and A.decoder(decoder), input_shape=shape,
                      n_classes=n_classes)
 
@@ -212,6 +221,9 @@ class Study:
                                    f"images, and these have {self.train.x.shape[1]} channels: give --no-affine")
             digits.check_canvas(args.canvas, "--canvas")
             check_fits("routings", 3 * len(self.test) + 2 * len(self.val), args.canvas, "give a smaller --canvas")
+        self.settings_multimnist = study_multimnist.settings(args)
+        if self.settings_multimnist:
+            study_multimnist.check(self, row_spec)
         self.settings = self._settings()
         self.units = units_cls(out, self.settings, {"rows": self.rows, "seeds": args.seeds, "sweep": self.sweep,
                                                     "sweep_seeds": args.sweep_seeds})
@@ -219,6 +231,7 @@ class Study:
             study_units.check(self.units.path, self.settings, self.units.done)
         self.merged = {}
         self.merged = self._given_choices(args.choices) if args.choices and args.lr is None else {}
+        self.multimnist = study_multimnist.Part(self) if self.settings_multimnist else None
 
     def _settings(self) -> dict:
         a = self.args
@@ -229,18 +242,20 @@ class Study:
                 "val_fraction": a.val_fraction, "margin": a.margin, "augment": a.augment or "shift",
                 "normalize": self.norm,
                 "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target},
+                "multimnist": self.settings_multimnist,
                 # a routing of the user's own, by its source: units of another version are not mixed
                 "routings": routing_source.sources(row_spec(r)[1] for r in self.rows if row_spec(r)[0] == "vector")}
 
-    def network(self, row, shape, trial) -> dict:
-        d = network(row, shape, self.backbone, _options(trial), n_classes=len(self.train.classes))
+    def network(self, row, shape, trial, decoder=None, head=None) -> dict:
+        d = network(row, shape, self.backbone, _options(trial), decoder, len(self.train.classes), head)
         if self.norm is not None and shape[0] == len(self.norm["mean"]):  # every row's input alike
             d = {**d, "body": [A.normalize(self.norm["mean"], self.norm["std"], name="norm"), *d["body"]]}
         return d
 
     def tuned(self) -> list:
-        """The rows that are tuned: every row, and each row of the sweep on its own."""
-        return [*self.rows, *self.sweep]
+        """The rows that are tuned: every row, each row of the sweep on its own, and each of the
+        MultiMNIST part's."""
+        return tuned_rows(self.settings, self.rows, self.sweep)
 
     def known(self) -> dict:
         """Every finished unit this run knows: its folder's, and the merged tuning units of --choices."""
@@ -251,7 +266,8 @@ class Study:
         seeds, sweep_seeds = range(self.args.seeds), range(min(self.args.sweep_seeds, self.args.seeds))
         return ([f"main {r} seed {s}" for r in self.rows for s in seeds]
                 + [f"main {r} seed {s}" for r in self.sweep for s in sweep_seeds]
-                + ([] if self.args.no_affine else [f"affine {r} seed {s}" for r in self.rows for s in seeds]))
+                + ([] if self.args.no_affine else [f"affine {r} seed {s}" for r in self.rows for s in seeds])
+                + study_multimnist.main_keys(self.settings_multimnist, self.rows, self.args.seeds, row_spec))
 
     def mine(self, key, keys) -> bool:
         k, n = self.args.shard or (1, 1)
@@ -283,7 +299,7 @@ class Study:
             if not self.mine(key, keys):
                 continue
             kind, row, _, s = key.split(" ")
-            chosen = choices[row] if row in choices else choices[row.rsplit("-", 1)[0]]
+            chosen = chosen_trial(choices, kind, row)
             if key in self.units.done:
                 unit = self.units.done[key]
                 if (unit.get("trial"), unit.get("choices")) != (chosen, digest):  # reused only under today's choices
@@ -295,6 +311,9 @@ class Study:
                 self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed({**_trained(
                     self.args, self.B, self.network(row, shape, t), s, t["lr"], self.train, val,
                     self.augment, key, test=self.test.open()), **ran}))
+            elif kind == "multimnist":
+                self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed(
+                    {**self.multimnist.unit(row, t, s, key, test=True), **ran}))
             else:
                 self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed(
                     {**self._affine_unit(row, t, s, key), **ran}))
@@ -309,7 +328,11 @@ class Study:
                 return
             for key in todo:
                 _, row, name, _, s = key.split(" ")
-                t = tuning.parse(name)
+                t, pair_row = tuning.parse(name), study_multimnist.row_of(row)
+                if pair_row is not None:
+                    self.units.measure(key, lambda t=t, s=int(s), key=key, row=pair_row: study_units.sealed(
+                        self.multimnist.unit(row, t, s, key)))
+                    continue
                 self.units.measure(key, lambda t=t, s=int(s), key=key, row=row: study_units.sealed(_trained(
                     self.args, self.B, self.network(row, shape, t), s, t["lr"], self.train, val, self.augment, key)))
 
@@ -393,8 +416,22 @@ def _options(trial: dict) -> dict:
 
 
 def routing_of(row) -> str:
-    """The routing a row's grid is drawn for ("cnn" and "em" for theirs)."""
-    return row_spec(row)[1] or row
+    """The routing a row's grid is drawn for ("cnn" and "em" for theirs; a MultiMNIST row its row's)."""
+    pair_row = study_multimnist.row_of(row)
+    return routing_of(pair_row) if pair_row is not None else row_spec(row)[1] or row
+
+
+def tuned_rows(settings, rows, sweep) -> list:
+    """The rows a study of ``settings`` tunes: its rows, its sweep's, and its MultiMNIST part's."""
+    return [*rows, *sweep, *study_multimnist.tuned_rows(settings.get("multimnist"), rows, row_spec)]
+
+
+def chosen_trial(choices: dict, kind: str, row: str) -> str | None:
+    """The trial a main, affine or multimnist unit of ``row`` runs: its row's choice (a sweep row's
+    routing's; a MultiMNIST unit's, the part's own)."""
+    if kind == "multimnist":
+        return choices.get(study_multimnist.PREFIX + row)
+    return choices[row] if row in choices else choices.get(row.rsplit("-", 1)[0])
 
 
 def choices_record(settings, tuned, known) -> dict:
@@ -447,6 +484,6 @@ def run(args, B, out, units=None) -> dict:
         study.run()
         study_units.write_long_form(study.units.done, out)
         return report.assemble(study.settings, study.units.done, study.rows, study.sweep, args.seeds,
-                               args.sweep_seeds, routing_of)
+                               args.sweep_seeds, routing_of, study.tuned())
     finally:
         unlock(out, held)

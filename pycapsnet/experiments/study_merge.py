@@ -25,11 +25,11 @@ def merge(args) -> int:
         held = lock(out)
         try:
             _refuse_other_units(out, flags, layout, units)
-            tuned = [*layout["rows"], *layout["sweep"]]
+            tuned = routing_study.tuned_rows(flags, layout["rows"], layout["sweep"])
             if flags["fixed_lr"] is None:
                 _refuse_other_choices(units, tuned, origin)
             results = report.assemble(flags, units, layout["rows"], layout["sweep"], layout["seeds"],
-                                      layout["sweep_seeds"], routing_study.routing_of)
+                                      layout["sweep_seeds"], routing_study.routing_of, tuned)
             write_json(os.path.join(out, FILE), {"flags": flags, "layout": layout, "units": units})
             study_units.write_long_form(units, out)
             results.update(command="pycapsnet experiment routings --merge " + " ".join(args.merge), merged=list(args.merge))
@@ -93,7 +93,7 @@ def _refuse_other_units(out, flags, layout, units) -> None:
 
 
 def _refuse_other_choices(units, tuned, origin) -> None:
-    """Every main and affine unit ran its row's choice under the choices the merged tuning units make
+    """Every main, affine and MultiMNIST unit ran its row's choice under the choices the merged tuning units make
     (each records its trial and the choices' digest; units recorded before that, neither)."""
     results = tuning.plan(tuned, routing_study.routing_of, units)[1]
     choices = {r: t["chosen"] for r, t in results.items() if t}
@@ -102,7 +102,7 @@ def _refuse_other_choices(units, tuned, origin) -> None:
         kind, row = key.split(" ")[:2]
         if kind == "tune" or "trial" not in unit:
             continue
-        chosen = choices.get(row, choices.get(row.rsplit("-", 1)[0]))
+        chosen = routing_study.chosen_trial(choices, kind, row)
         if unit["trial"] != chosen or unit.get("choices", digest) != digest:
             raise CapsNetError(f"--merge: {os.path.join(origin[key], FILE)}: unit '{key}' ran trial "
                                f"{printable(unit['trial'], 60)}" + (f", not {chosen}, which" if chosen != unit["trial"]

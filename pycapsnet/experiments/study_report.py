@@ -1,32 +1,39 @@
 """The routing study's results, made from its units alone (units.json: what each network measured),
 so that the units of several shards, merged, give the table one run gives: the choices on
 validation, each row's test error with its uncertainty, the paired tests against the baseline
-row, the diagnostics per iteration, the iteration sweep and the affine reading."""
+row, the diagnostics per iteration, the iteration sweep, the affine reading and the MultiMNIST part."""
 from __future__ import annotations
 
 import numpy as np
 
-from . import study_stats as st, study_tuning as tuning
+from . import study_multimnist, study_stats as st, study_tuning as tuning
 from .study_protocol import BASELINE
 from ..core.routings import DEFAULT_ITERS
 from ..tools import plots
 
 
-def assemble(settings, done, rows, sweep, seeds, sweep_seeds, routing_of) -> dict:
-    """results.json's content, from the units alone (``routing_of``: a row's routing, for its grid)."""
+def assemble(settings, done, rows, sweep, seeds, sweep_seeds, routing_of, tuned) -> dict:
+    """results.json's content, from the units alone (``routing_of``: a row's routing, for its grid;
+    ``tuned``: every tuned row, the MultiMNIST part's too)."""
     fixed = settings["fixed_lr"] is not None
-    tune = {} if fixed else {r: t for r, t in tuning.plan([*rows, *sweep], routing_of, done)[1].items() if t}
+    tune = {} if fixed else {r: t for r, t in tuning.plan(tuned, routing_of, done)[1].items() if t}
     main, missing = rows_of(done, rows, seeds)
     sweep_done, sweep_missing = rows_of(done, sweep, min(sweep_seeds, seeds))
     baseline = BASELINE if BASELINE in rows else rows[0]
     n_test, margin = settings["data"]["test"]["digits"], settings.get("margin")
+    pair_rows = [r for r in map(study_multimnist.row_of, tuned) if r is not None]
+    pairs, pairs_missing = study_multimnist.done_rows(done, pair_rows, seeds)
+    pair_base = BASELINE if BASELINE in pair_rows else (pair_rows or [None])[0]
     dataset = settings["data"].get("dataset", "mnist")
     return {"protocol": declared(settings, baseline), "settings": settings, "data": settings["data"],
             "dataset": dataset, "seeds": seeds, "tuning": tune, dataset: main_rows(main, baseline, n_test, margin),
             "sweep": main_rows(sweep_done, None, n_test),
             "affine": affine_rows(done, rows, seeds) if settings["affine"] else None,
             "affine_canvas": (settings["affine"] or {}).get("canvas"),
-            "missing": missing + sweep_missing, "complete": not (missing or sweep_missing)}
+            "multimnist": {"settings": settings["multimnist"], "baseline": pair_base, "test_pairs": n_test,
+                           "rows": main_rows(pairs, pair_base, n_test, margin)} if settings.get("multimnist") else None,
+            "missing": missing + sweep_missing + pairs_missing,
+            "complete": not (missing or sweep_missing or pairs_missing)}
 
 
 def declared(settings, baseline) -> dict:
@@ -86,7 +93,7 @@ def main_rows(done: dict, baseline: str | None, n_test: int, margin: float | Non
         own = st.bootstrap(wrong[row], np.zeros_like(wrong[row]), resamples, seed)
         r = {"params": us[0]["params"], "errors": errors, "wilson95": wilson, **st.spread(errors),
              "ci95": own["ci95"], "interval": "bootstrap over seeds and test images, 95% percentile",
-             "measures": _measures(us)}
+             "measures": _measures(us) if all("measures" in u for u in us) else None}
         if base is not None and row != baseline:
             b_errors = [u["test_error"] for u in base]
             r["vs_baseline"] = {**st.bootstrap(wrong[row], wrong[baseline], resamples, seed),
@@ -191,10 +198,57 @@ def table(results) -> str:
         for row, r in aff.items():
             lines.append(f"| {row} | {_pm(r['last_translated'])} | {_pm(r['last_affine'])} | "
                          f"{_pm(r['target_translated'])} | {_pm(r['target_affine'])} ({r['target_affine']['n']}) |")
+    lines += _multimnist_lines(results)
     missing = results.get("missing") or []
     if missing:
         lines += ["", f"Not yet run ({len(missing)} units): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")]
     return "\n".join(lines)
+
+
+def _multimnist_lines(results) -> list:
+    """The MultiMNIST part's table: its rows' share of test pairs missed, against its baseline."""
+    mm = results.get("multimnist") or {}
+    rows, part = mm.get("rows") or {}, mm.get("settings") or {}
+    if not rows:
+        return []
+    margin = results["protocol"].get("margin")
+    lines = ["", f"MultiMNIST (Sabour et al. §6): every row with the paper's decoder ({part['decoder'][0]}-"
+             f"{part['decoder'][1]}) and objective (margin loss with both classes present, each digit reconstructed), "
+             f"trained on {part['pairs']} fresh pair(s) per training digit per epoch, each digit shifted by up to "
+             f"{part['shift']} pixels on a {part['canvas']}x{part['canvas']} canvas; "
+             + ("its rate chosen on validation pairs" if results["settings"]["fixed_lr"] is None else "the rate given")
+             + f". Test pairs missed (a pair counts only where its two longest capsules are its two classes) of "
+             f"{mm['test_pairs']:,}, one per test digit, {results['seeds']} seeds: mean ± sample sd [95% bootstrap "
+             f"interval over seeds and pairs]. Against {mm['baseline']}, on the same seeds and pairs: the tests and "
+             "words of the table above" + (f" (the TOST at ±{margin:g} points)" if margin is not None else "") + ".",
+             "", "| row | params | test pairs missed % | Δ vs baseline (points) | bootstrap p (Holm) | paired t p (Holm) "
+             "| TOST p (Holm) | word |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {row} | {r['params']:,} | {_pm(r)} | {_delta(r)} | {_p(r, 'p', 'p_holm')} | {_p(r, 't', 't_holm')} | "
+              f"{_p(r, 'tost', 'tost_holm')} | {r.get('word', '(baseline)')} |" for row, r in rows.items()]
+    return lines
+
+
+def _differences(d, rows, base, margin, title, what, measure="test error") -> None:
+    """Each row's difference from ``base`` with its bootstrap interval, coloured and labelled by the
+    protocol's word, the equivalence margin shaded, on the axes ``d``."""
+    names = list(rows)
+    if margin is not None:
+        d.axvspan(-margin, margin, color="C0", alpha=0.12, label=f"±{margin:g} (equivalence margin)")
+    for k, n in enumerate(names):
+        v = rows[n].get("vs_baseline")
+        if not v:
+            continue
+        d.errorbar([v["mean"]], [k], xerr=[[v["mean"] - v["ci95"][0]], [v["ci95"][1] - v["mean"]]], fmt="o",
+                   color=WORD_COLOURS[rows[n]["word"]], capsize=3)
+    d.axvline(0, color="0.5", lw=0.8)
+    d.set_yticks(range(len(names)), [f"{n}: {rows[n].get('word', 'baseline')}" for n in names], fontsize=7)
+    for label, n in zip(d.get_yticklabels(), names):
+        label.set_color(WORD_COLOURS.get(rows[n].get("word"), "black"))
+    d.set_ylim(len(names) - 0.5, -0.5 - 0.12 * len(names))  # room above the first row for the legend
+    d.set_xlabel(f"{measure} − {base}'s (points)\n95% bootstrap over seeds and {what}", fontsize=8)
+    d.set_title(title, fontsize=9)
+    if margin is not None:
+        d.legend(fontsize=6, loc="upper center")
 
 
 def _pm(r) -> str:
@@ -266,8 +320,9 @@ WORD_COLOURS = {"better": "C2", "worse": "C3", "equivalent": "C0", "inconclusive
 def figure(results, path) -> None:
     """The answer at a glance: each row's difference from the baseline with its bootstrap interval,
     coloured and labelled by the protocol's word (the margin shaded); each row's test error with its
-    interval and every seed; coupling entropy and dynamics per iteration; the iteration sweep.  The
-    caption says the seeds, the data and the test."""
+    interval and every seed; coupling entropy and dynamics per iteration; the iteration sweep; the
+    MultiMNIST part's differences from its baseline.  The caption says the seeds, the data and the
+    test."""
     from matplotlib.ticker import MaxNLocator
 
 
@@ -279,27 +334,10 @@ def figure(results, path) -> None:
     margin, what = results["protocol"].get("margin"), noun(results)
     sweep = results.get("sweep") or {}
     own = {(n, k): v for n in names for k, v in (main[n]["measures"].get("own") or {}).items()}
-    panels = 4 + bool(sweep) + bool(own)
+    pairs = (results.get("multimnist") or {}).get("rows") or {}
+    panels = 4 + bool(sweep) + bool(own) + bool(pairs)
     fig, axes = plt.subplots(1, panels, figsize=(3.9 * panels, 4.4))
-    d = axes[0]
-    if margin is not None:
-        d.axvspan(-margin, margin, color="C0", alpha=0.12, label=f"±{margin:g} (equivalence margin)")
-    for k, n in enumerate(names):
-        v = main[n].get("vs_baseline")
-        if not v:
-            continue
-        colour = WORD_COLOURS[main[n]["word"]]
-        d.errorbar([v["mean"]], [k], xerr=[[v["mean"] - v["ci95"][0]], [v["ci95"][1] - v["mean"]]], fmt="o",
-                   color=colour, capsize=3)
-    d.axvline(0, color="0.5", lw=0.8)
-    d.set_yticks(range(len(names)), [f"{n}: {main[n].get('word', 'baseline')}" for n in names], fontsize=7)
-    for label, n in zip(d.get_yticklabels(), names):
-        label.set_color(WORD_COLOURS.get(main[n].get("word"), "black"))
-    d.set_ylim(len(names) - 0.5, -0.5 - 0.12 * len(names))  # room above the first row for the legend
-    d.set_xlabel(f"test error − {base}'s (points)\n95% bootstrap over seeds and {what}", fontsize=8)
-    d.set_title("difference from the baseline", fontsize=9)
-    if margin is not None:
-        d.legend(fontsize=6, loc="upper center")
+    _differences(axes[0], main, base, margin, "difference from the baseline", what)
     a = axes[1]
     for k, n in enumerate(names):
         r = main[n]
@@ -318,6 +356,9 @@ def figure(results, path) -> None:
         ax.set_xlabel("routing iteration", fontsize=8), ax.set_ylabel(label, fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True)), ax.legend(fontsize=6, ncol=2)
     axes[2].set_ylim(0, 1.05)
+    if pairs:
+        _differences(axes[-1 - bool(own)], pairs, results["multimnist"]["baseline"], margin,
+                     "MultiMNIST: difference from the baseline", "pairs", "test pairs missed")
     if own:  # the routings' own measures (Routing.measures), each on its own line
         o = axes[-1]
         for (n, k), v in own.items():

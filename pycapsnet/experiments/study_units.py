@@ -21,7 +21,7 @@ from ..training.files import atomic_write
 from . import study_stats
 
 MAX_SEEDS = 10_000  # a layout beyond this is no study's: refused before anything is made for its seeds
-KEY = re.compile(r"(tune (?P<trow>\S+) (?P<trial>\S+)|(?P<kind>main|affine) (?P<row>\S+)) seed (?P<seed>\d+)")
+KEY = re.compile(r"(tune (?P<trow>\S+) (?P<trial>\S+)|(?P<kind>main|affine|multimnist) (?P<row>\S+)) seed (?P<seed>\d+)")
 
 
 def digest(unit: dict) -> str:
@@ -90,6 +90,11 @@ def _settings_problem(flags: dict) -> str | None:
     if affine is not None and not (isinstance(affine, dict) and _whole(affine.get("canvas"), 1)
                                    and _real(affine.get("target"), 0, 100)):
         return "affine part is not a canvas and a target"
+    pairs = flags.get("multimnist")
+    if pairs is not None and not (isinstance(pairs, dict) and all(_whole(pairs.get(k), 0) for k in
+                                                                  ("shift", "canvas", "pairs", "val_seed", "test_seed"))
+                                  and isinstance(pairs.get("decoder"), list) and all(_whole(h, 1) for h in pairs["decoder"])):
+        return "MultiMNIST part is not a shift, canvas, pairs, decoder and seeds"
     return None
 
 
@@ -139,6 +144,8 @@ def _unit_problem(kind: str, unit: dict, n_test: int) -> str | None:
     if not math.isclose(unit["test_error"], 100 * float(np.mean(wrong)), abs_tol=1e-9):
         return (f"its test error {unit['test_error']:g}% is not what its own record of wrong digits says "
                 f"({100 * float(np.mean(wrong)):g}%)")
+    if kind == "multimnist":  # (no diagnostics: its test reading is of pairs)
+        return None
     measures = unit.get("measures")
     if not isinstance(measures, dict) or not all(_numbers(measures.get(k)) for k in
                                                  ("entropy", "dynamics", "starved_children", "starved_parents")):
@@ -185,6 +192,7 @@ def long_form(units: dict) -> str:
         kind = "tune" if m.group("trial") else m.group("kind")
         row = m.group("trow") or m.group("row")
         routing, _, k = row.rpartition("-") if re.fullmatch(r".+-\d+", row) else (row, "", "")
+        routing = routing.rpartition(":")[2]  # a MultiMNIST part's tuned row: "multimnist:ROW"
         trial = m.group("trial") or unit.get("trial", "")
         parts = dict(p.split("=", 1) for p in trial.split(",") if "=" in p)
         writer.writerow({"unit": key, "kind": kind, "row": row, "routing": routing, "iterations": k, "trial": trial,
