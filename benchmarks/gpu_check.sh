@@ -43,6 +43,11 @@
 #              the record's rows and iteration sweep, on torch:$DEVICE; a call cut by its time limit goes
 #              on from its finished units when run again into the same OUTDIR: give it as many calls as
 #              it takes (each unit a few minutes); $STUDY_SHARD (K/N) splits it over machines (--merge)
+#  routings_pairs the routing study's affine and MultiMNIST parts (--multimnist) on full MNIST, where
+#              Sabour et al. claim what routing buys: rows $PAIRS_ROWS (uniform dynamic vb), each part
+#              tuned on its own validation data, margin $STUDY_MARGIN (0.5), $STUDY_EPOCHS (10) epochs,
+#              $STUDY_SEEDS (5) seeds, $STUDY_PAIRS (2) fresh pairs per digit per epoch; resumable by
+#              calls and shards as routings_full
 #  routings_cifar the routing study on CIFAR-10 (the binary files in $CIFAR_DIR, default data/cifar10:
 #              the GPU machine reaches no registry, so a call carries them (run's carry=["data/cifar10"]) -- `python
 #              benchmarks/cifar_subset.py SRC data/cifar10` writes a stratified 8,000 of the training
@@ -200,6 +205,13 @@ if want routings_full; then
         --data-dir "$data" --epochs "${STUDY_EPOCHS:-10}" --seeds "${STUDY_SEEDS:-5}" --no-affine \
         --routings uniform dynamic attention inverted self vb cnn --sweep 1 2 4 5 --sweep-seeds 2 \
         ${STUDY_SHARD:+--shard $STUDY_SHARD} --out "$out/routings_full" ${EXP_FLAGS:-}
+fi
+if want routings_pairs; then
+    backend=$([ "$device" = cpu ] && echo numpy || echo "torch:$device")
+    run routings_pairs 590 20 python -m pycapsnet experiment routings --backend "$backend" --dataset mnist \
+        --data-dir "$data" --epochs "${STUDY_EPOCHS:-10}" --seeds "${STUDY_SEEDS:-5}" --multimnist \
+        --pairs "${STUDY_PAIRS:-2}" --margin "${STUDY_MARGIN:-0.5}" --routings ${PAIRS_ROWS:-uniform dynamic vb} \
+        ${STUDY_SHARD:+--shard $STUDY_SHARD} --out "$out/routings_pairs" ${EXP_FLAGS:-}
 fi
 if want routings_cifar; then
     backend=$([ "$device" = cpu ] && echo numpy || echo "torch:$device")
