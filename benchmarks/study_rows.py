@@ -21,7 +21,7 @@ import numpy as np
 
 from pycapsnet import backends
 from pycapsnet.core import architecture
-from pycapsnet.experiments import routing_study
+from pycapsnet.experiments import routing_study, study_networks
 from pycapsnet.training.optim import Adam
 
 
@@ -47,7 +47,7 @@ def commit() -> str:
 def step_of(row, backbone, batch, shape=(1, 28, 28), seed=0, backend="numpy"):
     """A function that runs one training step of ``row``'s network, and the network."""
     B = backends.get(backend, dtype="float32")
-    net = architecture.build(routing_study.network(row, shape, backbone), B, seed=seed)
+    net = architecture.build(study_networks.network(row, shape, backbone), B, seed=seed)
     opt = Adam(net, lr=1e-3)
     rng = np.random.default_rng(seed)
     x = rng.random((batch, *shape)).astype(np.float32)
@@ -66,13 +66,13 @@ def main():
     p.add_argument("--steps", type=int, default=5, help="timed steps a row a round (after one untimed)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="the --quick backbone (a toy size)")
-    p.add_argument("--backbone", default="capsnet", choices=tuple(routing_study.BACKBONES))
+    p.add_argument("--backbone", default="capsnet", choices=tuple(study_networks.BACKBONES))
     p.add_argument("--data", default="mnist", choices=("mnist", "cifar10"), help="the images' shape: 1x28x28 "
                    "(MNIST, Fashion-MNIST) or 3x32x32 (CIFAR-10)")
     p.add_argument("--backend", default="numpy", choices=("numpy", "torch"))
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    backbone = routing_study.BACKBONES[a.backbone][1 if a.quick else 0]
+    backbone = study_networks.BACKBONES[a.backbone][1 if a.quick else 0]
     shape = (1, 28, 28) if a.data == "mnist" else (3, 32, 32)
     steps = {row: step_of(row, backbone, a.batch, shape, backend=a.backend) for row in a.rows}
     per_round = {row: [] for row in a.rows}

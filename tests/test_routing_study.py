@@ -2,7 +2,6 @@
 the statistics give the textbook values, shards merge into the unsharded table, mixed settings are
 refused, your own data and routings run."""
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,8 @@ from scipy import stats
 
 import pycapsnet
 from pycapsnet import CapsNetError, experiments
-from pycapsnet.experiments import routing_study, study_diagnostics, study_protocol, study_report, study_stats as st
+from pycapsnet.experiments import study_diagnostics, study_networks, study_protocol, study_report
+from pycapsnet.experiments import study_stats as st
 from pycapsnet.experiments import study_tuning as tuning
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,7 @@ def test_starved_parents_only_where_class_scores_are_capsules_own(row, has_paren
     from pycapsnet import backends
     from pycapsnet.core import architecture as A
 
-    d = routing_study.network(row, (1, 28, 28), routing_study.QUICK_BACKBONE)
+    d = study_networks.network(row, (1, 28, 28), study_networks.QUICK_BACKBONE)
     model = A.build(d, backends.get("numpy", dtype="float64"), seed=0)
     x = np.random.default_rng(0).random((6, 1, 28, 28))
     m = study_diagnostics.TestPass(model).run(x, np.arange(6) % 10, batch=3).measures()
@@ -285,8 +285,8 @@ def test_the_python_form_refuses_what_it_would_misread(tmp_path, kwargs, said):
 
 
 def test_the_cnn_row_matches_the_dynamic_rows_parameters():
-    shape, backbone = (1, 28, 28), routing_study.BACKBONE
-    caps, cnn = (routing_study._params(routing_study.network(r, shape, backbone)) for r in ("dynamic", "cnn"))
+    shape, backbone = (1, 28, 28), study_networks.BACKBONE
+    caps, cnn = (study_networks.params_of(study_networks.network(r, shape, backbone)) for r in ("dynamic", "cnn"))
     assert abs(cnn - caps) / caps < 0.02
 
 

@@ -33,7 +33,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 
 import numpy as np
 
@@ -42,12 +41,11 @@ import pycapsnet
 from . import digits, loop, study_multimnist, study_protocol as protocol, study_report as report, study_tuning as tuning
 from . import study_units
 from .common import check_fits, write_json
-from .networks import baseline_cnn
+from .study_networks import BACKBONES, network, params_of, row_spec
 from .study_diagnostics import TestPass
 from .study_stats import pack
 from .units import FILE, Units
 from ..core import architecture as A, routing_source, routings
-from ..core.description import param_shapes
 from ..errors import first_line, printable, CapsNetError
 from ..training import augment as augmentation, data
 from ..training.log import say
@@ -57,29 +55,9 @@ LR = None  # tuned per row on validation (study_protocol); --lr fixes one rate f
 OWN_UNITS = True  # its units file holds the settings (data, code) a unit depends on: Study makes it
 FIGURE = "routings.png"
 table, figure = report.table, report.figure
-QUICK_BACKBONE = dict(conv_channels=8, primary_types=2, primary_dim=8, class_dim=16)
-BACKBONE = dict(conv_channels=64, primary_types=16, primary_dim=8, class_dim=16)
-# The ResNet's: "kind" names it (a backbone without one is the CapsNet-style one, as records before it)
-RESNET20 = dict(kind="resnet20", widths=[16, 32, 64], blocks=3, primary_types=32, primary_dim=16, class_dim=16)
-QUICK_RESNET20 = dict(kind="resnet20", widths=[4, 8, 8], blocks=1, primary_types=2, primary_dim=4, class_dim=8)
-BACKBONES = {"capsnet": (BACKBONE, QUICK_BACKBONE), "resnet20": (RESNET20, QUICK_RESNET20)}
 DEFAULT_ROWS = ("uniform", "dynamic", "attention", "inverted", "self", "vb", "random", "em", "cnn")
 SWEEP_ROUTINGS = ("dynamic", "vb")  # --sweep K...: these routings at K iterations
 VERSION = 3  # of the protocol: units of another version are not reused
-
-
-def row_spec(name: str) -> tuple:
-    """("cnn" | "em" | "vector", routing, iterations or None) of a row name; CapsNetError if none."""
-    if name == "cnn":
-        return "cnn", None, None
-    m = re.fullmatch(r"(.+)-(\d+)", name)
-    base, iters = (m.group(1), int(m.group(2))) if m else (name, None)
-    if base == "em":
-        return "em", "em", iters or 2
-    if base in routings.names() and (iters is None or routings.get(base).iterated):
-        return "vector", base, iters
-    raise CapsNetError(f"--routings {name}: not a row of the study; give a registered routing "
-                       f"({', '.join(routings.names())}), NAME-k for an iterated one at k iterations, em or cnn")
 
 
 def check_rows(chosen) -> list:
@@ -89,66 +67,6 @@ def check_rows(chosen) -> list:
     for r in rows:
         row_spec(r)
     return rows
-
-
-def network(row, shape, backbone, options=None, decoder=None, n_classes=10, head=None) -> dict:
-    """The description of ``row``'s network on the backbone (``options``: its routing's own; ``decoder``:
-    the hidden sizes of a reconstruction decoder; ``head``: (head, loss description) in place of the
-    routing paper's, for a row with class capsules)."""
-    kind, routing, iters = row_spec(row)
-    if kind == "cnn":
-        return matched_cnn(shape, backbone, n_classes)
-    stem, primary = stem_of(backbone)
-    if kind == "em":
-        body = stem + [A.primary_matrix_caps(backbone["primary_types"], name="primary"),
-                       A.class_matrix_caps(n_classes, iters=iters, name="classcaps")]
-        return A.network(body, head="activations", loss=A.spread_loss(), decoder=None, input_shape=shape,
-                         n_classes=n_classes)
-    body = stem + [A.primary_caps(backbone["primary_types"], backbone["primary_dim"], **primary, name="primary"),
-                   A.dynamic_caps(n_classes, backbone["class_dim"], iters=iters, routing=routing, name="classcaps",
-                                  **(options or {}))]
-    if head is None:
-        head, loss = routings.get(routing).head
-        loss = A.margin_loss() if loss == "margin" else {"loss": loss}
-    else:
-        head, loss = head
-    if head == "logits":
-        body.append(A.capsule_logits(name="logits"))
-    return A.network(body, head=head, loss=loss, decoder=decoder and A.decoder(decoder), input_shape=shape,
-                     n_classes=n_classes)
-
-
-def stem_of(backbone) -> tuple:
-    """(the layers before the primary capsules, the primary capsules' kernel, stride and convolution)."""
-    if backbone.get("kind", "capsnet") == "capsnet":
-        return [A.conv2d(backbone["conv_channels"], 9, name="conv1"), A.relu(name="relu1")], \
-            dict(kernel=9, stride=2)
-    widths = backbone["widths"]
-    stem = [A.conv2d(widths[0], 3, padding=1, name="conv1"), A.batch_norm(name="bn1"), A.relu(name="relu1")]
-    for s, w in enumerate(widths, start=1):
-        for b in range(1, backbone["blocks"] + 1):
-            first = b == 1 and s > 1  # a stage's first block halves the grid and widens: projected
-            stem += [A.basic_block(w, 2 if first else 1, project=first, name=f"block{s}_{b}"),
-                     A.relu(name=f"relu{s}_{b}")]
-    return stem, dict(kernel=3, stride=1, conv="im2col")  # (the Fourier convolution pays on large kernels only)
-
-
-def matched_cnn(shape, backbone, n_classes=10) -> dict:
-    """The baseline CNN (networks.baseline_cnn) with its widths scaled by one factor so that its
-    parameters come closest to those of the "dynamic" row's network."""
-    target = _params(network("dynamic", shape, backbone, n_classes=n_classes))
-    best = None
-    for f in np.geomspace(0.02, 1.5, 200):
-        w = lambda n: max(1, int(round(n * f)))  # noqa: E731
-        d = baseline_cnn(shape, n_classes, channels=(w(256), w(256), w(128)), hidden=(w(328), w(192)))
-        gap = abs(_params(d) - target)
-        if best is None or gap < best[0]:
-            best = (gap, d)
-    return best[1]
-
-
-def _params(description) -> int:
-    return int(sum(np.prod(s) for s in param_shapes(description).values()))
 
 
 # ---- the units ----------------------------------------------------------------------------------------
@@ -169,7 +87,7 @@ def _trained(args, B, description, seed, lr, train_set, val, transform, desc, te
             raise
         say(f"{desc}: diverged in epoch {e.epoch + 1}; recorded with validation accuracy 0, its curves kept")
         return {"val": val_acc + [0.0], "loss": [x if np.isfinite(x) else None for x in losses], "step": e.step,
-                "params": _params(description), "diverged": e.epoch + 1}
+                "params": params_of(description), "diverged": e.epoch + 1}
     out = {"val": val_acc, "loss": losses, "step": step, "params": model.n_params()}
     if test is None:  # a tuning trial's diagnostics, on validation: a collapse can be read from them
         out["measures"] = TestPass(model).run(val[0][:protocol.DIAGNOSTIC_DIGITS],
@@ -223,7 +141,7 @@ class Study:
             check_fits("routings", 3 * len(self.test) + 2 * len(self.val), args.canvas, "give a smaller --canvas")
         self.settings_multimnist = study_multimnist.settings(args)
         if self.settings_multimnist:
-            study_multimnist.check(self, row_spec)
+            study_multimnist.check(self)
         self.settings = self._settings()
         self.units = units_cls(out, self.settings, {"rows": self.rows, "seeds": args.seeds, "sweep": self.sweep,
                                                     "sweep_seeds": args.sweep_seeds})
@@ -267,7 +185,7 @@ class Study:
         return ([f"main {r} seed {s}" for r in self.rows for s in seeds]
                 + [f"main {r} seed {s}" for r in self.sweep for s in sweep_seeds]
                 + ([] if self.args.no_affine else [f"affine {r} seed {s}" for r in self.rows for s in seeds])
-                + study_multimnist.main_keys(self.settings_multimnist, self.rows, self.args.seeds, row_spec))
+                + study_multimnist.main_keys(self.settings_multimnist, self.rows, self.args.seeds))
 
     def mine(self, key, keys) -> bool:
         k, n = self.args.shard or (1, 1)
@@ -423,7 +341,7 @@ def routing_of(row) -> str:
 
 def tuned_rows(settings, rows, sweep) -> list:
     """The rows a study of ``settings`` tunes: its rows, its sweep's, and its MultiMNIST part's."""
-    return [*rows, *sweep, *study_multimnist.tuned_rows(settings.get("multimnist"), rows, row_spec)]
+    return [*rows, *sweep, *study_multimnist.tuned_rows(settings.get("multimnist"), rows)]
 
 
 def chosen_trial(choices: dict, kind: str, row: str) -> str | None:

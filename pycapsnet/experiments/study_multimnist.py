@@ -29,6 +29,7 @@ import numpy as np
 
 from . import digits, loop, multimnist
 from .common import check_fits
+from .study_networks import row_spec
 from .study_stats import pack
 from ..core import architecture as A
 from ..core.description import param_shapes
@@ -59,14 +60,14 @@ def settings(args) -> dict | None:
             "val_seed": VAL_SEED, "test_seed": TEST_SEED}
 
 
-def capsule_rows(rows, row_spec) -> list:
-    """The rows with vector class capsules (``row_spec``: routing_study's)."""
+def capsule_rows(rows) -> list:
+    """The rows with vector class capsules."""
     return [r for r in rows if row_spec(r)[0] == "vector"]
 
 
-def tuned_rows(part: dict | None, rows, row_spec) -> list:
+def tuned_rows(part: dict | None, rows) -> list:
     """The part's tuned rows ("multimnist:ROW"), none where the part is off."""
-    return [PREFIX + r for r in capsule_rows(rows, row_spec)] if part else []
+    return [PREFIX + r for r in capsule_rows(rows)] if part else []
 
 
 def row_of(tuned: str) -> str | None:
@@ -74,14 +75,14 @@ def row_of(tuned: str) -> str | None:
     return tuned[len(PREFIX):] if tuned.startswith(PREFIX) else None
 
 
-def check(study, row_spec) -> None:
+def check(study) -> None:
     """Refuse, before any unit trains, data or rows the part cannot take, and pairs that would not fit."""
     part = study.settings_multimnist
     x = study.train.x
     if x.shape[1:] != (1, digits.DIGIT, digits.DIGIT):
         raise CapsNetError(f"the MultiMNIST part overlays two {digits.DIGIT}x{digits.DIGIT} one-channel digits, and "
                            f"these images are {'x'.join(map(str, x.shape[1:]))}: drop --multimnist")
-    if not capsule_rows(study.rows, row_spec):
+    if not capsule_rows(study.rows):
         raise CapsNetError("the MultiMNIST part trains rows with class capsules, and --routings names none (em and cnn "
                            "have none): add one, such as uniform, or drop --multimnist")
     made = len(study.train) * part["pairs"] + len(study.val) + len(study.test)
@@ -142,8 +143,8 @@ class Part:
         return self._test
 
 
-def main_keys(part, rows, seeds, row_spec) -> list:
-    return [f"multimnist {r} seed {s}" for r in capsule_rows(rows, row_spec) for s in range(seeds)] if part else []
+def main_keys(part, rows, seeds) -> list:
+    return [f"multimnist {r} seed {s}" for r in capsule_rows(rows) for s in range(seeds)] if part else []
 
 
 def done_rows(units: dict, rows, seeds) -> tuple:
