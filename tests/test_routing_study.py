@@ -428,3 +428,18 @@ def test_a_multimnist_unit_whose_error_is_not_its_record_of_missed_pairs_is_refu
     path.write_text(json.dumps(record))
     refused = _study(tmp_path / "m", "--merge", str(tmp_path / "a"))
     assert refused.returncode == 2 and "is not what its own record of wrong digits says" in refused.stderr
+
+
+def test_the_seed_planner_reads_the_multimnist_parts_spread_against_its_own_baseline(tmp_path):
+    from pycapsnet.experiments import study_plan
+
+    errors = {"main uniform": [1.2, 1.1, 1.4], "main dynamic": [1.0, 1.3, 1.2],
+              "multimnist uniform": [30.0, 34.0, 31.0], "multimnist dynamic": [28.0, 33.5, 27.0]}
+    units = {f"{r} seed {s}": {"test_error": e} for r, es in errors.items() for s, e in enumerate(es)}
+    (tmp_path / "units.json").write_text(json.dumps({"flags": {}, "layout": {"rows": ["uniform", "dynamic"]},
+                                                     "units": units}))
+    planned = study_plan.plan(str(tmp_path), 1.0)
+    sd = float(np.std(np.subtract(errors["multimnist dynamic"], errors["multimnist uniform"]), ddof=1))
+    assert planned["rows"]["multimnist:dynamic"]["sd"] == pytest.approx(sd)  # against the part's uniform
+    assert planned["rows"]["dynamic"]["sd"] == pytest.approx(float(np.std([-0.2, 0.2, -0.2], ddof=1)))
+    assert "multimnist:uniform" not in planned["rows"] and set(planned["rows"]) == {"dynamic", "multimnist:dynamic"}

@@ -1,7 +1,7 @@
 """Seeds from a power plan: how many seeds a record needs to detect an effect, from a pilot record's
 spread.  ``pycapsnet experiment routings --plan-seeds --pilot DIR --effect E`` (or ``plan(DIR, E)``)
-reads the pilot's main units, takes each row's paired differences to the baseline over the pilot's
-seeds, and gives, from their sample sd, the seeds a paired t-test at 5% needs for 80% and 90% power
+reads the pilot's main units (and its MultiMNIST part's, as rows "multimnist:ROW" against that
+part's baseline), takes each row's paired differences to the baseline over the pilot's seeds, and gives, from their sample sd, the seeds a paired t-test at 5% needs for 80% and 90% power
 to detect a difference of E points, and the smallest difference the pilot's own seeds detect with
 80% power.  A record states its effect and seeds before it trains (its README, committed before the
 first main unit), or the smallest effect its seeds can detect."""
@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import CapsNetError
 from . import study_stats as st
+from .study_multimnist import PREFIX
 from .study_protocol import BASELINE
 from .units import FILE, Units
 
@@ -27,21 +28,28 @@ def plan(pilot: str, effect: float) -> dict:
     main_rows = set(layout.get("rows") or []) if isinstance(layout, dict) else set()  # the sweep's are not planned
     errors = {}
     for key, unit in units.items():
-        m = re.fullmatch(r"main (\S+) seed (\d+)", key)
+        m = re.fullmatch(r"(main|multimnist) (\S+) seed (\d+)", key)
         if m and isinstance(unit, dict) and isinstance(unit.get("test_error"), (int, float)) and \
-                (not main_rows or m.group(1) in main_rows):
-            errors.setdefault(m.group(1), {})[int(m.group(2))] = float(unit["test_error"])
-    if not errors:
+                (not main_rows or m.group(2) in main_rows):
+            row = m.group(2) if m.group(1) == "main" else f"{PREFIX}{m.group(2)}"
+            errors.setdefault(row, {})[int(m.group(3))] = float(unit["test_error"])
+    if not any(not r.startswith(PREFIX) for r in errors):
         raise CapsNetError(f"--pilot {pilot}: {os.path.join(pilot, FILE)} holds no main unit: give a finished record")
-    baseline = BASELINE if BASELINE in errors else next(iter(errors))
+    baselines = {}  # the main table's baseline, and the MultiMNIST part's
+    for part in ("", PREFIX):
+        own = [r for r in errors if r.startswith(PREFIX) == bool(part)]
+        if own:
+            baselines[part] = part + BASELINE if part + BASELINE in errors else own[0]
+    baseline = baselines[""]
     rows = {}
     for row, by_seed in errors.items():
-        if row == baseline:
+        base = baselines[PREFIX if row.startswith(PREFIX) else ""]
+        if row == base:
             continue
-        seeds = sorted(set(by_seed) & set(errors[baseline]))
+        seeds = sorted(set(by_seed) & set(errors[base]))
         if len(seeds) < 2:
             continue
-        sd = float(np.std([by_seed[s] - errors[baseline][s] for s in seeds], ddof=1))
+        sd = float(np.std([by_seed[s] - errors[base][s] for s in seeds], ddof=1))
         rows[row] = {"seeds": len(seeds), "sd": sd, "seeds_80": st.seeds_for(sd, effect, 0.8) if sd else 2,
                      "seeds_90": st.seeds_for(sd, effect, 0.9) if sd else 2,
                      "detectable_80": st.detectable(sd, len(seeds)) if sd else 0.0}
@@ -51,8 +59,9 @@ def plan(pilot: str, effect: float) -> dict:
 
 
 def table(planned: dict) -> str:
-    lines = [f"Seeds for a paired t-test at 5% to detect {planned['effect']:g} points against {planned['baseline']}, "
-             f"from the pilot {planned['pilot']} (the sd of each row's paired differences over its seeds):", "",
+    lines = [f"Seeds for a paired t-test at 5% to detect {planned['effect']:g} points against {planned['baseline']} "
+             f"(a {PREFIX}ROW against the MultiMNIST part's own {planned['baseline']}), from the pilot "
+             f"{planned['pilot']} (the sd of each row's paired differences over its seeds):", "",
              "| row | pilot seeds | sd of differences | seeds for 80% | seeds for 90% | smallest effect the pilot's "
              "seeds detect (80%) |", "|---|---|---|---|---|---|"]
     for row, r in planned["rows"].items():
