@@ -147,7 +147,7 @@ def test_the_resnet20_backbone_is_resnet20():
     """16/32/64 channels in three stages of three basic blocks, the 2nd and 3rd stage's first block
     strided and projected, 32x32 -> an 8x8 map; primary capsules of 32 types of 16D on it (3x3/1:
     a 6x6 grid); 20 weighted layers counting the class layer: 1 + 18 + primary + class."""
-    from pycapsnet.experiments import routing_study as rs
+    from pycapsnet.experiments import study_networks as rs
 
     arch = rs.network("dynamic", (3, 32, 32), rs.RESNET20)
     body = arch["body"]
