@@ -29,10 +29,9 @@ import numpy as np
 
 from . import digits, loop, multimnist
 from .common import check_fits
-from .study_networks import row_spec
+from .study_networks import params_of, row_spec
 from .study_stats import pack
 from ..core import architecture as A
-from ..core.description import param_shapes
 from ..errors import CapsNetError
 from ..training import data
 from ..training.log import say
@@ -125,7 +124,7 @@ class Part:
                 raise
             say(f"{key}: diverged in epoch {e.epoch + 1}; recorded with validation accuracy 0, its curves kept")
             return {"val": val_acc + [0.0], "loss": [x if np.isfinite(x) else None for x in losses], "step": e.step,
-                    "params": int(sum(np.prod(p) for p in param_shapes(description).values())), "diverged": e.epoch + 1}
+                    "params": params_of(description), "diverged": e.epoch + 1}
         out = {"val": val_acc, "loss": losses, "step": step, "params": model.n_params()}
         if test:
             wrong = multimnist.wrong_pairs(model, self.test_pairs())
@@ -144,6 +143,7 @@ class Part:
 
 
 def main_keys(part, rows, seeds) -> list:
+    """The part's main units, row by row (none where the part is off)."""
     return [f"multimnist {r} seed {s}" for r in capsule_rows(rows) for s in range(seeds)] if part else []
 
 
