@@ -443,3 +443,14 @@ def test_the_seed_planner_reads_the_multimnist_parts_spread_against_its_own_base
     assert planned["rows"]["multimnist:dynamic"]["sd"] == pytest.approx(sd)  # against the part's uniform
     assert planned["rows"]["dynamic"]["sd"] == pytest.approx(float(np.std([-0.2, 0.2, -0.2], ddof=1)))
     assert "multimnist:uniform" not in planned["rows"] and set(planned["rows"]) == {"dynamic", "multimnist:dynamic"}
+
+
+def test_the_affine_parts_interval_of_an_accuracy_stays_within_0_and_100():
+    """Three seeds, one collapsed (as a pilot's uniform row did): the t interval of the mean would
+    reach below 0 and above 100."""
+    units = {f"affine uniform seed {s}": {"last": {"translated": t, "affine": t / 2}, "target": None}
+             for s, t in enumerate([93.1, 92.5, 29.5])}
+    r = study_report.affine_rows(units, ["uniform"], 3)["uniform"]
+    assert r["last_translated"]["ci95"] == [0.0, 100.0] and r["last_translated"]["n"] == 3
+    assert r["last_translated"]["mean"] == pytest.approx(np.mean([93.1, 92.5, 29.5]))
+    assert r["target_affine"]["n"] == 0 and r["target_epoch"] == [None, None, None]

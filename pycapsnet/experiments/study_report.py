@@ -125,7 +125,8 @@ def _measures(us) -> dict:
 
 def affine_rows(units: dict, rows, seeds) -> dict:
     """Per row: its translated and affine test accuracy at its last epoch and at the first epoch that
-    reached the target (mean and sd over the seeds read, how many were read)."""
+    reached the target (mean and sd over the seeds read, how many were read, and the t interval of
+    the mean clipped to [0, 100]: an accuracy's, whose t interval over a few seeds can leave it)."""
     out = {}
     for row in rows:
         keys = [f"affine {row} seed {s}" for s in range(seeds)]
@@ -136,8 +137,10 @@ def affine_rows(units: dict, rows, seeds) -> dict:
         for reading in ("last", "target"):
             for test in ("translated", "affine"):
                 got = [u[reading][test] for u in us if u.get(reading)]
-                r[f"{reading}_{test}"] = {**(st.spread(got) if got else {"n": 0, "mean": None, "sd": None}),
-                                          "values": got}
+                spread = st.spread(got) if got else {"n": 0, "mean": None, "sd": None}
+                if spread.get("ci95") and spread["ci95"][0] is not None:
+                    spread["ci95"] = [max(0.0, spread["ci95"][0]), min(100.0, spread["ci95"][1])]
+                r[f"{reading}_{test}"] = {**spread, "values": got}
         r["target_epoch"] = [u["target"]["epoch"] if u.get("target") else None for u in us]
         out[row] = r
     return out
@@ -192,7 +195,8 @@ def table(results) -> str:
         lines += ["", f"Affine: trained on digits placed at random on a {results['affine_canvas']}x"
                   f"{results['affine_canvas']} canvas; test accuracy % (mean ± sd over the seeds read) at the last "
                   f"epoch, and at the first epoch reaching {results['protocol']['affine_target']}% translated "
-                  "validation accuracy (a number fixed before training).", "",
+                  "validation accuracy (a number fixed before training); [the t interval of the mean over "
+                  "seeds, clipped to [0, 100]]. Each row trains at its main table's choice.", "",
                   "| row | translated, last | affine, last | translated, at target | affine, at target (seeds read) |",
                   "|---|---|---|---|---|"]
         for row, r in aff.items():
