@@ -375,9 +375,10 @@ def test_a_tuning_trial_that_diverges_is_recorded_with_its_curves_and_the_study_
 # ---- the MultiMNIST part (--multimnist) ------------------------------------------------------------
 def test_the_multimnist_part_tunes_on_validation_pairs_and_its_shards_merge_into_the_unsharded_table(tmp_path):
     """Its own tuning rows, its choices in choices.json, its main units at those choices, the main table's
-    statistics on the test pairs; em has no capsules to mask, so it has no MultiMNIST row."""
-    flags = ["--quick", "--no-affine", "--routings", "uniform", "dynamic", "em", "--limit", "100", "--limit-test", "40",
-             "--multimnist", "--margin", "5", "--seeds", "2"]
+    statistics on the test pairs; em has no capsules to mask, so it has no MultiMNIST row (it has an
+    affine one).  Shards and their merge give the unsharded tables, the affine part's too."""
+    flags = ["--quick", "--routings", "uniform", "dynamic", "em", "--limit", "100", "--limit-test", "40",
+             "--multimnist", "--margin", "5", "--seeds", "2", "--affine-target", "5"]  # (and the affine part)
     whole = _study(tmp_path / "whole", *flags)
     assert whole.returncode == 0, whole.stderr
     b = json.loads((tmp_path / "whole" / "results.json").read_text())
@@ -399,6 +400,7 @@ def test_the_multimnist_part_tunes_on_validation_pairs_and_its_shards_merge_into
     assert "MultiMNIST (Sabour et al. §6)" in (tmp_path / "whole" / "results.md").read_text()
     a = _sharded(tmp_path, *flags)
     assert a["multimnist"] == b["multimnist"] and a["tuning"] == b["tuning"] and a["embedded"] == b["embedded"]
+    assert a["affine"] == b["affine"] and {"affine:uniform", "affine:dynamic", "affine:em"} <= set(a["tuning"])
 
 
 def test_the_multimnist_part_refuses_what_it_cannot_take(tmp_path):
@@ -454,3 +456,20 @@ def test_the_affine_parts_interval_of_an_accuracy_stays_within_0_and_100():
     assert r["last_translated"]["ci95"] == [0.0, 100.0] and r["last_translated"]["n"] == 3
     assert r["last_translated"]["mean"] == pytest.approx(np.mean([93.1, 92.5, 29.5]))
     assert r["target_affine"]["n"] == 0 and r["target_epoch"] == [None, None, None]
+
+
+def test_the_affine_part_chooses_its_rate_on_translated_validation_digits(tmp_path):
+    """Its own tuning rows ("affine:ROW", scored on the validation digits placed on its canvas), and
+    each affine unit at that choice, not the main table's."""
+    done = _study(tmp_path / "a", "--quick", "--routings", "uniform", "--limit", "100", "--limit-test", "20",
+                  "--seeds", "1", "--affine-target", "5")
+    assert done.returncode == 0, done.stderr
+    units = json.loads((tmp_path / "a" / "units.json").read_text())["units"]
+    chosen = json.loads((tmp_path / "a" / "choices.json").read_text())["choices"]
+    assert set(chosen) == {"uniform", "affine:uniform"}
+    tuned = [k for k in units if k.startswith("tune affine:uniform ")]
+    assert len(tuned) >= 12 and all(0 <= v <= 1 for k in tuned for v in units[k]["val"])
+    assert units["affine uniform seed 0"]["trial"] == chosen["affine:uniform"]
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert results["settings"]["affine"]["tuned"] and "affine:uniform" in results["tuning"]
+    assert "its own choice on translated validation digits" in (tmp_path / "a" / "results.md").read_text()

@@ -21,8 +21,11 @@ unit is the unit of work of ``--shard K/N`` too):
     main ROW seed S         the row at its chosen trial: validation per epoch, then the one test pass
                             (errors per digit, diagnostics); the iteration sweep's rows are main rows
                             (NAME-k) at their routing's chosen trial
-    affine ROW seed S       trained on digits placed at random on a canvas, read on the translated and
-                            affine test digits at the last epoch and at the protocol's target
+    tune affine:ROW TRIAL seed S, affine ROW seed S
+                            the affine part (study_affine.py): its own tuning on translated
+                            validation digits, then trained on digits placed at random on a canvas,
+                            read on the translated and affine test digits at the last epoch and at
+                            the protocol's target
     tune multimnist:ROW TRIAL seed S, multimnist ROW seed S
                             the MultiMNIST part (--multimnist; study_multimnist.py): its own tuning
                             on validation pairs, then its main units on the test pairs
@@ -38,8 +41,8 @@ import numpy as np
 
 import pycapsnet
 
-from . import digits, loop, study_multimnist, study_protocol as protocol, study_report as report, study_tuning as tuning
-from . import study_units
+from . import digits, loop, study_affine, study_multimnist, study_protocol as protocol, study_report as report
+from . import study_tuning as tuning, study_units
 from .common import check_fits, write_json
 from .study_networks import BACKBONES, network, params_of, row_spec
 from .study_diagnostics import TestPass
@@ -85,9 +88,7 @@ def _trained(args, B, description, seed, lr, train_set, val, transform, desc, te
     except loop.Diverged as e:
         if test is not None:
             raise
-        say(f"{desc}: diverged in epoch {e.epoch + 1}; recorded with validation accuracy 0, its curves kept")
-        return {"val": val_acc + [0.0], "loss": [x if np.isfinite(x) else None for x in losses], "step": e.step,
-                "params": params_of(description), "diverged": e.epoch + 1}
+        return study_units.diverged(desc, e, val_acc, losses, params_of(description))
     out = {"val": val_acc, "loss": losses, "step": step, "params": model.n_params()}
     if test is None:  # a tuning trial's diagnostics, on validation: a collapse can be read from them
         out["measures"] = TestPass(model).run(val[0][:protocol.DIAGNOSTIC_DIGITS],
@@ -159,7 +160,7 @@ class Study:
                 "open_options": tuning.OPEN_OPTIONS, "tune_seeds": list(tuning.TUNE_SEEDS), "rule": tuning.RULE,
                 "val_fraction": a.val_fraction, "margin": a.margin, "augment": a.augment or "shift",
                 "normalize": self.norm,
-                "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target},
+                "affine": None if a.no_affine else {"canvas": a.canvas, "target": self.affine_target, "tuned": True},
                 "multimnist": self.settings_multimnist,
                 # a routing of the user's own, by its source: units of another version are not mixed
                 "routings": routing_source.sources(row_spec(r)[1] for r in self.rows if row_spec(r)[0] == "vector")}
@@ -172,7 +173,7 @@ class Study:
 
     def tuned(self) -> list:
         """The rows that are tuned: every row, each row of the sweep on its own, and each of the
-        MultiMNIST part's."""
+        affine and MultiMNIST parts'."""
         return tuned_rows(self.settings, self.rows, self.sweep)
 
     def known(self) -> dict:
@@ -217,7 +218,7 @@ class Study:
             if not self.mine(key, keys):
                 continue
             kind, row, _, s = key.split(" ")
-            chosen = chosen_trial(choices, kind, row)
+            chosen = chosen_trial(choices, kind, row, self.settings)
             if key in self.units.done:
                 unit = self.units.done[key]
                 if (unit.get("trial"), unit.get("choices")) != (chosen, digest):  # reused only under today's choices
@@ -234,7 +235,7 @@ class Study:
                     {**self.multimnist.unit(row, t, s, key, test=True), **ran}))
             else:
                 self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed(
-                    {**self._affine_unit(row, t, s, key), **ran}))
+                    {**study_affine.unit(self, row, t, s, key, test=True), **ran}))
 
     def _tune(self, val, shape) -> None:
         """This run's share of the tuning units, round after round while the next round is known."""
@@ -246,10 +247,14 @@ class Study:
                 return
             for key in todo:
                 _, row, name, _, s = key.split(" ")
-                t, pair_row = tuning.parse(name), study_multimnist.row_of(row)
+                t, pair_row, moved_row = tuning.parse(name), study_multimnist.row_of(row), study_affine.row_of(row)
                 if pair_row is not None:
                     self.units.measure(key, lambda t=t, s=int(s), key=key, row=pair_row: study_units.sealed(
                         self.multimnist.unit(row, t, s, key)))
+                    continue
+                if moved_row is not None:
+                    self.units.measure(key, lambda t=t, s=int(s), key=key, row=moved_row: study_units.sealed(
+                        study_affine.unit(self, row, t, s, key)))
                     continue
                 self.units.measure(key, lambda t=t, s=int(s), key=key, row=row: study_units.sealed(_trained(
                     self.args, self.B, self.network(row, shape, t), s, t["lr"], self.train, val, self.augment, key)))
@@ -289,34 +294,6 @@ class Study:
     def _write_choices(self) -> None:
         write_json(os.path.join(self.out, "choices.json"), choices_record(self.settings, self.tuned(), self.known()))
 
-    def _affine_unit(self, row, t, seed, desc) -> dict:
-        """Trained on digits placed at random on the canvas; translated validation after each epoch;
-        the test digits (translated, affine) read at the first epoch reaching the target and at the last."""
-        canvas = self.args.canvas
-        test = self.test.open()
-        x_te = data.as_float(test.x)
-        sets = {"translated": (digits.place(x_te, canvas, np.random.default_rng(777)), test.y),
-                "affine": (digits.affine(x_te, canvas, np.random.default_rng(778)), test.y)}
-        val = (digits.place(data.as_float(self.val.x), canvas, np.random.default_rng(776)), self.val.y)
-        read = {"target": None, "last": None}
-
-        def score(model, epoch):
-            acc = 100 * float(np.mean(model.predict(val[0], 100) == val[1]))
-            last = epoch == self.args.epochs - 1
-            reached = read["target"] is None and acc >= self.affine_target
-            if reached or last:
-                scores = {k: 100 * float(np.mean(model.predict(x, 100) == y)) for k, (x, y) in sets.items()}
-                if reached:
-                    read["target"] = {**scores, "epoch": epoch + 1, "val": acc}
-                if last:
-                    read["last"] = {**scores, "val": acc}
-
-        run = argparse.Namespace(**{**vars(self.args), "lr": t["lr"]})
-        description = self.network(row, (1, canvas, canvas), t)
-        loop.train_network(run, self.B, description, seed, self.train, lambda x, r: digits.place(data.as_float(x), canvas, r),
-                           desc, after_epoch=score)
-        return read
-
 
 def backbone_of(args) -> dict:
     """--backbone's sizes (--quick: a toy size), with --primary-types, --primary-dim, --class-dim and
@@ -334,21 +311,26 @@ def _options(trial: dict) -> dict:
 
 
 def routing_of(row) -> str:
-    """The routing a row's grid is drawn for ("cnn" and "em" for theirs; a MultiMNIST row its row's)."""
-    pair_row = study_multimnist.row_of(row)
-    return routing_of(pair_row) if pair_row is not None else row_spec(row)[1] or row
+    """The routing a row's grid is drawn for ("cnn" and "em" for theirs; an affine or MultiMNIST row
+    its row's)."""
+    part_row = study_multimnist.row_of(row) or study_affine.row_of(row)
+    return routing_of(part_row) if part_row is not None else row_spec(row)[1] or row
 
 
 def tuned_rows(settings, rows, sweep) -> list:
-    """The rows a study of ``settings`` tunes: its rows, its sweep's, and its MultiMNIST part's."""
-    return [*rows, *sweep, *study_multimnist.tuned_rows(settings.get("multimnist"), rows)]
+    """The rows a study of ``settings`` tunes: its rows, its sweep's, its affine and MultiMNIST parts'."""
+    return [*rows, *sweep, *study_affine.tuned_rows(settings.get("affine"), rows),
+            *study_multimnist.tuned_rows(settings.get("multimnist"), rows)]
 
 
-def chosen_trial(choices: dict, kind: str, row: str) -> str | None:
+def chosen_trial(choices: dict, kind: str, row: str, settings: dict) -> str | None:
     """The trial a main, affine or multimnist unit of ``row`` runs: its row's choice (a sweep row's
-    routing's; a MultiMNIST unit's, the part's own)."""
+    routing's; an affine or MultiMNIST unit's, its part's own, unless ``settings`` are of a study
+    whose affine part was not tuned)."""
     if kind == "multimnist":
         return choices.get(study_multimnist.PREFIX + row)
+    if kind == "affine" and (settings.get("affine") or {}).get("tuned"):
+        return choices.get(study_affine.PREFIX + row)
     return choices[row] if row in choices else choices.get(row.rsplit("-", 1)[0])
 
 

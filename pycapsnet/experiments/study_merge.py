@@ -27,7 +27,7 @@ def merge(args) -> int:
             _refuse_other_units(out, flags, layout, units)
             tuned = routing_study.tuned_rows(flags, layout["rows"], layout["sweep"])
             if flags["fixed_lr"] is None:
-                _refuse_other_choices(units, tuned, origin)
+                _refuse_other_choices(units, tuned, origin, flags)
             results = report.assemble(flags, units, layout["rows"], layout["sweep"], layout["seeds"],
                                       layout["sweep_seeds"], routing_study.routing_of, tuned)
             write_json(os.path.join(out, FILE), {"flags": flags, "layout": layout, "units": units})
@@ -92,7 +92,7 @@ def _refuse_other_units(out, flags, layout, units) -> None:
                            "do not hold: give another --out (or merge that folder too)")
 
 
-def _refuse_other_choices(units, tuned, origin) -> None:
+def _refuse_other_choices(units, tuned, origin, flags) -> None:
     """Every main, affine and MultiMNIST unit ran its row's choice under the choices the merged tuning units make
     (each records its trial and the choices' digest; units recorded before that, neither)."""
     results = tuning.plan(tuned, routing_study.routing_of, units)[1]
@@ -102,7 +102,7 @@ def _refuse_other_choices(units, tuned, origin) -> None:
         kind, row = key.split(" ")[:2]
         if kind == "tune" or "trial" not in unit:
             continue
-        chosen = routing_study.chosen_trial(choices, kind, row)
+        chosen = routing_study.chosen_trial(choices, kind, row, flags)
         if unit["trial"] != chosen or unit.get("choices", digest) != digest:
             raise CapsNetError(f"--merge: {os.path.join(origin[key], FILE)}: unit '{key}' ran trial "
                                f"{printable(unit['trial'], 60)}" + (f", not {chosen}, which" if chosen != unit["trial"]

@@ -27,7 +27,7 @@ import argparse
 
 import numpy as np
 
-from . import digits, loop, multimnist
+from . import digits, loop, multimnist, study_units
 from .common import check_fits
 from .study_networks import params_of, row_spec
 from .study_stats import pack
@@ -122,9 +122,7 @@ class Part:
         except loop.Diverged as e:
             if test:
                 raise
-            say(f"{key}: diverged in epoch {e.epoch + 1}; recorded with validation accuracy 0, its curves kept")
-            return {"val": val_acc + [0.0], "loss": [x if np.isfinite(x) else None for x in losses], "step": e.step,
-                    "params": params_of(description), "diverged": e.epoch + 1}
+            return study_units.diverged(key, e, val_acc, losses, params_of(description))
         out = {"val": val_acc, "loss": losses, "step": step, "params": model.n_params()}
         if test:
             wrong = multimnist.wrong_pairs(model, self.test_pairs())

@@ -42,7 +42,7 @@ def declared(settings, baseline) -> dict:
         tuned = (f"each row's lr from {settings['lr_grid']} (VB: every lr with vb_lambda "
                  f"{list(tuning.OPEN_OPTIONS['vb']['vb_lambda'])}), extended at an edge choice by x2 or /2 up to "
                  f"{settings['lr_limits']}, on {len(settings['tune_seeds'])} tuning seeds; the rule: {tuning.RULE}; "
-                 "each sweep row tuned on its own")
+                 "each sweep row tuned on its own" + _parts_tuned(settings))
     else:
         tuned = f"one lr for every row, {settings['fixed_lr']:g}, given (no tuning)"
     margin = settings.get("margin")
@@ -62,6 +62,15 @@ def declared(settings, baseline) -> dict:
                        f"for every row; baseline {baseline}; "
                        + (f"equivalence margin ±{margin:g} points, declared before the run" if margin is not None
                           else "no equivalence margin declared")}
+
+
+def _parts_tuned(settings) -> str:
+    """", and each row of the affine (and MultiMNIST) part(s) on that part's validation data"."""
+    parts = [name for name, on in (("affine", (settings.get("affine") or {}).get("tuned")),
+                                   ("MultiMNIST", settings.get("multimnist"))) if on]
+    if not parts:
+        return ""
+    return f", and each row of the {' and '.join(parts)} part{'s' if len(parts) > 1 else ''} on that part's validation data"
 
 
 def rows_of(units: dict, rows, seeds) -> tuple:
@@ -196,7 +205,9 @@ def table(results) -> str:
                   f"{results['affine_canvas']} canvas; test accuracy % (mean ± sd over the seeds read) at the last "
                   f"epoch, and at the first epoch reaching {results['protocol']['affine_target']}% translated "
                   "validation accuracy (a number fixed before training); [the t interval of the mean over "
-                  "seeds, clipped to [0, 100]]. Each row trains at its main table's choice.", "",
+                  "seeds, clipped to [0, 100]]. Each row trains at "
+                  + ("its own choice on translated validation digits (affine:ROW above)."
+                     if (results["settings"].get("affine") or {}).get("tuned") else "its main table's choice."), "",
                   "| row | translated, last | affine, last | translated, at target | affine, at target (seeds read) |",
                   "|---|---|---|---|---|"]
         for row, r in aff.items():

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import CapsNetError, printable
 from ..training.files import atomic_write
+from ..training.log import say
 from . import study_stats
 
 MAX_SEEDS = 10_000  # a layout beyond this is no study's: refused before anything is made for its seeds
@@ -155,6 +156,14 @@ def _unit_problem(kind: str, unit: dict, n_test: int) -> str | None:
                                           for k, v in own.items())):
         return "its routing's own measures are not lists of numbers"
     return None
+
+
+def diverged(desc: str, e, val_acc: list, losses: list, params: int) -> dict:
+    """A tuning trial whose loss became NaN or inf (loop.Diverged ``e``): recorded with validation
+    accuracy 0 after the epoch it diverged in, its curves kept (NaN as None), and the study goes on."""
+    say(f"{desc}: diverged in epoch {e.epoch + 1}; recorded with validation accuracy 0, its curves kept")
+    return {"val": val_acc + [0.0], "loss": [x if math.isfinite(x) else None for x in losses], "step": e.step,
+            "params": params, "diverged": e.epoch + 1}
 
 
 def _get(d, path):
