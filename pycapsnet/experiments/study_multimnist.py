@@ -143,15 +143,3 @@ class Part:
 def main_keys(part, rows, seeds) -> list:
     """The part's main units, row by row (none where the part is off)."""
     return [f"multimnist {r} seed {s}" for r in capsule_rows(rows) for s in range(seeds)] if part else []
-
-
-def done_rows(units: dict, rows, seeds) -> tuple:
-    """({row: its units, seed order} for the part's rows with every seed done, [missing unit keys])."""
-    done, missing = {}, []
-    for row in rows:
-        keys = [f"multimnist {row} seed {s}" for s in range(seeds)]
-        lost = [k for k in keys if k not in units]
-        missing += lost
-        if not lost:
-            done[row] = [units[k] for k in keys]
-    return done, missing

@@ -22,7 +22,7 @@ def assemble(settings, done, rows, sweep, seeds, sweep_seeds, routing_of, tuned)
     baseline = BASELINE if BASELINE in rows else rows[0]
     n_test, margin = settings["data"]["test"]["digits"], settings.get("margin")
     pair_rows = [r for r in map(study_multimnist.row_of, tuned) if r is not None]
-    pairs, pairs_missing = study_multimnist.done_rows(done, pair_rows, seeds)
+    pairs, pairs_missing = rows_of(done, pair_rows, seeds, "multimnist")
     pair_base = BASELINE if BASELINE in pair_rows else (pair_rows or [None])[0]
     dataset = settings["data"].get("dataset", "mnist")
     return {"protocol": declared(settings, baseline), "settings": settings, "data": settings["data"],
@@ -73,11 +73,11 @@ def _parts_tuned(settings) -> str:
     return f", and each row of the {' and '.join(parts)} part{'s' if len(parts) > 1 else ''} on that part's validation data"
 
 
-def rows_of(units: dict, rows, seeds) -> tuple:
-    """({row: [its main units, seed order]} for rows with every seed done, [missing unit keys])."""
+def rows_of(units: dict, rows, seeds, kind: str = "main") -> tuple:
+    """({row: [its units of ``kind``, seed order]} for rows with every seed done, [missing unit keys])."""
     done, missing = {}, []
     for row in rows:
-        keys = [f"main {row} seed {s}" for s in range(seeds)]
+        keys = [f"{kind} {row} seed {s}" for s in range(seeds)]
         lost = [k for k in keys if k not in units]
         missing += lost
         if not lost:
