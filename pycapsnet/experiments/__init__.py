@@ -279,7 +279,8 @@ def routings(out: str = "experiments/routings", quick: bool = False, epochs: int
     args = argparse.Namespace(
         name="routings", quick=a.boolean(quick, "quick"), out=a.path(out, "out"), data_dir=a.path(data_dir, "data_dir", none=True),
         backend=backend, dtype=dtype, max_rotation=None, max_shear=None, scale=None,
-        no_affine=None if a.boolean(affine, "affine") else True, multimnist=a.boolean(multimnist, "multimnist") or None, routings=None if routings is None else list(routings),
+        no_affine=None if a.boolean(affine, "affine") else True, multimnist=a.boolean(multimnist, "multimnist") or None,
+        routings=None if routings is None else list(routings),
         dataset=dataset, data=_data_arrays(data), sweep=None if sweep is None else list(sweep),
         shard=None if shard is None else _checked("shard", shard, globals()["shard"]), choices=choices, merge=None,
         augment=a.choice(augment, "augment", ("shift", "crop-flip")), normalize=a.boolean(normalize, "normalize") or None,

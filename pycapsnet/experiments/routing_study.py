@@ -150,6 +150,7 @@ class Study:
             study_units.check(self.units.path, self.settings, self.units.done)
         self.merged = {}
         self.merged = self._given_choices(args.choices) if args.choices and args.lr is None else {}
+        self.affine = None if args.no_affine else study_affine.Part(self)
         self.multimnist = study_multimnist.Part(self) if self.settings_multimnist else None
 
     def _settings(self) -> dict:
@@ -181,7 +182,7 @@ class Study:
         return {**self.merged, **self.units.done}
 
     def main_keys(self) -> list:
-        """The units after the tuning, in the order the shards split them: main, sweep, affine."""
+        """The units after the tuning, in the order the shards split them: main, sweep, affine, MultiMNIST."""
         seeds, sweep_seeds = range(self.args.seeds), range(min(self.args.sweep_seeds, self.args.seeds))
         return ([f"main {r} seed {s}" for r in self.rows for s in seeds]
                 + [f"main {r} seed {s}" for r in self.sweep for s in sweep_seeds]
@@ -235,7 +236,7 @@ class Study:
                     {**self.multimnist.unit(row, t, s, key, test=True), **ran}))
             else:
                 self.units.measure(key, lambda row=row, t=t, s=int(s), key=key: study_units.sealed(
-                    {**study_affine.unit(self, row, t, s, key, test=True), **ran}))
+                    {**self.affine.unit(row, t, s, key, test=True), **ran}))
 
     def _tune(self, val, shape) -> None:
         """This run's share of the tuning units, round after round while the next round is known."""
@@ -254,7 +255,7 @@ class Study:
                     continue
                 if moved_row is not None:
                     self.units.measure(key, lambda t=t, s=int(s), key=key, row=moved_row: study_units.sealed(
-                        study_affine.unit(self, row, t, s, key)))
+                        self.affine.unit(row, t, s, key)))
                     continue
                 self.units.measure(key, lambda t=t, s=int(s), key=key, row=row: study_units.sealed(_trained(
                     self.args, self.B, self.network(row, shape, t), s, t["lr"], self.train, val, self.augment, key)))

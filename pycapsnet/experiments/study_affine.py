@@ -35,41 +35,56 @@ def row_of(tuned: str) -> str | None:
     return tuned[len(PREFIX):] if tuned.startswith(PREFIX) else None
 
 
-def unit(study, row, trial, seed, key, test=False) -> dict:
-    """A tuning trial (translated validation accuracy after each epoch, as a share) or, with ``test``,
-    a main unit: the test digits (translated, affine) read at the first epoch reaching the target and
-    at the last."""
-    canvas, target, epochs = study.args.canvas, study.affine_target, study.args.epochs
-    val = (digits.place(data.as_float(study.val.x), canvas, np.random.default_rng(VAL_SEED)), study.val.y)
-    sets = None
-    if test:
-        x_te, y_te = data.as_float(study.test.open().x), study.test.open().y
-        sets = {"translated": (digits.place(x_te, canvas, np.random.default_rng(TEST_SEEDS["translated"])), y_te),
-                "affine": (digits.affine(x_te, canvas, np.random.default_rng(TEST_SEEDS["affine"])), y_te)}
-    read, val_acc, losses = {"target": None, "last": None}, [], []
+class Part:
+    """The part's data for one Study: the validation digits placed on the canvas at once, the
+    translated and affine test digits once the test set opens (each made once, for every unit)."""
 
-    def score(model, epoch):
-        acc = 100 * float(np.mean(model.predict(val[0], 100) == val[1]))
-        val_acc.append(acc / 100)
-        last, reached = epoch == epochs - 1, read["target"] is None and acc >= target
-        if sets is not None and (reached or last):
-            scores = {k: 100 * float(np.mean(model.predict(x, 100) == y)) for k, (x, y) in sets.items()}
-            if reached:
-                read["target"] = {**scores, "epoch": epoch + 1, "val": acc}
-            if last:
-                read["last"] = {**scores, "val": acc}
+    def __init__(self, study):
+        self.study, self.canvas = study, study.args.canvas
+        self.val = (digits.place(data.as_float(study.val.x), self.canvas, np.random.default_rng(VAL_SEED)), study.val.y)
+        self._test = None
 
-    run = argparse.Namespace(**{**vars(study.args), "lr": trial["lr"]})
-    description = study.network(row, (1, canvas, canvas), trial)
-    try:
-        model, step = loop.train_network(run, study.B, description, seed, study.train,
-                                         lambda x, r: digits.place(data.as_float(x), canvas, r), key,
-                                         after_epoch=score, curve=losses)
-    except loop.Diverged as e:
+    def test_sets(self) -> dict:
+        """{"translated", "affine"}: (images, labels), made when the sealed test set first opens (raises before)."""
+        if self._test is None:
+            test = self.study.test.open()
+            x = data.as_float(test.x)
+            self._test = {"translated": (digits.place(x, self.canvas, np.random.default_rng(TEST_SEEDS["translated"])),
+                                         test.y),
+                          "affine": (digits.affine(x, self.canvas, np.random.default_rng(TEST_SEEDS["affine"])), test.y)}
+        return self._test
+
+    def unit(self, row, trial, seed, key, test=False) -> dict:
+        """A tuning trial (translated validation accuracy after each epoch, as a share) or, with
+        ``test``, a main unit: the test digits (translated, affine) read at the first epoch reaching
+        the target and at the last."""
+        study, canvas, val = self.study, self.canvas, self.val
+        target, epochs = study.affine_target, study.args.epochs
+        sets = self.test_sets() if test else None
+        read, val_acc, losses = {"target": None, "last": None}, [], []
+
+        def score(model, epoch):
+            acc = 100 * float(np.mean(model.predict(val[0], 100) == val[1]))
+            val_acc.append(acc / 100)
+            last, reached = epoch == epochs - 1, read["target"] is None and acc >= target
+            if sets is not None and (reached or last):
+                scores = {k: 100 * float(np.mean(model.predict(x, 100) == y)) for k, (x, y) in sets.items()}
+                if reached:
+                    read["target"] = {**scores, "epoch": epoch + 1, "val": acc}
+                if last:
+                    read["last"] = {**scores, "val": acc}
+
+        run = argparse.Namespace(**{**vars(study.args), "lr": trial["lr"]})
+        description = study.network(row, (1, canvas, canvas), trial)
+        try:
+            model, step = loop.train_network(run, study.B, description, seed, study.train,
+                                             lambda x, r: digits.place(data.as_float(x), canvas, r), key,
+                                             after_epoch=score, curve=losses)
+        except loop.Diverged as e:
+            if test:
+                raise
+            return study_units.diverged(key, e, val_acc, losses, params_of(description))
+        model.release()
         if test:
-            raise
-        return study_units.diverged(key, e, val_acc, losses, params_of(description))
-    model.release()
-    if test:
-        return read
-    return {"val": val_acc, "loss": losses, "step": step, "params": model.n_params()}
+            return read
+        return {"val": val_acc, "loss": losses, "step": step, "params": model.n_params()}

@@ -1,10 +1,11 @@
 """Seeds from a power plan: how many seeds a record needs to detect an effect, from a pilot record's
 spread.  ``pycapsnet experiment routings --plan-seeds --pilot DIR --effect E`` (or ``plan(DIR, E)``)
 reads the pilot's main units (and its MultiMNIST part's, as rows "multimnist:ROW" against that
-part's baseline), takes each row's paired differences to the baseline over the pilot's seeds, and gives, from their sample sd, the seeds a paired t-test at 5% needs for 80% and 90% power
-to detect a difference of E points, and the smallest difference the pilot's own seeds detect with
-80% power.  A record states its effect and seeds before it trains (its README, committed before the
-first main unit), or the smallest effect its seeds can detect."""
+part's baseline), takes each row's paired differences to the baseline over the pilot's seeds, and
+gives, from their sample sd, the seeds a paired t-test at 5% needs for 80% and 90% power to detect
+a difference of E points, and the smallest difference the pilot's own seeds detect with 80% power.
+A record states its effect and seeds before it trains (its README, committed before the first main
+unit), or the smallest effect its seeds can detect."""
 from __future__ import annotations
 
 import os

@@ -14,7 +14,7 @@ from ..tools import plots
 
 def assemble(settings, done, rows, sweep, seeds, sweep_seeds, routing_of, tuned) -> dict:
     """results.json's content, from the units alone (``routing_of``: a row's routing, for its grid;
-    ``tuned``: every tuned row, the MultiMNIST part's too)."""
+    ``tuned``: every tuned row, the affine and MultiMNIST parts' too)."""
     fixed = settings["fixed_lr"] is not None
     tune = {} if fixed else {r: t for r, t in tuning.plan(tuned, routing_of, done)[1].items() if t}
     main, missing = rows_of(done, rows, seeds)

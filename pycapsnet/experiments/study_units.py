@@ -201,7 +201,7 @@ def long_form(units: dict) -> str:
         kind = "tune" if m.group("trial") else m.group("kind")
         row = m.group("trow") or m.group("row")
         routing, _, k = row.rpartition("-") if re.fullmatch(r".+-\d+", row) else (row, "", "")
-        routing = routing.rpartition(":")[2]  # a MultiMNIST part's tuned row: "multimnist:ROW"
+        routing = routing.rpartition(":")[2]  # a part's tuned row: "affine:ROW", "multimnist:ROW"
         trial = m.group("trial") or unit.get("trial", "")
         parts = dict(p.split("=", 1) for p in trial.split(",") if "=" in p)
         writer.writerow({"unit": key, "kind": kind, "row": row, "routing": routing, "iterations": k, "trial": trial,
