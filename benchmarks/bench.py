@@ -101,7 +101,7 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28, floor=False
     products (``paired_steps``), in the same process right after the steps."""
     from pycapsnet.backends.host import keep_freed_memory, process_memory
 
-    keep_freed_memory()  # what the CPU backends do (backends/base.py): the reference gets it too
+    keep_freed_memory()  # what the CPU backends do (backends/numpy_backend.py): the reference gets it too
     x, y = _batch(batch, input_size)
     cfg = dict(config, input_shape=(1, input_size, input_size))
     setup = _reference_step if impl.startswith("autograd") else _pycapsnet_step

@@ -39,7 +39,7 @@ backward; shapes: û (I, n, J, D), c (n, J, I), s and v (n, J, D)):
     B.contiguous(x)                           x in C order (before a reshape of a permuted array)
     B.digamma(x), B.trigamma(x)               ψ and ψ', elementwise
 
-Each has one plain form (backends/base.py) and faster ones where a backend has them; the autograd
+Each has one plain form (backends/capsule_ops.py) and faster ones where a backend has them; the autograd
 reference runs the plain ones.
 """
 from __future__ import annotations

@@ -36,7 +36,7 @@ This is the exact gradient of that detached function (tests compare it with auto
 
 The three products -- s_j = sum_i c_ij û_j|i, the agreement û_j|i . v_j and the sum of outer
 products -- are named backend operations (B.weighted_sum, B.agreement, B.outer_sum): one plain form
-in backends/base.py, and faster ones where a backend has them.
+in backends/capsule_ops.py, and faster ones where a backend has them.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from ..errors import CapsNetError
 # The problem the routing is checked on: I children of K dims voting for J parents of D dims, n samples
 SIZES = dict(I=6, n=3, J=3, D=4, K=3)
 TOLERANCE = {"across_backends": 1e-10, "autograd_reference": 1e-7}  # relative to each tensor's largest entry
-# autograd's: PyTorch differentiates ψ by its own polygamma(1, x), off by up to 5e-10 relatively (base.py's
+# autograd's: PyTorch differentiates ψ by its own polygamma(1, x), off by up to 5e-10 relatively (capsule_ops.py's
 # trigamma), which VB routing's gradients carry
 
 
