@@ -39,7 +39,7 @@ from . import torch_support as support
 from .errors import BackendError, CapsNetError
 
 # What a forward leaves on a layer for its backward
-SAVED = ("cache", "_cache", "trace", "in_shape")
+SAVED = ("cache", "trace", "in_shape")
 
 
 def _objects(root) -> list:
@@ -224,17 +224,14 @@ class _NetworkOp(_Op):
 
     def forward(self, xs):
         net = self.root
-        out = net._forward(xs[0], self.labels, reconstruct=net.decoder is not None)
+        out = net.forward_on_device(xs[0], self.labels, reconstruct=net.decoder is not None)
         return [out.v, out.lengths] + ([out.reconstruction] if net.decoder is not None else [])
 
     def backward(self, dys, input_grad):
         net = self.root
         self.zero_grads()
-        v, mask = net._cache["v"], net._cache["mask"]
-        dv = dys[0] if net.decoder is None else dys[0] + net.decoder.decode_backward(dys[2], v.shape, mask)
-        dx = net.body.backward(net.head.backward(dv, dys[1]), input_grad)
-        net._cache = None
-        return [None if dx is None else dx.permute(0, 3, 1, 2)], self.grads()
+        dx = net.outputs_backward(dys[0], dys[1], dys[2] if net.decoder is not None else None, input_grad)
+        return [dx], self.grads()
 
 
 class _LossOp(_Op):
@@ -242,7 +239,7 @@ class _LossOp(_Op):
     labels = None
 
     def forward(self, xs):
-        return [self.root._loss(xs[0], self.labels).summary[0]]
+        return [self.root.loss_on_device(xs[0], self.labels).summary[0]]
 
     def backward(self, dys, input_grad):
         self.zero_grads()

@@ -105,14 +105,14 @@ def test_a_host_transfer_inside_the_recorded_step_is_refused(monkeypatch):
     pytest.importorskip("torch")
     B = backends.get("torch", dtype="float64")
     model = CapsNet(B, seed=0, **SMALL)
-    real = CapsNet._loss
+    real = CapsNet.loss_on_device
 
     def loss_with_a_host_read(self, x, y):
         out = real(self, x, y)
         out.loss  # reads the device: a graph could not replay this
         return out
 
-    monkeypatch.setattr(CapsNet, "_loss", loss_with_a_host_read)
+    monkeypatch.setattr(CapsNet, "loss_on_device", loss_with_a_host_read)
     with pytest.raises(BackendError, match="inside a captured step"):
         CapturedStep(model, optim.Adam(model), batch_size=2)
     assert not B._host_transfers_refused  # the refusal ends with the failed capture

@@ -146,10 +146,10 @@ def test_predict_runs_in_batches_and_gives_the_same_classes(monkeypatch):
     x = np.random.default_rng(1).random((5, 1, 14, 14))
     whole = m.predict(x, batch_size=5)
     sizes = []
-    forward = m._forward
-    monkeypatch.setattr(m, "_forward", lambda xb, *a, **k: sizes.append(xb.shape[0]) or forward(xb, *a, **k))
+    forward = m.forward_on_device
+    monkeypatch.setattr(m, "forward_on_device", lambda xb, *a, **k: sizes.append(xb.shape[0]) or forward(xb, *a, **k))
     assert m.predict(x, batch_size=2).tolist() == whole.tolist()
-    assert sizes == [2, 2, 1] and m._cache is None  # released after each batch
+    assert sizes == [2, 2, 1] and m.cache is None  # released after each batch
     with pytest.raises(CapsNetError, match="batch_size must be a whole number of at least 1, got 0"):
         m.predict(x, batch_size=0)
 

@@ -449,13 +449,13 @@ def test_predict_scores_a_batch_too_large_for_memory_in_halves(digits, monkeypat
     x, _ = digits
     model = pycapsnet.build("capsnet", **SMALL)
     expected = model.predict_scores(x[:16], batch_size=4)
-    real = model.network._forward
+    real = model.network.forward_on_device
 
     def limited(xb, *a, **k):
         if xb.shape[0] > 3:
             raise MemoryError("Unable to allocate 7.6 GiB")
         return real(xb, *a, **k)
 
-    monkeypatch.setattr(model.network, "_forward", limited)
+    monkeypatch.setattr(model.network, "forward_on_device", limited)
     np.testing.assert_allclose(model.predict_scores(x[:16], batch_size=20000), expected, rtol=1e-6, atol=1e-7)
     assert model.predict(x[:16], batch_size=16).shape == (16,)

@@ -141,10 +141,10 @@ class ClassCaps(Layer):
         kids = self.cache[2]
         if fixed is None and self.algo.draws:
             fixed = self.drawn
-        return routing_calls.run_forward(self.algo, self.B, u_hat, self._algo_params(),
+        return routing_calls.run_forward(self.algo, self.B, u_hat, self.routing_param_values(),
                                     None if kids is None else kids[:, sl], None if fixed is None else fixed[sl])
 
-    def _algo_params(self):
+    def routing_param_values(self):
         """The routing's own parameters, those with an entry per child laid out as (I, ...), and β_j."""
         xp = self.B.xp
         out = {}
@@ -186,7 +186,7 @@ class ClassCaps(Layer):
             trace = next(t for s, t in self.trace if s == sl)  # the same blocks as forward's
             g, dkids = routing_calls.run_backward(self.algo, B, B.route_block(u_hat, sl),
                                              None if kids is None else kids[:, sl], trace, dv[sl],
-                                             self._algo_params(), out=u_hat[:, sl])
+                                             self.routing_param_values(), out=u_hat[:, sl])
             if dkids is not None:
                 self._du_kids[:, sl] = dkids
             grads.append((sl.start or 0, g))

@@ -71,9 +71,9 @@ class ConvCaps(Layer):
         a drawing routing's draw."""
         if fixed is None and self.algo.draws:
             fixed = self.drawn
-        return routing_calls.run_forward(self.algo, self.B, u_hat, self._algo_params(), self.cache[3], fixed)
+        return routing_calls.run_forward(self.algo, self.B, u_hat, self.routing_param_values(), self.cache[3], fixed)
 
-    def _algo_params(self) -> dict:
+    def routing_param_values(self) -> dict:
         """The routing's own parameters (the per-child ones are (I, ...) already)."""
         return {k: self.params[k] for k in self.routing_param_names}
 
@@ -104,7 +104,7 @@ class ConvCaps(Layer):
         self.cache = None
         P = self.oh * self.ow
         dv = xp.reshape(dv, (n * P, self.C, self.D))
-        grads, du_kids = routing_calls.run_backward(self.algo, B, u_hat, kids, self.trace, dv, self._algo_params(),
+        grads, du_kids = routing_calls.run_backward(self.algo, B, u_hat, kids, self.trace, dv, self.routing_param_values(),
                                                out=u_hat)
         for k, g in grads.items():
             self.grads[k] += g

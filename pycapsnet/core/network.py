@@ -206,7 +206,7 @@ class Network:
         self.architecture = architecture
         self.training = True
         self._eye = backend.asarray(np.eye(n_classes))  # row j: the one-hot mask of class j
-        self._cache = None
+        self.cache = None
         named = list(self.layers())
         clash = sorted({n for n, _ in named if sum(m == n for m, _ in named) > 1})
         if clash:
@@ -336,28 +336,30 @@ class Network:
             p[...] = self.B.asarray(state[k])
 
     def checked(self, x, y=None):
-        """x and y checked (checks.py) and on the device, as the underscored methods take them."""
+        """x and y checked (checks.py) and on the device, as the *_on_device methods take them."""
         x = check_images(self.B, self.input_shape, x)
         return x, None if y is None else self.B.asarray(check_labels(self.B, self.n_classes, y, x.shape[0]))
 
     # ---- forward / backward -----------------------------------------------------------------------
-    # The public methods check their input on the host and hand device arrays to the underscored
-    # ones, which do device work only: that part is what a captured step (pycapsnet.training.graph) records.
+    # forward, loss and train_step_grads check their input on the host and hand the backend's arrays
+    # to the *_on_device methods, which do device work only: that part is what a captured step
+    # (pycapsnet.training.graph) records, and what the torch wrapper calls with its tensors.
     def forward(self, x, y=None, reconstruct=True) -> Outputs:
         """x: (N, C, H, W) floats in [0, 1].  With labels y the decoder sees the true class capsule
         (training); without, the highest-scoring one (evaluation).  Keeps what ``backward`` needs."""
-        return self._forward(*self.checked(x, y), reconstruct)
+        return self.forward_on_device(*self.checked(x, y), reconstruct)
 
-    def _forward(self, x, y, reconstruct=True) -> Outputs:
+    def forward_on_device(self, x, y, reconstruct=True) -> Outputs:
+        """``forward`` of arrays already checked and on the backend (``checked``)."""
         xp = self.B.xp
         v, scores = self.head.forward(self.body.forward(xp.permute_dims(x, (0, 2, 3, 1))))  # channels-last
         out = Outputs(self.B, v, scores, loss_name=self.class_loss.name)
-        self._cache = {"x": x, "v": v, "mask": None}
+        self.cache = {"x": x, "v": v, "mask": None}
         if reconstruct:
             chosen = y if y is not None else xp.argmax(scores, axis=1)
-            self._cache["mask"] = xp.take(self._eye, chosen, axis=0)     # (N, J), one-hot rows
+            self.cache["mask"] = self.one_hot(chosen)                  # (N, J), one-hot rows
             if self.decoder is not None:
-                out.reconstruction = self.decoder.decode(v, self._cache["mask"], self.input_shape)
+                out.reconstruction = self.decoder.decode(v, self.cache["mask"], self.input_shape)
         return out
 
     def decode(self, v, classes):
@@ -366,8 +368,12 @@ class Network:
         if self.decoder is None:
             raise CapsNetError("this network has no decoder: it does not reconstruct its input")
         classes = check_capsules(v, classes, self.n_classes, self.class_dim)
-        mask = self.B.xp.take(self._eye, self.B.asarray(classes), axis=0)
+        mask = self.one_hot(self.B.asarray(classes))
         return self.decoder.decode(self.B.asarray(v), mask, self.input_shape)
+
+    def one_hot(self, classes):
+        """(N, J) one-hot rows of class indices ``classes`` (N,), a backend array: the decoder's masks."""
+        return self.B.xp.take(self._eye, classes, axis=0)
 
     def set_epoch(self, epoch: int):
         """Tell the loss which epoch is starting (the spread loss's margin grows with it)."""
@@ -375,11 +381,12 @@ class Network:
 
     def loss(self, x, y) -> Outputs:
         """Forward with the label mask plus the losses; ``backward()`` then fills the gradients."""
-        return self._loss(*self.checked(x, y))
+        return self.loss_on_device(*self.checked(x, y))
 
-    def _loss(self, x, y) -> Outputs:
-        out = self._forward(x, y)
-        onehot = self._cache["mask"]  # with labels, the decoder's mask is the one-hot target
+    def loss_on_device(self, x, y) -> Outputs:
+        """``loss`` of arrays already checked and on the backend (``checked``)."""
+        out = self.forward_on_device(x, y)
+        onehot = self.cache["mask"]  # with labels, the decoder's mask is the one-hot target
         class_loss = self.class_loss.forward(out.lengths, onehot)
         recon = (self.recon_loss.forward(out.reconstruction, x) if self.decoder is not None
                  else self.B.zeros(tuple(class_loss.shape)))
@@ -389,28 +396,35 @@ class Network:
     def backward(self, input_grad: bool = False):
         """Gradients of the last ``loss()`` added into ``grads``; returns dL/dx (N, C, H, W) when
         ``input_grad`` (only gradient checks need it), else None."""
-        xp = self.B.xp
-        v, mask = self._cache["v"], self._cache["mask"]
-        if self.decoder is not None:
-            d_recon = self.recon_loss.backward()                 # dL/dx_hat (N, C, H, W)
-            dv = self.decoder.decode_backward(d_recon, v.shape, mask)
-        else:
-            d_recon, dv = None, self.B.zeros(tuple(v.shape))
-        dx = self.body.backward(self.head.backward(dv, self.class_loss.backward()), input_grad)
-        self._cache = None
-        if dx is None:  # training needs no dL/dx
-            return None
-        dx = xp.permute_dims(dx, (0, 3, 1, 2))
+        d_recon = self.recon_loss.backward() if self.decoder is not None else None  # dL/dx_hat (N, C, H, W)
+        dx = self.outputs_backward(None, self.class_loss.backward(), d_recon, input_grad)
         # x is also the reconstruction target: L depends on it through -(x_hat - x) as well
-        return dx if d_recon is None else dx - d_recon
+        return dx if dx is None or d_recon is None else dx - d_recon
+
+    def outputs_backward(self, dv, dscores, dreconstruction=None, input_grad: bool = True):
+        """Backward of the last forward from the gradients of its outputs: dv (N, J, D) (None: no
+        gradient reaches v but through the scores and the reconstruction), dscores (N, J) and, with
+        a decoder, the reconstruction's (N, C, H, W).  Adds into ``grads``; returns dL/dx (N, C, H,
+        W) through the network (not through x as a reconstruction target) when ``input_grad``."""
+        xp = self.B.xp
+        v, mask = self.cache["v"], self.cache["mask"]
+        if dreconstruction is not None:
+            back = self.decoder.decode_backward(dreconstruction, v.shape, mask)
+            dv = back if dv is None else dv + back
+        elif dv is None:
+            dv = self.B.zeros(tuple(v.shape))
+        dx = self.body.backward(self.head.backward(dv, dscores), input_grad)
+        self.cache = None
+        return None if dx is None else xp.permute_dims(dx, (0, 3, 1, 2))
 
     def train_step_grads(self, x, y) -> Outputs:
         """zero_grad + loss + backward: the gradient of one batch, ready for an optimizer."""
-        return self._train_step_grads(*self.checked(x, y))
+        return self.train_step_grads_on_device(*self.checked(x, y))
 
-    def _train_step_grads(self, x, y) -> Outputs:
+    def train_step_grads_on_device(self, x, y) -> Outputs:
+        """``train_step_grads`` of arrays already checked and on the backend (``checked``)."""
         self.zero_grad()
-        out = self._loss(x, y)
+        out = self.loss_on_device(x, y)
         self.backward()
         return out
 
@@ -426,7 +440,7 @@ class Network:
         """One batch's scores; a batch too large for the device's memory is scored in halves (each
         image's scores are its own, whatever the batch)."""
         try:
-            return self.B.to_numpy(self._forward(x, None, reconstruct=False).lengths)
+            return self.B.to_numpy(self.forward_on_device(x, None, reconstruct=False).lengths)
         except Exception as e:
             if x.shape[0] < 2 or not self.B.out_of_memory(e):
                 raise
@@ -445,4 +459,4 @@ class Network:
         for part in (self.body, self.head, self.decoder):
             if part is not None:
                 part.release()
-        self._cache = None
+        self.cache = None

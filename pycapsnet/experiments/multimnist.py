@@ -29,37 +29,36 @@ LR = 1e-3  # Adam's rate: the paper's; as on affine's canvas, 2e-3 is too fast f
 
 def two_digit_loss(model, x, a, b, x_a, x_b):
     """Forward of the objective above on device arrays: x (N, C, H, W) the pair, a and b (N,) their
-    classes, x_a and x_b each digit alone.  Returns the loss; ``two_digit_backward`` fills the grads."""
+    classes, x_a and x_b each digit alone.  Returns (the loss, what ``two_digit_backward`` needs to
+    fill the grads)."""
     xp = model.B.xp
     n = x.shape[0]
     v, lengths = model.head.forward(model.body.forward(xp.permute_dims(x, (0, 2, 3, 1))))   # v (N, J, D)
-    m_a, m_b = xp.take(model._eye, a, axis=0), xp.take(model._eye, b, axis=0)             # (N, J) one-hot
+    m_a, m_b = model.one_hot(a), model.one_hot(b)                                           # (N, J) one-hot
     margin = model.class_loss.forward(lengths, m_a + m_b)
     z = xp.reshape(xp.concat([v * m_a[..., None], v * m_b[..., None]]), (2 * n, -1))     # (2N, J*D)
     recon = xp.reshape(model.decoder.forward(z), (2 * n, *model.input_shape))
     # ReconstructionLoss is a mean over its 2N rows: twice that is the sum of both digits' per sample
     recon_loss = 2 * model.recon_loss.forward(recon, xp.concat([x_a, x_b]))
-    model._cache = {"v_shape": tuple(v.shape), "masks": (m_a, m_b), "n": n}
-    return margin + recon_loss
+    return margin + recon_loss, (tuple(v.shape), m_a, m_b)
 
 
-def two_digit_backward(model):
+def two_digit_backward(model, saved):
     xp = model.B.xp
-    c = model._cache
-    n, (m_a, m_b) = c["n"], c["masks"]
+    v_shape, m_a, m_b = saved
+    n = v_shape[0]
     d_recon = 2 * model.recon_loss.backward()
-    dz = xp.reshape(model.decoder.backward(xp.reshape(d_recon, (2 * n, -1))), (2 * n, *c["v_shape"][1:]))
+    dz = xp.reshape(model.decoder.backward(xp.reshape(d_recon, (2 * n, -1))), (2 * n, *v_shape[1:]))
     dv = dz[:n] * m_a[..., None] + dz[n:] * m_b[..., None]
     model.body.backward(model.head.backward(dv, model.class_loss.backward()), input_grad=False)
-    model._cache = None
 
 
 def step(model, batch):
     B = model.B
     x, a, b, x_a, x_b = batch
     model.zero_grad()
-    loss = two_digit_loss(model, B.asarray(x), B.asarray(a), B.asarray(b), B.asarray(x_a), B.asarray(x_b))
-    two_digit_backward(model)
+    loss, saved = two_digit_loss(model, B.asarray(x), B.asarray(a), B.asarray(b), B.asarray(x_a), B.asarray(x_b))
+    two_digit_backward(model, saved)
     return float(B.to_numpy(loss))
 
 

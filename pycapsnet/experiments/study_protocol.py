@@ -51,7 +51,7 @@ def stratified(split, n: int, seed: int):
     rng = np.random.default_rng([seed, n, 7])
     order = np.lexsort((rng.random(len(counts)), -(quota - take)))
     take[order[:n - take.sum()]] += 1
-    return split.take(split._drawn(take, rng))
+    return split.take(split.drawn(take, rng))
 
 
 def record_of(split) -> dict:

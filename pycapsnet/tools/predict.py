@@ -97,7 +97,7 @@ def cmd_predict(args) -> int:
     files, skipped = image_files(args.images)
     if skipped:
         print(f"skipped {len(skipped)} file(s) that are not images ({', '.join(folder.SUFFIXES)}): "
-              f"{folder._some(skipped)}", file=sys.stderr)
+              f"{folder.some_of(skipped)}", file=sys.stderr)
     if not files:
         raise CapsNetError(f"no image files in {' '.join(args.images)}")
     top, failed = min(args.top, len(run.classes)), 0

@@ -221,7 +221,7 @@ def _spy(lay, name, seen):
         kids = rest[-1] if rest else None
         host = lambda a: None if a is None else np.array(B.to_numpy(a))  # noqa: E731
         dv_r = B.xp.reshape(dv, (-1, lay.J, lay.D))
-        seen[name] = (host(u_hat), host(kids), host(dv_r), {k: host(a) for k, a in lay._algo_params().items()},
+        seen[name] = (host(u_hat), host(kids), host(dv_r), {k: host(a) for k, a in lay.routing_param_values().items()},
                       host(getattr(lay, "drawn", None)) if lay.algo.draws else None)
         return cls_backward(lay, dv, input_grad)
 

@@ -76,7 +76,7 @@ class Split:
         counts = np.bincount(self.y, minlength=len(self.classes))
         take = [min(n - 1, max(1, round(fraction * n))) if n > 1 else 0 for n in counts]
         mask = np.zeros(len(self), bool)
-        mask[self._drawn(take, np.random.default_rng([seed, 1729]))] = True
+        mask[self.drawn(take, np.random.default_rng([seed, 1729]))] = True
         if mask.all() or not mask.any():
             raise CapsNetError(f"{what or f'--val-fraction {fraction}'} of {len(self)} training images leaves "
                                f"{'nothing to train on' if mask.all() else 'no image to validate on'}")
@@ -96,9 +96,9 @@ class Split:
         # the images left over go to the largest remainders, ties in a seeded order
         order = np.lexsort((rng.random(len(counts)), -(quota - take)))
         take[order[:n - take.sum()]] += 1
-        return self.take(self._drawn(take, rng))
+        return self.take(self.drawn(take, rng))
 
-    def _drawn(self, take, rng) -> np.ndarray:
+    def drawn(self, take, rng) -> np.ndarray:
         """Indices of ``take[c]`` images of each class c, drawn at random, in this split's order."""
         idx = [rng.permutation(np.flatnonzero(self.y == c))[:k] for c, k in enumerate(take)]
         return np.sort(np.concatenate(idx)).astype(np.int64)

@@ -59,11 +59,11 @@ def _class_folders(root: str, prefix: str = ""):
     if skipped:
         say(f"skipped {len(skipped)} file{'s' if len(skipped) > 1 else ''} that {'are' if len(skipped) > 1 else 'is'}"
             f" not {'' if len(skipped) > 1 else 'an '}image{'s' if len(skipped) > 1 else ''} ({', '.join(SUFFIXES)}): "
-            f"{_some(skipped)}")
+            f"{some_of(skipped)}")
     return [(rel, k, path) for _, k, rel, path in sorted(files)], tuple(classes)
 
 
-def _some(items, n=3) -> str:
+def some_of(items, n=3) -> str:
     items = list(items)
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
@@ -232,7 +232,7 @@ def hash_split(paths, y, fraction: float, seed: int, recorded=None, classes=None
             n_test = min(len(mine) - 1, max(1, round(fraction * len(mine))))
             test[mine[np.argsort(share[mine], kind="stable")[:n_test]]] = True
     if alone:
-        say(f"class{'es' if len(alone) > 1 else ''} {_some(alone)} {'have' if len(alone) > 1 else 'has'} one image: "
+        say(f"class{'es' if len(alone) > 1 else ''} {some_of(alone)} {'have' if len(alone) > 1 else 'has'} one image: "
             "trained on, never tested (add images to test it)")
     return np.flatnonzero(~test), np.flatnonzero(test)
 
@@ -247,7 +247,7 @@ def load(data_dir: str, image_size=None, channels=None, test_fraction: float = 0
         others = sorted(d for d in os.listdir(data_dir) if d not in halves and not d.startswith(".")
                         and os.path.isdir(os.path.join(data_dir, d)))
         if others:
-            raise CapsNetError(f"{data_dir} holds train/ and test/ beside other folders ({_some(others)}): train/ "
+            raise CapsNetError(f"{data_dir} holds train/ and test/ beside other folders ({some_of(others)}): train/ "
                                "and test/ name the two splits; move the other folders into both, or rename "
                                "classes called train or test")
         train_files, classes = _class_folders(os.path.join(data_dir, "train"), "train/")
@@ -310,7 +310,7 @@ def changes(before: list, now: list) -> list:
     modified = [p for p in common if old[p][2:4] != new[p][2:4]]
     to_train = [p for p in common if old[p][2:] == new[p][2:4] + ["test"] and new[p][4] == "train"]
     to_test = [p for p in common if old[p][2:] == new[p][2:4] + ["train"] and new[p][4] == "test"]
-    phrase = lambda what, paths: f"{len(paths)} {what} ({_some(paths)})"
+    phrase = lambda what, paths: f"{len(paths)} {what} ({some_of(paths)})"
     parts = [(relabelled, "image(s) now in another class"), (added, "file(s) added"), (removed, "file(s) removed"),
              (modified, "file(s) modified"), (to_train, "test image(s) now in training"),
              (to_test, "training image(s) now in the test split")]

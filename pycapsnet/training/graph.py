@@ -8,7 +8,7 @@ work once, through the backend's ``capture`` (a CUDA graph on torch:cuda and CuP
 then copies the batch into the recording's fixed input arrays, writes the optimizer's scalars of
 this step and replays the recording.
 
-The math is the same code as the ordinary step: what is recorded is ``CapsNet._train_step_grads``
+The math is the same code as the ordinary step: what is recorded is ``Network.train_step_grads_on_device``
 (zero_grad, forward, both losses, backward) followed by ``Optimizer.apply``.  Only the host-side
 parts stay outside: the input checks and ``Optimizer.prepare`` (step count, learning rate, bias
 corrections).  So ::
@@ -19,7 +19,7 @@ corrections).  So ::
 for batches of that size.  ``out`` holds the recording's output arrays, which the next call
 overwrites: read what you need from it (``out.loss``, ``out.lengths``) before calling again.
 
-``CapturedEval`` records the evaluation of a batch the same way: ``model._loss`` (forward with the
+``CapturedEval`` records the evaluation of a batch the same way: ``model.loss_on_device`` (forward with the
 label mask, both losses, the predicted classes), no backward, no update.  Evaluating op by op, a GPU
 waits on the launches just as a train step does.
 
@@ -88,7 +88,7 @@ class CapturedStep(_Recording):
         self.optimizer = optimizer
 
         def step():
-            out = model._train_step_grads(self.x, self.y)
+            out = model.train_step_grads_on_device(self.x, self.y)
             optimizer.apply()
             return out
 
@@ -119,7 +119,7 @@ class CapturedEval(_Recording):
         super().__init__(model, batch_size, compile)
         self.needs_labels = labels
         if labels:
-            self._record(lambda: model._loss(self.x, self.y))
+            self._record(lambda: model.loss_on_device(self.x, self.y))
         else:
-            self._record(lambda: model._forward(self.x, None, reconstruct=False))
+            self._record(lambda: model.forward_on_device(self.x, None, reconstruct=False))
         model.release()
