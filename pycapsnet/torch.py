@@ -31,221 +31,12 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from pycapsnet import backends
 from .core.layers import Layer as _CoreLayer
-from .core.network import Network as _CoreNetwork, Sequential
+from .core.network import Network as _CoreNetwork
 from .core.checks import check_labels
 from . import torch_support as support
 from .errors import BackendError, CapsNetError
-
-# What a forward leaves on a layer for its backward
-SAVED = ("cache", "trace", "in_shape")
-
-
-def _objects(root) -> list:
-    """Every pycapsnet object of a layer or network (layers, heads, losses), each once."""
-    found, todo = {}, [root]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in found or not type(obj).__module__.startswith("pycapsnet."):
-            continue
-        found[id(obj)] = obj
-        for value in vars(obj).values():
-            todo.extend(value if isinstance(value, (list, tuple)) else [value])
-    return list(found.values())
-
-
-def _slots(root, kind: str = "params") -> list:
-    """(dotted name, owning layer, key) of every parameter (``kind`` "buffers": every buffer, batch
-    norm's running statistics), in the order of ``root.params`` (``root.buffers``)."""
-    if isinstance(root, _CoreNetwork):
-        owners = list(root.layers())
-    elif isinstance(root, Sequential):
-        owners = list(root.named_layers())
-    else:
-        owners = [("", root)]
-    return [(f"{n}.{k}" if n else k, layer, k) for n, layer in owners for k in getattr(layer, kind)]
-
-
-class _Op:
-    """A wrapped pycapsnet object seen from torch: its parameters, by slot, and its saved state."""
-
-    def __init__(self, root, like: "_Op | None" = None):
-        self.root = root
-        # the same layers as another op of this root (a network's outputs and its loss): found once
-        self.slots, self.buffer_slots, self.objects = (like.slots, like.buffer_slots, like.objects) if like else \
-            (_slots(root), _slots(root, "buffers"), _objects(root))
-        # Where in the saved state a backward writes (dû over û, ...): learned from the tensors'
-        # version counters, so that each backward copies those alone (and what it has not seen yet)
-        self.written, self.unwritten = set(), set()
-
-    @property
-    def B(self):
-        """The backend the layers compute on (``move`` replaces it on every layer, the root too)."""
-        return self.root.B
-
-    def for_backward(self, saved) -> tuple:
-        """(the saved state for one backward, what to learn from after it): a copy of every tensor
-        a backward may write over, the rest as they are, a tensor held in two places copied once."""
-        copy_all = not getattr(self.B, "tracks_writes", False)
-        paths = {}  # id -> the paths of one tensor
-
-        def find(value, path):
-            if isinstance(value, torch.Tensor):
-                paths.setdefault(id(value), []).append(path)
-            elif isinstance(value, (tuple, list, dict)):
-                for k, v in (value.items() if isinstance(value, dict) else enumerate(value)):
-                    find(v, path + (k,))
-
-        for n, (_, attrs) in enumerate(saved):
-            for a, value in attrs.items():
-                find(value, (n, a))
-        made = {}
-
-        def take(value):
-            if isinstance(value, torch.Tensor):
-                if id(value) not in made:
-                    where = paths[id(value)]
-                    copy = copy_all or any(p in self.written or p not in self.unwritten for p in where)
-                    t = value.clone() if copy else value
-                    made[id(value)] = (t, t._version, copy, where)
-                return made[id(value)][0]
-            if isinstance(value, (tuple, list)):
-                return type(value)(take(v) for v in value)
-            if isinstance(value, dict):
-                return {k: take(v) for k, v in value.items()}
-            return value
-
-        state = [(obj, {a: take(v) for a, v in attrs.items()}) for obj, attrs in saved]
-        return state, list(made.values())
-
-    def learn(self, used) -> bool:
-        """After a backward: note where it wrote; True if it wrote over an original (not a copy),
-        which spoils the graph's state for another backward."""
-        spoiled = False
-        for t, version, copied, where in used:
-            if t._version != version:
-                self.written.update(where)
-                self.unwritten.difference_update(where)
-                spoiled |= not copied
-            elif copied:
-                self.unwritten.update(p for p in where if p not in self.written)
-        return spoiled
-
-    def bind(self, params):
-        """The layers compute with these tensors (the module's parameters, without autograd)."""
-        for (_, layer, k), p in zip(self.slots, params):
-            layer.params[k] = p.detach()
-
-    def saved(self) -> list:
-        return [(o, {a: getattr(o, a) for a in SAVED if hasattr(o, a)}) for o in self.objects]
-
-    @staticmethod
-    def emptied(saved) -> list:
-        return [(obj, {a: (v if a == "in_shape" else None) for a, v in attrs.items()}) for obj, attrs in saved]
-
-    def restore(self, saved) -> None:
-        for obj, attrs in saved:
-            for a, value in attrs.items():
-                setattr(obj, a, value)
-
-    def zero_grads(self):
-        for _, layer, k in self.slots:
-            layer.grads[k][...] = 0
-
-    def grads(self) -> list:
-        return [layer.grads[k].clone() for _, layer, k in self.slots]
-
-    def move(self, params) -> None:
-        """After ``Module.to``: a backend of the parameters' device and dtype, every tensor the
-        layers hold moved to it, gradients as zeros like their parameters, saved state dropped."""
-        dtype = str(params[0].dtype).replace("torch.", "") if params else self.B.dtype
-        device = str(params[0].device) if params else self.B.device
-        if (device, dtype) == (self.B.device, self.B.dtype):
-            return
-        B = backends.get("torch", device=device, dtype=dtype)
-        old = self.B
-        for obj in self.objects:
-            for a, value in list(vars(obj).items()):
-                moved = _moved(value, B, old)
-                if moved is not value:  # what holds no tensor (a layer's Flow, sizes) is left as it is
-                    setattr(obj, a, moved)
-            for a in SAVED:
-                if hasattr(obj, a) and a != "in_shape":
-                    setattr(obj, a, None)
-        self.bind(params)
-        for (_, layer, k), p in zip(self.slots, params):
-            layer.grads[k] = torch.zeros_like(p.detach())
-
-
-def _moved(value, B, old):
-    """``value`` on backend B: a backend replaced, a tensor moved (floats to B's dtype), dicts and
-    lists in place (a layer may share its dict of parameters with a part of it)."""
-    if value is old:
-        return B
-    if isinstance(value, torch.Tensor):
-        return value.to(torch.device(B.device), getattr(torch, B.dtype) if value.is_floating_point() else None)
-    if isinstance(value, dict):
-        for k in list(value):
-            value[k] = _moved(value[k], B, old)
-    elif isinstance(value, list):
-        value[:] = [_moved(v, B, old) for v in value]
-    return value
-
-
-def _torch_name(owner, part: str) -> str:
-    """A layer's name as a submodule's: one that torch.nn.Module already uses for an attribute
-    (``training``, ``forward``, ``to``) gets a trailing underscore (``to_``)."""
-    while hasattr(owner, part) and part not in owner._modules:
-        part += "_"
-    return part
-
-
-def _parts(y) -> list:
-    return list(y) if isinstance(y, (tuple, list)) else [y]
-
-
-class _LayerOp(_Op):
-    def forward(self, xs):
-        y = self.root.forward(xs[0] if len(xs) == 1 else tuple(xs))
-        self.tuple_out = isinstance(y, tuple)  # matrix capsules: (poses, activations)
-        return _parts(y)
-
-    def backward(self, dys, input_grad):
-        self.zero_grads()
-        dx = self.root.backward(tuple(dys) if self.tuple_out else dys[0], input_grad=input_grad)
-        return _parts(dx), self.grads()
-
-
-class _NetworkOp(_Op):
-    """A network's forward: images (N, C, H, W) -> class capsules v, scores, and the reconstruction
-    from the capsule of class ``labels`` (the highest-scoring one without)."""
-    labels = None
-
-    def forward(self, xs):
-        net = self.root
-        out = net.forward_on_device(xs[0], self.labels, reconstruct=net.decoder is not None)
-        return [out.v, out.lengths] + ([out.reconstruction] if net.decoder is not None else [])
-
-    def backward(self, dys, input_grad):
-        net = self.root
-        self.zero_grads()
-        dx = net.outputs_backward(dys[0], dys[1], dys[2] if net.decoder is not None else None, input_grad)
-        return [dx], self.grads()
-
-
-class _LossOp(_Op):
-    """A network's own loss (class loss plus weighted reconstruction) of images and ``labels``."""
-    labels = None
-
-    def forward(self, xs):
-        return [self.root.loss_on_device(xs[0], self.labels).summary[0]]
-
-    def backward(self, dys, input_grad):
-        self.zero_grads()
-        dx = self.root.backward(input_grad=input_grad)
-        scale = dys[0]
-        return [None if dx is None else dx * scale], [layer.grads[k] * scale for _, layer, k in self.slots]
+from .torch_ops import LayerOp, LossOp, NetworkOp, objects_of, torch_name
 
 
 class _Capsule(torch.autograd.Function):
@@ -298,7 +89,7 @@ class _Module(torch.nn.Module):
             raise CapsNetError(f"{type(root).__name__} is built on the {root.B.name} backend; pycapsnet.torch wraps "
                                "layers built on the torch backend: build it with backends.get('torch', dtype=...)")
         self._op = op
-        self._names = {}  # pycapsnet's parameter and buffer names -> the module's (see _torch_name)
+        self._names = {}  # pycapsnet's parameter and buffer names -> the module's (see torch_name)
         for name, layer, k in op.slots:
             owner, leaf = self._owner(name)
             owner.register_parameter(leaf, torch.nn.Parameter(layer.params[k]))  # the same storage
@@ -311,7 +102,7 @@ class _Module(torch.nn.Module):
         *path, leaf = name.split(".")
         owner, parts = self, []
         for part in path:
-            part = _torch_name(owner, part)
+            part = torch_name(owner, part)
             if part not in owner._modules:
                 owner.add_module(part, torch.nn.Module())
             owner = owner._modules[part]
@@ -434,7 +225,7 @@ class Layer(_Module):
         if not isinstance(layer, _CoreLayer):
             raise CapsNetError(f"pycapsnet.torch.Layer wraps a pycapsnet layer, got {type(layer).__name__}; "
                                "a whole network: pycapsnet.torch.Network")
-        super().__init__(layer, _LayerOp(layer))
+        super().__init__(layer, LayerOp(layer))
 
     def forward(self, *xs):
         ys = self._call(self._op, xs)
@@ -451,8 +242,8 @@ class Network(_Module):
         if not isinstance(network, _CoreNetwork):
             raise CapsNetError(f"pycapsnet.torch.Network wraps a pycapsnet network, got {type(network).__name__}; "
                                "a layer: pycapsnet.torch.Layer")
-        super().__init__(network, _NetworkOp(network))
-        self._loss_op = _LossOp(network, like=self._op)
+        super().__init__(network, NetworkOp(network))
+        self._loss_op = LossOp(network, like=self._op)
 
     def _labels(self, y, x):
         B = self._op.B
@@ -488,7 +279,7 @@ def held(module):
     The layers draw anew, from where their generators stand, after the block."""
     if not isinstance(module, _Module):
         raise CapsNetError(f"held takes a module of pycapsnet.torch (Layer, Network), not {type(module).__name__}")
-    drawing = [obj for obj in _objects(module._op.root) if hasattr(obj, "hold")]
+    drawing = [obj for obj in objects_of(module._op.root) if hasattr(obj, "hold")]
     was = [layer.hold for layer in drawing]  # a block inside another keeps the outer one's hold when it ends
     for layer in drawing:
         layer.hold = True
