@@ -40,7 +40,9 @@ from .layer_norm import LayerNorm
 from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, Normalize, ReLU, Sigmoid
 from .losses import MarginLoss, NegativeLogLikelihood, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
-from .network import ActivationHead, LengthHead, LogitsHead, MaskedDecoder, Network, Sequential
+from .heads import ActivationHead, LengthHead, LogitsHead, MaskedDecoder
+from .network import Network
+from .sequential import Sequential
 from .residual import Residual
 from .parts import (  # noqa: F401 -- the parts of a description, re-exported: architecture.conv2d(...)
     DEFAULT_LOSS, attention_caps, batch_norm, capsule_logits, class_matrix_caps, conv2d, conv_caps, conv_matrix_caps,

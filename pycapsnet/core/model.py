@@ -30,7 +30,8 @@ from . import architecture as arch, routings
 from .capsules import PrimaryCaps
 from .checks import check_setting, config_with, MAX_ROUTING_ITERS
 from .description import param_shapes as described
-from .network import Network, Outputs  # noqa: F401  (Outputs: part of this module's public names)
+from .heads import Outputs  # noqa: F401  (part of this module's public names)
+from .network import Network
 from .routing import MODES as ROUTING_MODES
 from ..errors import CapsNetError
 

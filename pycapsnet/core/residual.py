@@ -15,7 +15,7 @@ Each branch adds its parameters' gradients as any Sequential does.  Parameters a
 """
 from __future__ import annotations
 
-from .network import Sequential
+from .sequential import Sequential
 
 
 class Residual(Sequential):

@@ -11,7 +11,7 @@ import numpy as np
 from pycapsnet import backends
 
 from ..core.model import CapsNet
-from ..core.network import ActivationHead
+from ..core.heads import ActivationHead
 from ..errors import CapsNetError
 from ..training import checkpoint as ckpt_mod, data
 from ..training.recipe import data_options, settle
