@@ -44,10 +44,15 @@ def commit() -> str:
         return "unknown"
 
 
-def step_of(row, backbone, batch, shape=(1, 28, 28), seed=0, backend="numpy"):
-    """A function that runs one training step of ``row``'s network, and the network."""
+def step_of(row, backbone, batch, shape=(1, 28, 28), seed=0, backend="numpy", normalize=False):
+    """A function that runs one training step of ``row``'s network (behind the study's per-channel
+    normalisation where ``normalize``: --normalize), and the network."""
     B = backends.get(backend, dtype="float32")
-    net = architecture.build(study_networks.network(row, shape, backbone), B, seed=seed)
+    description = study_networks.network(row, shape, backbone)
+    if normalize:  # as routing_study does, with the training images' statistics (here 0.5 and 0.25)
+        norm = architecture.normalize([0.5] * shape[0], [0.25] * shape[0], name="norm")
+        description = {**description, "body": [norm, *description["body"]]}
+    net = architecture.build(description, B, seed=seed)
     opt = Adam(net, lr=1e-3)
     rng = np.random.default_rng(seed)
     x = rng.random((batch, *shape)).astype(np.float32)
@@ -70,11 +75,12 @@ def main():
     p.add_argument("--data", default="mnist", choices=("mnist", "cifar10"), help="the images' shape: 1x28x28 "
                    "(MNIST, Fashion-MNIST) or 3x32x32 (CIFAR-10)")
     p.add_argument("--backend", default="numpy", choices=("numpy", "torch"))
+    p.add_argument("--normalize", action="store_true", help="the per-channel normalisation in front (the study's --normalize)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     backbone = study_networks.BACKBONES[a.backbone][1 if a.quick else 0]
     shape = (1, 28, 28) if a.data == "mnist" else (3, 32, 32)
-    steps = {row: step_of(row, backbone, a.batch, shape, backend=a.backend) for row in a.rows}
+    steps = {row: step_of(row, backbone, a.batch, shape, backend=a.backend, normalize=a.normalize) for row in a.rows}
     per_round = {row: [] for row in a.rows}
     for _ in range(a.rounds):
         for row, (step, _) in steps.items():
@@ -88,11 +94,13 @@ def main():
                   "vs_uniform": statistics.median(ms) / base if base else None} for row, ms in per_round.items()}
     record = {"cpu": cpu_model(), "commit": commit(), "batch": a.batch, "steps": a.steps, "rounds": a.rounds,
               "threads": os.environ.get("PYCAPSNET_THREADS", "default"), "backbone": backbone, "data": a.data,
-              "backend": a.backend, "rows": rows,
+              "backend": a.backend, "normalize": a.normalize, "rows": rows,
               "command": "python benchmarks/study_rows.py " + " ".join(
                   f"--{k} {v}" for k, v in (("batch", a.batch), ("steps", a.steps), ("rounds", a.rounds),
-                                            ("backbone", a.backbone), ("data", a.data), ("backend", a.backend)))}
-    print(f"{record['cpu']}, commit {record['commit']}, {a.backend}, {a.backbone} backbone on {a.data}'s shape, "
+                                            ("backbone", a.backbone), ("data", a.data), ("backend", a.backend)))
+              + (" --normalize" if a.normalize else "")}
+    print(f"{record['cpu']}, commit {record['commit']}, {a.backend}, {a.backbone} backbone on {a.data}'s shape"
+          f"{' behind --normalize' if a.normalize else ''}, "
           f"batch {a.batch}, float32, threads {record['threads']}: "
           "CPU ms per training step (median over rounds)")
     print("| row | parameters | CPU ms/step | × uniform's |\n|---|---|---|---|")

@@ -397,3 +397,34 @@ def test_the_published_network_is_carried_by_name():
     assert (classcaps["init_std"], classcaps["bias"], classcaps["iters"]) == (0.1, 0.1, 3)
     model = A.build({**arch, "input_shape": [1, 28, 28], "n_classes": 10}, "numpy")
     assert model.n_params() == 8_215_728 == CapsNet("numpy").n_params() + 160
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_training_runs_no_backward_in_front_of_the_first_layer_with_parameters(backend, monkeypatch):
+    """A Normalize (or any layer without parameters) in front of conv1 would only make the input's
+    gradient, which training does not want: it is released, not run, conv1 is told so, and every
+    parameter's gradient is bit for bit what the full backward gives."""
+    B = backends.get(backend, dtype="float64")
+    d = A.network([A.normalize([0.5, 0.4, 0.3], [0.2, 0.25, 0.3], name="norm"), A.relu(name="first_relu"),
+                   A.conv2d(6, 5, name="conv1"), A.relu(name="relu1"), A.primary_caps(2, 4, kernel=5, stride=2),
+                   A.dynamic_caps(10, 8, iters=2)], input_shape=(3, 16, 16), n_classes=10)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((4, 3, 16, 16)), rng.integers(0, 10, 4)
+    net = A.build(d, B, seed=0)
+    norm, conv1 = net.body["norm"], net.body["conv1"]
+    net.zero_grad()
+    net.loss(x, y)
+    net.backward(input_grad=True)
+    full = {k: B.to_numpy(g).copy() for k, g in net.grads.items()}
+    calls = []
+    for name, layer in (("norm", norm), ("conv1", conv1)):
+        real = layer.backward
+        monkeypatch.setattr(layer, "backward", lambda dy, input_grad=True, real=real, name=name:
+                            calls.append((name, input_grad)) or real(dy, input_grad))
+    net.zero_grad()
+    net.loss(x, y)
+    assert net.backward() is None
+    assert calls == [("conv1", False)]
+    assert norm.cache is None and net.body["first_relu"].cache is None  # released
+    for k, g in net.grads.items():
+        assert np.array_equal(B.to_numpy(g), full[k]), k

@@ -8,7 +8,8 @@ from ..errors import CapsNetError
 class Sequential(Layer):
     """Layers applied in order, under names: parameters and gradients appear as ``name.param``
     (``name.child.param`` for nested containers).  forward chains; backward runs in reverse, and
-    only the first layer is told whether the input's gradient is wanted."""
+    only the first layer (the first with parameters, where the input's gradient is not wanted) is
+    told whether the input's gradient is wanted."""
 
     def __init__(self, backend, layers):
         self.B, self.cache = backend, None  # no parameters of its own: ``params`` are the children's
@@ -57,9 +58,16 @@ class Sequential(Layer):
         return x
 
     def backward(self, dy, input_grad=True):
-        for k in reversed(range(len(self.layers))):
-            dy = self.layers[k].backward(dy, input_grad=input_grad or k > 0)
-        return dy
+        """Where the input's gradient is not wanted (training), the layers before the first one with
+        parameters (a Normalize, say) would make input gradients only: they are released instead of
+        run, and that first layer is told that its input's gradient is not wanted; returns None."""
+        first = 0 if input_grad else next((k for k, layer in enumerate(self.layers) if layer.params),
+                                          len(self.layers))
+        for k in reversed(range(first, len(self.layers))):
+            dy = self.layers[k].backward(dy, input_grad=input_grad or k > first)
+        for layer in self.layers[:first]:
+            layer.release()
+        return dy if input_grad else None
 
     def walk(self):
         yield self
