@@ -33,7 +33,7 @@ def two_digit_loss(model, x, a, b, x_a, x_b):
     fill the grads)."""
     xp = model.B.xp
     n = x.shape[0]
-    v, lengths = model.head.forward(model.body.forward(xp.permute_dims(x, (0, 2, 3, 1))))   # v (N, J, D)
+    v, lengths = model.head.forward(model.body.forward(model.channels_last(x)))             # v (N, J, D)
     m_a, m_b = model.one_hot(a), model.one_hot(b)                                           # (N, J) one-hot
     margin = model.class_loss.forward(lengths, m_a + m_b)
     z = xp.reshape(xp.concat([v * m_a[..., None], v * m_b[..., None]]), (2 * n, -1))     # (2N, J*D)
