@@ -422,6 +422,14 @@ def test_coordinate_addition_adds_row_then_column_as_the_paper_says():
     from pycapsnet.core.matrix_capsules import ClassMatrixCaps
 
     layer = ClassMatrixCaps(B64, (3, 5), 2, 4, rng=np.random.default_rng(0))
-    offsets = layer.offsets.reshape(3, 5, 16)
-    np.testing.assert_allclose(offsets[:, :, 3], np.repeat(((np.arange(3) + 0.5) / 3)[:, None], 5, axis=1))  # (0, 3): row
-    np.testing.assert_allclose(offsets[:, :, 7], np.repeat(((np.arange(5) + 0.5) / 5)[None, :], 3, axis=0))  # (1, 3): column
+    rng = np.random.default_rng(1)
+    M, a = rng.standard_normal((2, 3, 5, 2, 16)), rng.uniform(0.1, 0.9, (2, 3, 5, 2))
+    layer.forward((M, a))
+    V = layer.cache[1].reshape(2, 3, 5, 2, 4, 16)                      # the votes routed: (N, GH, GW, T, J, 16)
+    plain, _ = B64.votes(M.reshape(2, 15, 2, 16), layer.params["W"])  # M_i W_ij alone
+    offsets = V - plain.reshape(V.shape)                              # the same for every sample, type and class
+    np.testing.assert_allclose(offsets[..., 3], np.broadcast_to(((np.arange(3) + 0.5) / 3)[:, None, None, None],
+                                                                (2, 3, 5, 2, 4)), atol=1e-15)   # (0, 3): the row
+    np.testing.assert_allclose(offsets[..., 7], np.broadcast_to(((np.arange(5) + 0.5) / 5)[None, :, None, None],
+                                                                (2, 3, 5, 2, 4)), atol=1e-15)   # (1, 3): the column
+    assert not np.delete(offsets, [3, 7], axis=-1).any()              # no other entry moves

@@ -254,10 +254,11 @@ class ClassMatrixCaps(EMLayer):
     def __init__(self, backend, grid, in_types, n_classes, iters=3, routing_grad="full", lam=1e-3, rng=None):
         super().__init__(backend, in_types, n_classes, iters, routing_grad, lam, rng)
         gh, gw = grid
-        offsets = np.zeros((gh, gw, 1, 1, 16))
-        offsets[..., 3] = ((np.arange(gh) + 0.5) / gh)[:, None, None, None]  # entry (0, 3): the row
-        offsets[..., 7] = ((np.arange(gw) + 0.5) / gw)[None, :, None, None]  # entry (1, 3): the column
-        self.offsets = backend.asarray(offsets.reshape(1, gh * gw, 1, 1, 16))  # (1, Q, 1, 1, 16)
+        rows = np.broadcast_to(((np.arange(gh) + 0.5) / gh)[:, None], (gh, gw))  # entry (0, 3): the row
+        cols = np.broadcast_to(((np.arange(gw) + 0.5) / gw)[None, :], (gh, gw))  # entry (1, 3): the column
+        # (1, Q, 1, 1) each: added in place to entries 3 and 7 of the votes, which are new arrays (a
+        # whole V + offsets would write a second V-sized array, the layer's largest)
+        self.coordinates = tuple(backend.asarray(np.reshape(c, (1, gh * gw, 1, 1))) for c in (rows, cols))
         self.J, self.grid, self.in_types = n_classes, (gh, gw), in_types
 
     def forward(self, x):
@@ -266,7 +267,9 @@ class ClassMatrixCaps(EMLayer):
         xp, B = self.B.xp, self.B
         n, gh, gw, t, _ = M.shape
         V, Mi = B.votes(xp.reshape(M, (n, gh * gw, t, 16)), self.params["W"])   # (N, Q, T, J, 16)
-        V = xp.reshape(V + self.offsets, (n, 1, gh * gw * t, self.J, 16))
+        V[..., 3] += self.coordinates[0]
+        V[..., 7] += self.coordinates[1]
+        V = xp.reshape(V, (n, 1, gh * gw * t, self.J, 16))
         a_in = xp.reshape(a, (n, 1, gh * gw * t))
         mu, a_out = self.route(V, a_in, Identity)
         self.cache = (Mi, V, a_in, tuple(M.shape))

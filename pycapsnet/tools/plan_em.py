@@ -85,8 +85,7 @@ def walk_em(cfg, n: int, b: int, optimizer: str):
         prev_out = out
     gh, gw = grids[-1]
     I = gh * gw * types[-1]
-    kept, out, vote, back = _routed(L, "classcaps", n, 1, I, J, iters, b, 0, count, layers,
-                                    forward_extra=n * I * J * 16 * b)   # V + the coordinate offsets: a second V
+    kept, out, vote, back = _routed(L, "classcaps", n, 1, I, J, iters, b, 0, count, layers)  # coordinates added in place
     # its cache holds its input as it came (the poses a view, a reshaped): freed with the rest of it
     backs.append(("classcaps", kept + prev_out, vote, back, n * I * 16 * b))
 
