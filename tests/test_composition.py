@@ -428,3 +428,32 @@ def test_training_runs_no_backward_in_front_of_the_first_layer_with_parameters(b
     assert norm.cache is None and net.body["first_relu"].cache is None  # released
     for k, g in net.grads.items():
         assert np.array_equal(B.to_numpy(g), full[k]), k
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_outputs_backward_is_the_gradient_of_a_loss_of_ones_own_on_the_outputs(backend):
+    """Network.outputs_backward from dL/dv, dL/dscores and dL/dreconstruction of a user's loss
+    L = Σ v G + Σ scores H + Σ reconstruction K: every parameter's gradient and the input's, against
+    finite differences in float64."""
+    from pycapsnet.tools.finite_diff import check_tensors
+
+    B = backends.get(backend, dtype="float64")
+    d = A.network([A.conv2d(4, 5, name="conv1"), A.relu(name="relu1"), A.primary_caps(2, 4, kernel=5, stride=2),
+                   A.dynamic_caps(3, 6, iters=2)], decoder=A.decoder([12]), input_shape=(1, 14, 14), n_classes=3)
+    net = A.build(d, B, seed=0)
+    rng = np.random.default_rng(1)
+    x, y = rng.random((2, 1, 14, 14)), np.array([0, 2])
+    G, H, K = rng.standard_normal((2, 3, 6)), rng.standard_normal((2, 3)), rng.standard_normal((2, 1, 14, 14))
+    xd, yd = net.checked(x, y)
+
+    def loss():
+        out = net.forward_on_device(xd, yd)
+        return float(np.sum(B.to_numpy(out.v) * G) + np.sum(B.to_numpy(out.lengths) * H)
+                     + np.sum(B.to_numpy(out.reconstruction) * K))
+
+    net.zero_grad()
+    loss()
+    dx = net.outputs_backward(B.asarray(G), B.asarray(H), B.asarray(K), input_grad=True)
+    x_param = {"x": xd}
+    results = check_tensors(B, "outputs", loss, {**net.params, **x_param}, {**net.grads, "x": dx}, samples=8)
+    assert len(results) == len(net.params) + 1 and all(r.passed for r in results), results
