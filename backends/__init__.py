@@ -7,6 +7,7 @@ when the backend is created, so ``import pycapsnet`` pulls in neither CuPy nor P
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -25,6 +26,7 @@ if "OPENBLAS_THREAD_TIMEOUT" not in os.environ:
         rearm_blas_thread_timeout()
 
 from .base import Backend, BackendError  # noqa: E402  (after the setting: base imports NumPy)
+from . import host  # noqa: E402
 
 # name -> (module, class); imported on first use
 _REGISTRY = {
@@ -52,8 +54,6 @@ def get(name: str, device: str | None = None, dtype: str = "float32") -> Backend
     if name not in _REGISTRY:
         raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(NAMES)}")
     module, cls = _REGISTRY[name]
-    import importlib
-
     backend_cls = getattr(importlib.import_module(f"{__name__}.{module}"), cls)
     kwargs = {"dtype": dtype}
     if device is not None:
@@ -96,13 +96,11 @@ def busy_machine_note(B: Backend, window: float = 0.1) -> str | None:
     Only said, not changed: the BLAS's thread count changes a step's float rounding, so a count
     that followed the machine's load would make a run's numbers depend on it.  Nothing is said
     where the user chose the threads (PYCAPSNET_THREADS or OMP_NUM_THREADS)."""
-    from .host import busy_cores
-
     chosen = any(os.environ.get(k, "").strip() for k in ("PYCAPSNET_THREADS", "OMP_NUM_THREADS"))
     threads = getattr(B, "threads", 1)
     if B.device != "cpu" or chosen or threads <= 1:
         return None
-    busy = busy_cores(window)
+    busy = host.busy_cores(window)
     if busy is None or busy < 0.5:
         return None
     free = max(1, threads - round(busy))

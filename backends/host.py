@@ -3,15 +3,20 @@ many threads to spread memory-bound work over, what CPU this is, the thread pool
 the process's memory (glibc's reuse of freed blocks, resident size for the benchmarks)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
+import time
+
+try:
+    import resource  # POSIX only: the memory limit and the peak where /proc is missing
+except ImportError:
+    resource = None
 
 
 def _loaded_openblas():
     """ctypes handle of the OpenBLAS this process has loaded (NumPy's), or None (another BLAS, or a
     system that does not list its mappings)."""
-    import ctypes
-
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "openblas" in os.path.basename(line.split()[-1]).lower()}
@@ -55,12 +60,10 @@ def machine_memory() -> int | None:
     except (ValueError, OSError, AttributeError):
         total = None
     try:
-        import resource
-
         limit = resource.getrlimit(resource.RLIMIT_AS)[0]
         if limit != resource.RLIM_INFINITY and limit > 0:
             total = limit if total is None else min(total, limit)
-    except (ImportError, OSError, ValueError):
+    except (AttributeError, OSError, ValueError):  # (no resource module: AttributeError on None)
         pass
     return total
 
@@ -110,8 +113,6 @@ def busy_cores(window: float = 0.2) -> float | None:
     ``window`` seconds (their busy time less this process's own CPU time), or None where the system
     does not say.  A step spread over every core waits for the slowest: on a 2-core machine with one
     core busy, two threads ran slower than one (docs/performance.md)."""
-    import time
-
     try:
         cpus = os.sched_getaffinity(0)
     except AttributeError:  # not on Linux
@@ -187,8 +188,6 @@ def keep_freed_memory() -> bool:
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
         return bool(libc.mallopt(M_MMAP_THRESHOLD, 2**30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**30))
@@ -207,9 +206,7 @@ def process_memory() -> dict:
                 elif line.startswith("VmHWM:"):
                     peak = int(line.split()[1]) * 1024
     except OSError:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if resource else None
     return {"current": cur, "peak": peak, "kind": "process RSS"}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Backend
+from .base import Backend, BackendError
 from .host import cpu_threads, keep_freed_memory
 
 
@@ -24,8 +24,6 @@ class NumpyBackend(Backend):
 
     def __init__(self, dtype: str = "float32", device: str = "cpu"):
         if device not in (None, "cpu"):
-            from .base import BackendError
-
             raise BackendError(f"the numpy backend runs on the CPU only (asked for device {device!r}); for a "
                                "GPU, use the cupy backend, or the torch backend on device cuda")
         super().__init__(dtype, "cpu")

@@ -9,6 +9,7 @@ import numpy as np
 
 from .base import Backend, BackendError, CompileWarning
 from .host import cpu_threads, cpu_vendor, keep_freed_memory
+from .numpy_backend import NumpyBackend, _blas_name
 from .torch_capsule_ops import TorchCapsuleOps
 
 
@@ -60,8 +61,6 @@ class TorchBackend(TorchCapsuleOps, Backend):
             keep_freed_memory()  # PyTorch's CPU allocator is glibc's malloc: same reasoning as NumPy
             self.direct_conv = _direct_conv()
             if _numpy_blas_is_faster():
-                from .numpy_backend import NumpyBackend
-
                 self._host_blas = NumpyBackend(self.dtype)
                 # routing's products are then NumPy's too, which run outside the GIL: its blocks go as
                 # NumPy's do, in NumPy's size, spread over the threads (split_batch)
@@ -319,8 +318,6 @@ def _numpy_blas_is_faster() -> bool:
     if choice:
         raise BackendError(f"PYCAPSNET_TORCH_CPU_MATMUL={choice!r}: use 'numpy' (NumPy's BLAS) or 'torch' "
                            "(PyTorch's own), or unset it to choose by CPU")
-    from .numpy_backend import _blas_name
-
     return cpu_vendor() == "AuthenticAMD" and "openblas" in _blas_name()
 
 
