@@ -61,6 +61,8 @@ class NumpyBackend(Backend):
         self._check_host_transfer("reading an array on the host")
         return np.asarray(x)
 
+    # SciPy's special functions are imported on first use: the module takes about a third of a
+    # second to import, and only VB routing calls them
     def digamma(self, x):
         from scipy import special
 
