@@ -457,3 +457,17 @@ def test_outputs_backward_is_the_gradient_of_a_loss_of_ones_own_on_the_outputs(b
     x_param = {"x": xd}
     results = check_tensors(B, "outputs", loss, {**net.params, **x_param}, {**net.grads, "x": dx}, samples=8)
     assert len(results) == len(net.params) + 1 and all(r.passed for r in results), results
+
+
+def test_the_body_gets_colour_images_channels_last_in_memory(monkeypatch):
+    """Not a permuted view of (N, C, H, W): conv1's windows over one gather C-strided single values
+    (docs/performance.md).  What conv1 is handed is C-ordered, on its own and behind a Normalize."""
+    B = backends.get("numpy", dtype="float32")
+    for front in ([], [A.normalize([0.5] * 3, [0.25] * 3, name="norm")]):
+        d = A.network([*front, A.conv2d(4, 5, name="conv1"), A.relu(name="relu1"), A.primary_caps(2, 4, kernel=5, stride=2),
+                       A.dynamic_caps(3, 6, iters=1)], input_shape=(3, 14, 14), n_classes=3)
+        net = A.build(d, B, seed=0)
+        seen, real = [], net.body["conv1"].forward
+        monkeypatch.setattr(net.body["conv1"], "forward", lambda x, real=real: seen.append(x) or real(x))
+        net.loss(np.random.default_rng(0).random((2, 3, 14, 14)), np.array([0, 1]))
+        assert seen[0].shape == (2, 14, 14, 3) and seen[0].flags["C_CONTIGUOUS"]
