@@ -207,7 +207,11 @@ class Conv2d(Layer):
         W = xp.reshape(self.params["W"], (-1, self.c_out))
         dW = xp.reshape(self.grads["W"], W.shape)  # a view: accumulate in place
         x_pad = self.B.pad_hw(x, p)
-        dx = self.B.zeros(tuple(x_pad.shape), dtype=self.B.dtype_name(x)) if input_grad else None
+        # a stride-1 input gradient as a convolution of dy (below), where one image's im2col of dy
+        # fits in a chunk; else each chunk's dX scattered back by col2im
+        transposed = input_grad and self.stride == 1 and p <= self.k - 1 and \
+            h * w * self.k * self.k * self.c_out * x.dtype.itemsize <= self.chunk_bytes
+        dx = self.B.zeros(tuple(x_pad.shape), dtype=self.B.dtype_name(x)) if input_grad and not transposed else None
         for sl, rows in self.chunks(n, h, w, x.dtype.itemsize):
             band = self._band(rows)
             dy_c = xp.reshape(dy[sl, rows], (-1, self.c_out))                    # (n_c*rows*OW, C_out)
@@ -221,9 +225,30 @@ class Conv2d(Layer):
                 else:
                     dx[sl, band] += dx_band
                 del dcols, dx_band  # before the next chunk's X is made: one chunk's matrices at a time
+        if transposed:
+            return self._input_grad_transposed(dy, x.shape)
         if dx is None or not p:
             return dx
         return dx[:, p:p + h, p:p + w, :]
+
+    def _input_grad_transposed(self, dy, x_shape):
+        """dx of a stride-1 convolution as a convolution itself: with q = k - 1 - p,
+            dx[n, a, b, c] = sum_{i, j, o} dy_q[n, a + i, b + j, o] W[k-1-i, k-1-j, c, o],
+        dy_q being dy zero-padded by q: im2col of dy_q times the flipped kernel, (k*k*C_out, C_in).
+        The same sums as col2im(dY W^T), gathered instead of scattered: col2im adds k*k strided
+        slices one C_in-long run at a time, which on small channel counts costs more than the product."""
+        xp, B, k = self.B.xp, self.B, self.k
+        n, h, w, c_in = x_shape
+        W_flip = xp.reshape(xp.permute_dims(xp.flip(self.params["W"], axis=(0, 1)), (0, 1, 3, 2)), (-1, c_in))
+        dy_q = B.pad_hw(dy, k - 1 - self.padding)
+        step = self.chunk_bytes // (h * w * k * k * self.c_out * dy.dtype.itemsize)  # images per im2col of dy_q
+        if step >= n:
+            return xp.reshape(B.matmul(B.im2col(dy_q, k, k, 1), W_flip), (n, h, w, c_in))
+        dx = B.empty((n, h, w, c_in), dtype=B.dtype_name(dy))
+        for a in range(0, n, step):
+            sl = slice(a, min(a + step, n))
+            dx[sl] = xp.reshape(B.matmul(B.im2col(dy_q[sl], k, k, 1), W_flip), (-1, h, w, c_in))
+        return dx
 
 
 class Normalize(Layer):
