@@ -116,7 +116,9 @@ class Conv2d(Layer):
     W: (kh, kw, C_in, C_out), so W.reshape(kh*kw*C_in, C_out) multiplies the im2col rows.
 
     With X = im2col(x) (N*OH*OW, kh*kw*C_in) the layer is Y = X W + b, hence
-      dW = X^T dY,   db = sum_rows dY,   dX = dY W^T,   dx = col2im(dX)   (col2im is im2col's adjoint).
+      dW = X^T dY,   db = sum_rows dY,   dX = dY W^T,   dx = col2im(dX)   (col2im is im2col's adjoint);
+    at stride 1, dx is computed as the convolution it equals (``_input_grad_transposed``,
+    docs/backprop.md §1).
 
     The batch is processed in chunks of at most ``chunk_bytes`` of im2col matrix: for PrimaryCaps
     the whole X is k*k/(s*s) times the input it is made from (20 times for the paper's 9x9/2).  A chunk
