@@ -6,7 +6,7 @@ import pytest
 from pycapsnet import backends
 from pycapsnet import CapsNetError
 from pycapsnet.core import architecture as A
-from pycapsnet.core.layers import Dropout, Flatten, MaxPool2d
+from pycapsnet.core.cnn_layers import Dropout, Flatten, MaxPool2d
 from pycapsnet.core.losses import SoftmaxCrossEntropy
 from pycapsnet.experiments.networks import baseline_cnn
 from pycapsnet.tools import gradcheck

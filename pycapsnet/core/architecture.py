@@ -37,7 +37,8 @@ from .capsules import AttentionCaps, CapsuleLogits, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
 from .init import given, he_uniform, routed_std
 from .layer_norm import LayerNorm
-from .layers import Conv2d, Dropout, Flatten, Linear, MaxPool2d, Normalize, ReLU, Sigmoid
+from .cnn_layers import Dropout, Flatten, MaxPool2d
+from .layers import Conv2d, Linear, Normalize, ReLU, Sigmoid
 from .losses import MarginLoss, NegativeLogLikelihood, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
 from .heads import ActivationHead, LengthHead, LogitsHead, MaskedDecoder

@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import init as initializers
-from .layers import check_images, window_offsets, Conv2d, Layer
+from .cnn_layers import window_offsets
+from .layers import check_images, Conv2d, Layer
 
 
 class DepthwiseConv2d(Layer):
