@@ -22,9 +22,9 @@ def _B(backend):
     return backends.get(backend, dtype="float64")
 
 
-def _small_cnn(dropout=0.3):
+def _small_cnn(dropout=0.3, conv=None):
     """conv -> pool (overlapping 3x3/2) -> relu -> conv -> pool 2x2 -> relu -> flatten -> fc -> dropout -> logits."""
-    body = [A.conv2d(4, 3, padding=1), A.max_pool(3, 2), A.relu(), A.conv2d(5, 3, padding=1), A.max_pool(2),
+    body = [A.conv2d(4, 3, padding=1), A.max_pool(3, 2), A.relu(), A.conv2d(5, 3, padding=1, conv=conv), A.max_pool(2),
             A.relu(), A.flatten(), A.linear(7), A.relu(), A.dropout(dropout), A.linear(3)]
     return A.network(body, head="logits", decoder=None, input_shape=(2, 11, 11), n_classes=3)
 
@@ -157,6 +157,36 @@ def test_descriptions_that_do_not_fit_are_refused_in_one_line():
     with pytest.raises(CapsNetError, match="windows .stride 2. do not fit"):
         A.build(A.network([A.max_pool(2), A.max_pool(2), A.max_pool(2), A.max_pool(2), A.flatten(), A.linear(3)],
                           head="logits", decoder=None, **shape))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_fourier_conv2d_is_the_im2col_layer_in_a_network(backend):
+    """conv="fourier" builds the convolution-theorem layer: finite differences layer by layer and
+    whole, autograd's gradients, and the im2col network's loss and gradients from the same seed."""
+    from pycapsnet.core.fourier import FourierConv2d
+    model = A.build(_small_cnn(conv="fourier"), _B(backend), seed=1)
+    assert [name for name, layer in model.layers() if isinstance(layer, FourierConv2d)] == ["conv2d2"]
+    results = gradcheck.run_network(_B(backend), _small_cnn(conv="fourier"), samples=12)
+    assert all(r.passed for r in results), [(r.layer, r.tensor, r.max_rel) for r in results if not r.passed]
+    rng = np.random.default_rng(4)
+    x, y = rng.random((5, 2, 11, 11)), rng.integers(0, 3, 5)
+    assert_network_matches_autograd(model, x, y, 1e-10)
+    fourier, direct = (A.build(_small_cnn(0.0, conv), _B(backend), seed=1) for conv in ("fourier", None))
+    assert direct.loss(x, y).loss == pytest.approx(fourier.loss(x, y).loss, rel=1e-12)
+    fourier.backward()
+    direct.backward()
+    for k, g in direct.grads.items():
+        assert_close(fourier.B.to_numpy(fourier.grads[k]), direct.B.to_numpy(g), 1e-11, what=k)
+
+
+def test_the_baseline_cnn_convolves_many_input_channels_by_fourier_and_an_unknown_conv_is_refused():
+    convs = [part.get("conv") for part in baseline_cnn((3, 32, 32))["body"] if part["layer"] == "conv2d"]
+    assert convs == [None, "fourier", "fourier"]  # conv1: 3 input channels; conv2, conv3: 256
+    quick = [part.get("conv") for part in baseline_cnn((1, 28, 28), channels=(8, 8, 8))["body"] if part["layer"] == "conv2d"]
+    assert quick == [None, None, None]
+    with pytest.raises(CapsNetError, match="conv must be one of 'im2col', 'fourier', got 'fft'"):
+        A.build(A.network([A.conv2d(4, 3, conv="fft"), A.flatten(), A.linear(3)], head="logits", decoder=None,
+                          input_shape=(1, 5, 5), n_classes=3))
 
 
 def test_the_baseline_cnn_trains_with_the_library_trainer(tmp_path):

@@ -38,6 +38,7 @@ from .conv_caps import ConvCaps
 from .init import given, he_uniform, routed_std
 from .layer_norm import LayerNorm
 from .cnn_layers import Dropout, Flatten, MaxPool2d
+from .fourier import FourierConv2d
 from .layers import Conv2d, Linear, Normalize, ReLU, Sigmoid
 from .losses import MarginLoss, NegativeLogLikelihood, ReconstructionLoss, SoftmaxCrossEntropy, SpreadLoss
 from .matrix_capsules import ClassMatrixCaps, ConvMatrixCaps, PrimaryMatrixCaps
@@ -75,9 +76,16 @@ class Flow:
 
 
 # ---- building --------------------------------------------------------------------------------------
-def _conv2d(B, flow, rng, channels, kernel, stride=1, padding=0, init_std=None, bias=None):
+# How a conv2d convolves: the same layer (parameters, initialisation, results to rounding) either way
+CONVS = {"im2col": Conv2d, "fourier": FourierConv2d}
+
+
+def _conv2d(B, flow, rng, channels, kernel, stride=1, padding=0, conv="im2col", init_std=None, bias=None):
+    if conv not in CONVS:
+        raise ValueError(f"unknown convolution {conv!r}: use one of {tuple(CONVS)}")
     grid = _windows(_need(flow, "image"), kernel, stride, padding)  # checked before the weights are drawn
-    layer = Conv2d(B, flow.types, channels, kernel, stride, padding, rng=rng, init=given(he_uniform, init_std, bias))
+    layer = CONVS[conv](B, flow.types, channels, kernel, stride, padding, rng=rng,
+                        init=given(he_uniform, init_std, bias))
     return layer, Flow("image", grid, channels)
 
 

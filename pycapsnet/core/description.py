@@ -67,7 +67,9 @@ OPTIONS = {
     "module that registers it, or --plugin MODULE)",
 }
 ROUTED_LAYERS = ("dynamic_caps", "conv_caps")  # their options beyond their own are their routing's
-STRIDE_OF = {"max_pool": _size_or_null}  # max_pool's stride may be null: its kernel
+# Options whose rule differs for one layer: max_pool's stride may be null (its kernel); a conv2d
+# mixes channels, so it convolves by im2col or Fourier, not depthwise
+OPTION_OF = {("max_pool", "stride"): _size_or_null, ("conv2d", "conv"): _choice("im2col", "fourier")}
 TOP = {"input_shape", "n_classes", "body", "head", "loss", "decoder"}
 LOSS_OPTIONS = {"margin": {"m_plus": _number(0, 1), "m_minus": _number(0, 1), "lam": _number(0)},
                 "spread": {}, "cross_entropy": {}, "nll": {}}
@@ -131,8 +133,7 @@ def _check_layer(k, spec, counts, within=""):
         if own is not None and option in own.options:  # the routing's own option: the type of its default
             problem = routings.option_problem(own, option, value)
         else:
-            rule = STRIDE_OF.get(spec["layer"]) if option == "stride" and spec["layer"] in STRIDE_OF else \
-                OPTIONS.get(option)
+            rule = OPTION_OF.get((spec["layer"], option), OPTIONS.get(option))
             problem = None if rule is None else rule(value)  # (no rule: _options refused the unknown ones)
         if problem:
             raise CapsNetError(f"{label}: {option} must be {problem}, got {_short(value)}")

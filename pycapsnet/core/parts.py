@@ -19,9 +19,11 @@ def _part(kind, name, **options):
 # A convolution's weights start He-uniform and its biases uniform in ±1/√fan_in, or, given
 # init_std and bias, at N(0, init_std²) and the constant bias (the paper's published code's choice);
 # a description holds those two options only when they are set.
-def conv2d(channels, kernel, stride=1, padding=0, init_std=None, bias=None, name=None):
+def conv2d(channels, kernel, stride=1, padding=0, init_std=None, bias=None, conv=None, name=None):
+    """conv: "im2col" (None) or "fourier", the convolution theorem (fourier.py), which pays where the
+    input has many channels (docs/performance.md)."""
     return _part("conv2d", name, channels=channels, kernel=kernel, stride=stride, padding=padding,
-                 **_set(init_std=init_std, bias=bias))
+                 **_set(init_std=init_std, bias=bias, conv=conv))
 
 
 def relu(name=None):

@@ -8,7 +8,8 @@ descriptions (architecture.py) for any input size:
                   two max-pooled 2x2, each ReLU'd, two fully connected layers of 328 and 192,
                   dropout before the last (10-way) layer, softmax cross-entropy: the paper's
                   baseline, whose pooling the paper does not give.  Pooling before the ReLU is the
-                  same function (max and ReLU commute) at a quarter of the ReLU's work.
+                  same function (max and ReLU commute) at a quarter of the ReLU's work.  The
+                  convolutions of many input channels run by the convolution theorem (FOURIER_FROM).
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from ..core import architecture as A
 # --quick: the same networks narrowed to run in seconds (what the test suite runs)
 QUICK_CAPSNET = dict(decoder_hidden=(32, 64), conv_channels=16, primary_types=4)
 QUICK_CNN = dict(channels=(8, 8, 8), hidden=(16, 12))
+# The baseline's convolutions of this many input channels or more convolve by the convolution theorem
+# (the same layer, a third to a half of the time); below it the transforms of the few input
+# channels cost more than the products they save (docs/performance.md, the CNN row).
+FOURIER_FROM = 64
 
 
 def capsnet(input_shape, n_classes=10, iters=3, reconstruction=True, decoder_hidden=(512, 1024), conv_channels=256,
@@ -31,9 +36,11 @@ def capsnet(input_shape, n_classes=10, iters=3, reconstruction=True, decoder_hid
 def baseline_cnn(input_shape, n_classes=10, channels=(256, 256, 128), hidden=(328, 192), kernel=5, dropout=0.5,
                  pooled=2):
     """``pooled``: how many of the convolutions (the first ones) are max-pooled 2x2."""
-    body = []
+    body, c_in = [], input_shape[0]
     for k, c in enumerate(channels, start=1):
-        body.append(A.conv2d(c, kernel, padding=kernel // 2, name=f"conv{k}"))
+        conv = "fourier" if c_in >= FOURIER_FROM else None
+        body.append(A.conv2d(c, kernel, padding=kernel // 2, conv=conv, name=f"conv{k}"))
+        c_in = c
         if k <= pooled:
             body.append(A.max_pool(2, name=f"pool{k}"))
         body.append(A.relu(name=f"relu{k}"))
