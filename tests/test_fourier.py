@@ -52,6 +52,28 @@ def test_fourier_conv_equals_im2col_conv_float64(backend, geometry):
     _compare(backends.get(backend, dtype="float64"), geometry, 1e-12)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_narrow_im2col_product_runs_in_cache_sized_chunks_with_the_same_results(backend):
+    """At most ``narrow`` output columns (C_out forward and for dW, C_in for the stride-1 input
+    gradient): chunks of narrow_chunk_bytes, here one image each; a wide product keeps chunk_bytes.
+    Forward, dx, dW and db as one chunk's, to 1e-12 in float64."""
+    B = backends.get(backend, dtype="float64")
+    narrow = Conv2d(B, 16, 16, 3, 1, 1, rng=np.random.default_rng(0))
+    assert narrow.chunk_limit(16) == narrow.narrow_chunk_bytes < narrow.chunk_limit(65) == narrow.chunk_bytes
+    per_image = 32 * 32 * 9 * 16 * 8
+    narrow.narrow_chunk_bytes = per_image
+    assert len(narrow.chunks(3, 32, 32, 8)) == 3
+    one = Conv2d(B, 16, 16, 3, 1, 1, rng=np.random.default_rng(0))
+    one.narrow_chunk_bytes = one.chunk_bytes
+    assert len(one.chunks(3, 32, 32, 8)) == 1
+    rng = np.random.default_rng(2)
+    x, dy = (B.asarray(rng.standard_normal((3, 32, 32, 16))) for _ in range(2))
+    assert_close(B.to_numpy(narrow.forward(x)), B.to_numpy(one.forward(x)), 1e-12, "output")
+    assert_close(B.to_numpy(narrow.backward(dy)), B.to_numpy(one.backward(dy)), 1e-12, "input gradient")
+    for name in ("W", "b"):
+        assert_close(B.to_numpy(narrow.grads[name]), B.to_numpy(one.grads[name]), 1e-12, f"d{name}")
+
+
 @pytest.mark.parametrize("keep_spectrum", [True, False], ids=["V kept", "V made again"])
 @pytest.mark.parametrize("geometry", [GEOMETRIES[1], GEOMETRIES[2], GEOMETRIES[3]], ids=str)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

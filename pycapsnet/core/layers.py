@@ -134,6 +134,10 @@ class Conv2d(Layer):
     """
 
     chunk_bytes = 48 * 2**20
+    # A narrow product (at most `narrow` columns out: few multiply-adds per number of X read) runs
+    # at the speed X streams in, so its chunks are made cache-sized, X written and read back from
+    # cache; a wide one wants long products (docs/performance.md, ResNet-20's convolutions)
+    narrow, narrow_chunk_bytes = 64, 2 * 2**20
 
     def __init__(self, backend, c_in, c_out, kernel, stride=1, padding=0, rng=None, init=None):
         super().__init__(backend)
@@ -145,6 +149,10 @@ class Conv2d(Layer):
         self._add_param("W", W)
         self._add_param("b", b)
 
+    def chunk_limit(self, columns: int) -> int:
+        """Bytes of im2col matrix per chunk of a product with ``columns`` output columns."""
+        return min(self.chunk_bytes, self.narrow_chunk_bytes) if columns <= self.narrow else self.chunk_bytes
+
     def output_hw(self, h, w):
         k, s, p = self.k, self.stride, self.padding
         return (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
@@ -153,7 +161,7 @@ class Conv2d(Layer):
         """(images, output rows, number of chunks) of ``chunks``, in closed form (for any batch)."""
         oh, ow = self.output_hw(h, w)
         per_row = ow * self.k * self.k * self.c_in * itemsize  # X of one output row of one image
-        rows = max(1, self.chunk_bytes // per_row)
+        rows = max(1, self.chunk_limit(self.c_out) // per_row)
         if rows >= oh:  # whole images
             step = rows // oh
             return min(step, n), oh, -(-n // step)
@@ -244,7 +252,8 @@ class Conv2d(Layer):
         n, h, w, c_in = x_shape
         W_flip = xp.reshape(xp.permute_dims(xp.flip(self.params["W"], axis=(0, 1)), (0, 1, 3, 2)), (-1, c_in))
         dy_q = B.pad_hw(dy, k - 1 - self.padding)
-        step = self.chunk_bytes // (h * w * k * k * self.c_out * dy.dtype.itemsize)  # images per im2col of dy_q
+        per_image = h * w * k * k * self.c_out * dy.dtype.itemsize  # im2col of one image's dy_q
+        step = max(1, self.chunk_limit(c_in) // per_image)          # images per chunk
         if step >= n:
             return xp.reshape(B.matmul(B.im2col(dy_q, k, k, 1), W_flip), (n, h, w, c_in))
         dx = B.empty((n, h, w, c_in), dtype=B.dtype_name(dy))

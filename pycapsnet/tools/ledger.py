@@ -46,7 +46,8 @@ def conv_shape(kernel, stride, c_in, c_out=None, cls=Conv2d):
 
 def im2col_work(conv: Conv2d, n, h, w, c_in, c_out, b):
     """(forward, backward) temporaries of ``Conv2d`` on (n, h, w, c_in), with its output (the
-    forward makes the output, then adds the bias into a second array)."""
+    forward makes the output, then adds the bias into a second array); ``conv`` a conv_shape with
+    c_out given (its chunks depend on it)."""
     oh, ow = conv.output_hw(h, w)
     images, band_rows, n_chunks = conv.chunk_shape(n, h, w, b)
     x_chunk = images * band_rows * ow * conv.k * conv.k * c_in * b  # one chunk's im2col matrix
