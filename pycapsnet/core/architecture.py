@@ -21,9 +21,7 @@ What flows between layers, per sample (``Flow``):
 from __future__ import annotations
 
 import inspect
-import json
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +30,7 @@ from pycapsnet import backends
 from pycapsnet.backends.host import machine_memory
 
 from . import description, routings
+from .description import DESCRIBED, DESCRIPTION_LIMIT, load  # noqa: F401 -- architecture.load(path), as callers know it
 from .batch_norm import BatchNorm
 from .capsules import AttentionCaps, CapsuleLogits, ClassCaps, PrimaryCaps
 from .conv_caps import ConvCaps
@@ -51,7 +50,6 @@ from .parts import (  # noqa: F401 -- the parts of a description, re-exported: a
     cross_entropy, decoder, dropout, dynamic_caps, flatten, layer_norm, linear, margin_loss, max_pool, network, nll_loss,
     normalize, primary_caps, primary_matrix_caps, relu, residual, basic_block, spread_loss)
 from ..errors import CapsNetError
-from ..userfiles import read_regular
 
 
 @dataclass(frozen=True)
@@ -76,16 +74,12 @@ class Flow:
 
 
 # ---- building --------------------------------------------------------------------------------------
-# How a conv2d convolves: the same layer (parameters, initialisation, results to rounding) either way
-CONVS = {"im2col": Conv2d, "fourier": FourierConv2d}
-
-
 def _conv2d(B, flow, rng, channels, kernel, stride=1, padding=0, conv="im2col", init_std=None, bias=None):
-    if conv not in CONVS:
-        raise ValueError(f"unknown convolution {conv!r}: use one of {tuple(CONVS)}")
+    if conv not in ("im2col", "fourier"):  # the same layer (parameters, initialisation, results to rounding) either way
+        raise ValueError(f"unknown convolution {conv!r}: use 'im2col' or 'fourier'")
     grid = _windows(_need(flow, "image"), kernel, stride, padding)  # checked before the weights are drawn
-    layer = CONVS[conv](B, flow.types, channels, kernel, stride, padding, rng=rng,
-                        init=given(he_uniform, init_std, bias))
+    layer = (FourierConv2d if conv == "fourier" else Conv2d)(B, flow.types, channels, kernel, stride, padding,
+                                                             rng=rng, init=given(he_uniform, init_std, bias))
     return layer, Flow("image", grid, channels)
 
 
@@ -247,37 +241,6 @@ def _windows(flow, kernel, stride, padding=0):
     """The grid of a layer's valid windows over ``flow``'s grid, from the sizes alone: a layer whose
     windows do not fit is refused before its weights are allocated."""
     return _fits(tuple((d + 2 * padding - kernel) // stride + 1 for d in flow.grid), kernel, stride)
-
-
-# Descriptions the package carries, by name (pycapsnet/networks/): ``--network efficient`` when no
-# file of that name is at hand.  Efficient-CapsNet (Mazzia et al. 2021), its MNIST form, set as the
-# paper's code sets it: batch norm with Keras' momentum (0.99 kept, 0.01 taken) and ε (1e-3), the
-# routing transforms at He's std for their fan-in, √(2/1280) ≈ 0.04 (init.routed_std's 0.63 there
-# saturates the attention scores: the network stayed at chance on the embedded digits).
-# capsnet-published: the paper's CapsNet as its published code builds it (docs/published-code.md).
-DESCRIBED = {"efficient": "efficient.json", "capsnet-published": "capsnet-published.json"}
-DESCRIPTION_LIMIT = 16 << 20  # bytes: a description is a few KB; a larger file is not one (read no further)
-
-
-def load(path) -> dict:
-    """A description from a JSON file, or one of DESCRIBED by name; CapsNetError naming the file
-    if it is not one."""
-    if isinstance(path, str) and path in DESCRIBED and not os.path.exists(path):
-        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "networks", DESCRIBED[path])
-    if not os.path.exists(path):
-        raise CapsNetError(f"cannot read the network description {path}: no such file; give a JSON file or "
-                           f"the name of one the package carries: {', '.join(DESCRIBED)}")
-    text = read_regular(path, "the network description", DESCRIPTION_LIMIT, text=True)
-    try:
-        arch = json.loads(text)
-    except ValueError as e:
-        raise CapsNetError(f"the network description {path} is not JSON ({e})") from None
-    except RecursionError:
-        raise CapsNetError(f"the network description {path} nests deeper than any description does") from None
-    if not isinstance(arch, dict) or not isinstance(arch.get("body"), list):
-        raise CapsNetError(f"the network description {path} must be a JSON object with a 'body' list of layers "
-                           "(docs/architecture.md, 'Describing a network')")
-    return arch
 
 
 def _options(fn, spec, label):

@@ -7,11 +7,14 @@ it got and what it takes -- never a ZeroDivisionError or a string "false" read a
 from __future__ import annotations
 
 import inspect
+import json
 import math
+import os
 
 import numpy as np
 
 from ..errors import CapsNetError
+from ..userfiles import read_regular
 from . import routings
 from .checks import MAX_ROUTING_ITERS
 
@@ -351,3 +354,34 @@ _STEPS = {"conv2d": _conv2d, "max_pool": _max_pool, "batch_norm": _batch_norm, "
           "primary_matrix_caps": _primary_matrix_caps, "conv_matrix_caps": _conv_matrix_caps,
           "class_matrix_caps": _class_matrix_caps, "capsule_logits": _capsule_logits, "layer_norm": _layer_norm,
           "normalize": _normalize}
+
+
+# Descriptions the package carries, by name (pycapsnet/networks/): ``--network efficient`` when no
+# file of that name is at hand.  Efficient-CapsNet (Mazzia et al. 2021), its MNIST form, set as the
+# paper's code sets it: batch norm with Keras' momentum (0.99 kept, 0.01 taken) and ε (1e-3), the
+# routing transforms at He's std for their fan-in, √(2/1280) ≈ 0.04 (init.routed_std's 0.63 there
+# saturates the attention scores: the network stayed at chance on the embedded digits).
+# capsnet-published: the paper's CapsNet as its published code builds it (docs/published-code.md).
+DESCRIBED = {"efficient": "efficient.json", "capsnet-published": "capsnet-published.json"}
+DESCRIPTION_LIMIT = 16 << 20  # bytes: a description is a few KB; a larger file is not one (read no further)
+
+
+def load(path) -> dict:
+    """A description from a JSON file, or one of DESCRIBED by name; CapsNetError naming the file
+    if it is not one."""
+    if isinstance(path, str) and path in DESCRIBED and not os.path.exists(path):
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "networks", DESCRIBED[path])
+    if not os.path.exists(path):
+        raise CapsNetError(f"cannot read the network description {path}: no such file; give a JSON file or "
+                           f"the name of one the package carries: {', '.join(DESCRIBED)}")
+    text = read_regular(path, "the network description", DESCRIPTION_LIMIT, text=True)
+    try:
+        arch = json.loads(text)
+    except ValueError as e:
+        raise CapsNetError(f"the network description {path} is not JSON ({e})") from None
+    except RecursionError:
+        raise CapsNetError(f"the network description {path} nests deeper than any description does") from None
+    if not isinstance(arch, dict) or not isinstance(arch.get("body"), list):
+        raise CapsNetError(f"the network description {path} must be a JSON object with a 'body' list of layers "
+                           "(docs/architecture.md, 'Describing a network')")
+    return arch
