@@ -50,8 +50,7 @@ def step_of(row, backbone, batch, shape=(1, 28, 28), seed=0, backend="numpy", no
     B = backends.get(backend, dtype="float32")
     description = study_networks.network(row, shape, backbone)
     if normalize:  # as routing_study does, with the training images' statistics (here 0.5 and 0.25)
-        norm = architecture.normalize([0.5] * shape[0], [0.25] * shape[0], name="norm")
-        description = {**description, "body": [norm, *description["body"]]}
+        description = study_networks.normalized(description, [0.5] * shape[0], [0.25] * shape[0])
     net = architecture.build(description, B, seed=seed)
     opt = Adam(net, lr=1e-3)
     rng = np.random.default_rng(seed)

@@ -44,11 +44,11 @@ import pycapsnet
 from . import digits, loop, study_affine, study_multimnist, study_protocol as protocol, study_report as report
 from . import study_tuning as tuning, study_units
 from .common import check_fits, write_json
-from .study_networks import BACKBONES, network, params_of, row_spec
+from .study_networks import BACKBONES, network, normalized, params_of, row_spec
 from .study_diagnostics import TestPass
 from .study_stats import pack
 from .units import FILE, Units
-from ..core import architecture as A, routing_source, routings
+from ..core import routing_source, routings
 from ..errors import first_line, printable, CapsNetError
 from ..training import augment as augmentation, data
 from ..training.log import say
@@ -169,7 +169,7 @@ class Study:
     def network(self, row, shape, trial, decoder=None, head=None) -> dict:
         d = network(row, shape, self.backbone, _options(trial), decoder, len(self.train.classes), head)
         if self.norm is not None and shape[0] == len(self.norm["mean"]):  # every row's input alike
-            d = {**d, "body": [A.normalize(self.norm["mean"], self.norm["std"], name="norm"), *d["body"]]}
+            d = normalized(d, self.norm["mean"], self.norm["std"])
         return d
 
     def tuned(self) -> list:

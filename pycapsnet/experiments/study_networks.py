@@ -75,6 +75,12 @@ def stem_of(backbone) -> tuple:
     return stem, dict(kernel=3, stride=1, conv="im2col")  # (the Fourier convolution pays on large kernels only)
 
 
+def normalized(description: dict, mean, std) -> dict:
+    """``description`` with the study's per-channel normalisation (--normalize: the training images'
+    mean and deviation per channel) as its first layer, as every row's input is given."""
+    return {**description, "body": [A.normalize(mean, std, name="norm"), *description["body"]]}
+
+
 def matched_cnn(shape, backbone, n_classes=10) -> dict:
     """The baseline CNN (networks.baseline_cnn) with its widths scaled by one factor so that its
     parameters come closest to those of the "dynamic" row's network."""
