@@ -67,8 +67,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=list(routing_study.DEFAULT_ROWS))
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=5, help="timed steps a row a round (after one untimed)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="timed steps a row a round (after one untimed; --warmup before the first)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps of each row before its first round")
     p.add_argument("--quick", action="store_true", help="the --quick backbone (a toy size)")
     p.add_argument("--backbone", default="capsnet", choices=tuple(study_networks.BACKBONES))
     p.add_argument("--data", default="mnist", choices=("mnist", "cifar10"), help="the images' shape: 1x28x28 "
@@ -81,9 +83,12 @@ def main():
     shape = (1, 28, 28) if a.data == "mnist" else (3, 32, 32)
     steps = {row: step_of(row, backbone, a.batch, shape, backend=a.backend, normalize=a.normalize) for row in a.rows}
     per_round = {row: [] for row in a.rows}
-    for _ in range(a.rounds):
+    for k in range(a.rounds):
         for row, (step, _) in steps.items():
-            step()  # untimed: caches and workspaces of this row
+            # untimed: caches and workspaces of this row; in the first round until the heap has grown
+            # to the step's high water (EM's first steps page in fresh memory, zeroed by the kernel)
+            for _ in range(a.warmup if k == 0 else 1):
+                step()
             t = time.process_time()
             for _ in range(a.steps):
                 step()
@@ -92,10 +97,12 @@ def main():
     rows = {row: {"cpu_ms_per_step": statistics.median(ms), "rounds": ms, "params": steps[row][1].n_params(),
                   "vs_uniform": statistics.median(ms) / base if base else None} for row, ms in per_round.items()}
     record = {"cpu": cpu_model(), "commit": commit(), "batch": a.batch, "steps": a.steps, "rounds": a.rounds,
+              "warmup": a.warmup,
               "threads": os.environ.get("PYCAPSNET_THREADS", "default"), "backbone": backbone, "data": a.data,
               "backend": a.backend, "normalize": a.normalize, "rows": rows,
               "command": "python benchmarks/study_rows.py " + " ".join(
                   f"--{k} {v}" for k, v in (("batch", a.batch), ("steps", a.steps), ("rounds", a.rounds),
+                                            ("warmup", a.warmup),
                                             ("backbone", a.backbone), ("data", a.data), ("backend", a.backend)))
               + (" --normalize" if a.normalize else "")}
     print(f"{record['cpu']}, commit {record['commit']}, {a.backend}, {a.backbone} backbone on {a.data}'s shape"
