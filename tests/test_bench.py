@@ -307,3 +307,16 @@ def test_readings_say_validations_epoch_and_the_best_test_epoch(tmp_path, capsys
     with pytest.raises(SystemExit) as stop:
         main([str(tmp_path / "empty")])
     assert stop.value.code == 2 and "no metrics.jsonl in" in capsys.readouterr().err
+
+
+def test_study_rows_quick_run_times_each_row_after_its_warm_up(tmp_path):
+    """benchmarks/study_rows.py on the --quick backbone: every row asked for gets a CPU time per
+    round and its ratio to uniform's, and the JSON says the warm-up and the command that made it."""
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "study_rows.py"), "--quick", "--rows", "uniform",
+                    "em", "cnn", "--steps", "1", "--rounds", "2", "--warmup", "2", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, env={**os.environ, "PYCAPSNET_THREADS": "1"})
+    record = json.loads(out.read_text())
+    assert set(record["rows"]) == {"uniform", "em", "cnn"} and record["warmup"] == 2
+    assert all(len(r["rounds"]) == 2 and r["cpu_ms_per_step"] > 0 for r in record["rows"].values())
+    assert record["rows"]["uniform"]["vs_uniform"] == 1.0 and "--warmup 2" in record["command"]
