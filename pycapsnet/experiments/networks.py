@@ -19,8 +19,9 @@ from ..core import architecture as A
 QUICK_CAPSNET = dict(decoder_hidden=(32, 64), conv_channels=16, primary_types=4)
 QUICK_CNN = dict(channels=(8, 8, 8), hidden=(16, 12))
 # The baseline's convolutions of this many input channels or more convolve by the convolution theorem
-# (the same layer, a third to a half of the time); below it the transforms of the few input
-# channels cost more than the products they save (docs/performance.md, the CNN row).
+# (the same layer, with a complex product per frequency for the 25 products per position of a 5x5
+# kernel); below it the transforms cost more than the products they save (measured in
+# docs/performance.md, the CNN row).
 FOURIER_FROM = 64
 
 
