@@ -36,7 +36,7 @@ class Ledger:
             self.peak, self.at = self.live + extra, at
 
 
-def conv_shape(kernel, stride, c_in, c_out=None, cls=Conv2d):
+def conv_shape(kernel, stride, c_in, c_out, cls=Conv2d):
     """A Conv2d's geometry without its parameters: enough for ``output_hw``, ``chunks`` and
     ``FourierConv2d.weight_grad_block``."""
     conv = cls.__new__(cls)
@@ -44,10 +44,10 @@ def conv_shape(kernel, stride, c_in, c_out=None, cls=Conv2d):
     return conv
 
 
-def im2col_work(conv: Conv2d, n, h, w, c_in, c_out, b):
-    """(forward, backward) temporaries of ``Conv2d`` on (n, h, w, c_in), with its output (the
-    forward makes the output, then adds the bias into a second array); ``conv`` a conv_shape with
-    c_out given (its chunks depend on it)."""
+def im2col_work(conv: Conv2d, n, h, w, b):
+    """(forward, backward) temporaries of ``Conv2d`` on (n, h, w, C_in), with its output (the
+    forward makes the output, then adds the bias into a second array)."""
+    c_in, c_out = conv.c_in, conv.c_out
     oh, ow = conv.output_hw(h, w)
     images, band_rows, n_chunks = conv.chunk_shape(n, h, w, b)
     x_chunk = images * band_rows * ow * conv.k * conv.k * c_in * b  # one chunk's im2col matrix

@@ -121,7 +121,7 @@ def _walk_vector(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     L.add(n * c * h * w * b)                               # the batch x
 
     # ---- conv1 (im2col) + ReLU -----------------------------------------------------------------------
-    f1, b1, out1 = im2col_work(conv_shape(k1, s1, c, c1), n, h, w, c, c1, b)
+    f1, b1, out1 = im2col_work(conv_shape(k1, s1, c, c1), n, h, w, b)
     L.touch(f1, "conv1 forward")
     L.add(out1)                                            # ReLU's output, kept for its backward
     L.touch(out1, "relu1 forward")                         # with conv1's output, freed after
@@ -132,7 +132,7 @@ def _walk_vector(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     squash_kept = s_bytes + n * P * T * b                   # s and |s|
     prim = LayerMemory("primary", count["primary.W"] + count["primary.b"])
     if cfg.primary_conv == "im2col":
-        fwd, bwd, _ = im2col_work(conv_shape(cfg.primary_kernel, cfg.primary_stride, c1, caps), n, h1, w1, c1, caps, b)
+        fwd, bwd, _ = im2col_work(conv_shape(cfg.primary_kernel, cfg.primary_stride, c1, caps), n, h1, w1, b)
         kept_conv = 0                                       # keeps its input, ReLU's output
         bwd += out1                                         # dx, the size of its input
     else:

@@ -59,7 +59,7 @@ def walk_em(cfg, n: int, b: int, optimizer: str):
     L.add(state + n * c * h * w * b)                          # and the batch x
 
     # ---- conv1 (im2col) + ReLU, PrimaryMatrixCaps (a 1x1 linear layer: T*16 pose entries, T logits) ----
-    f1, b1, out1 = im2col_work(conv_shape(k1, s1, c, A), n, h, w, c, A, b)
+    f1, b1, out1 = im2col_work(conv_shape(k1, s1, c, A), n, h, w, b)
     L.touch(f1, "conv1 forward")
     L.add(out1)                                               # ReLU's output, kept (and read by the linear layer)
     L.touch(out1, "relu1 forward")
