@@ -10,11 +10,14 @@ of each spent in the backend's matrix products (B.matmul and B.predictions, û =
 step's own thread; products inside split_batch's blocks count as the rest of their layer), so
 "other" is the memory-bound work around them: copies, the routing passes, squash, Adam.  "CPU" is
 the process's CPU time (every thread's), which a busy machine disturbs far less than wall time.
-For the paper network, "floor" is the time of the part's own matrix products on preallocated
+For the paper network, "floor" is the CPU time of the part's own matrix products on preallocated
 operands (bench.step_products, timed in the same process after the steps) and "CPU / floor" how
 far the part is from it: the products' floor only, not the bytes the elementwise passes must move.
 "ideal" is the same products' FLOPs at the rate of a 2048x2048x2048 product on this machine: what
-they would cost at the BLAS's best shape.
+they would cost at the BLAS's best shape.  "bound" adds what the products leave out, as a fused
+implementation would have to pay it: the routing passes' and Adam's FLOPs at that rate, and each
+part's compulsory bytes at the memory bandwidth the same run measures (``bandwidth``; ``BYTES``
+says which bytes count), so "CPU / bound" is the part's distance from this machine's physical limit.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2, network=None):
 
         model = architecture.build(dict(architecture.load(network), input_shape=[1, 28, 28], n_classes=10), B)
     opt = Adam(model)
-    spent, in_products, cpu = {}, {}, {}
+    spent, in_products, cpu, sizes = {}, {}, {}, {}  # sizes: label -> (bytes in, bytes out) of one call
     main_thread, products = threading.main_thread(), [0.0]  # seconds in B.matmul, on the step's thread
 
     def timed(obj, method, label):
@@ -61,6 +64,7 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2, network=None):
             t, c, p = time.perf_counter(), time.process_time(), products[0]
             out = inner(*args, **kwargs)
             B.synchronize()
+            sizes.setdefault(label, (_nbytes(args[:1]), _nbytes(out)))
             spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
             cpu[label] = cpu.get(label, 0.0) + time.process_time() - c
             in_products[label] = in_products.get(label, 0.0) + products[0] - p
@@ -106,7 +110,37 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2, network=None):
     rows = [(label, t / steps, in_products[label] / steps, cpu[label] / steps) for label, t in spent.items()]
     rows.append(("rest (decoder, losses, glue)", step - sum(r[1] for r in rows),
                  (products[0] - sum(in_products.values())) / steps, step_cpu - sum(r[3] for r in rows)))
-    return (step, step_cpu), rows
+    return (step, step_cpu), rows, traffic(model, parts, sizes)
+
+
+def _nbytes(value) -> int:
+    """Bytes of the arrays in ``value`` (an array, a tuple of them, None or a scalar)."""
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return int(getattr(value, "nbytes", 0) or 0)
+
+
+# The compulsory bytes of each part, what a fully fused step must still move through memory: forward
+# reads its input and parameters and writes its output; backward reads the output gradient, its input
+# again (for dW) and its parameters, and writes the input gradient and dW; Adam reads θ, g, m and v and
+# writes θ, m and v; the rest moves the decoder's parameters as a layer does.  Intermediates (û, the
+# columns of a convolution) do not count: a fused kernel keeps them in cache.
+BYTES = "forward: x + y + θ; backward: dy + dx + x + θ + dθ; Adam: 7 θ; rest: 3 θ of the decoder"
+
+
+def traffic(model, parts, sizes) -> dict:
+    """{label: compulsory bytes per step} (BYTES) of the timed parts, Adam and the rest."""
+    param_bytes = lambda layer: sum(_nbytes(p) for p in layer.params.values())  # noqa: E731
+    out, parts_params = {}, 0
+    for layer, label in parts:
+        (x, y), (dy, dx), theta = sizes[f"{label} forward"], sizes[f"{label} backward"], param_bytes(layer)
+        out[f"{label} forward"] = x + y + theta
+        out[f"{label} backward"] = dy + dx + x + 2 * theta
+        parts_params += theta
+    total = sum(_nbytes(p) for p in model.params.values())
+    out["Adam"] = 7 * total
+    out["rest (decoder, losses, glue)"] = 3 * (total - parts_params)
+    return out
 
 
 # The products of bench.step_products that each part of the paper network runs (Fourier PrimaryCaps)
@@ -123,8 +157,9 @@ FLOOR_OF = {"conv1 forward": ("conv1 forward",), "conv1 backward": ("conv1 dW",)
 
 
 def floors(backend, batch):
-    """({part: seconds of its products on preallocated operands}, {part: their GFLOP}) for the paper
-    network (FLOOR_OF), and the GFLOP/s of a 2048^3 product with the backend's matmul."""
+    """({part: CPU seconds of its products on preallocated operands}, {part: their GFLOP}) for the
+    paper network (FLOOR_OF), and the GFLOP/s of a 2048^3 product with the backend's matmul, in CPU
+    time too: on one thread, what other processes on the machine cannot stretch."""
     from benchmarks.bench import gemm_floor
 
     per = gemm_floor(backend, batch, "float32", 3, {})["products"]
@@ -132,13 +167,44 @@ def floors(backend, batch):
     B = backends.get(backend, dtype="float32")
     a = B.asarray(np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32))
     B.matmul(a, a)
-    B.synchronize()
-    t = time.perf_counter()
-    B.matmul(a, a)
-    B.synchronize()
-    peak = 2 * 2048 ** 3 / 1e9 / (time.perf_counter() - t)
-    return ({part: sum(v["s"] for v in mine(labels)) for part, labels in FLOOR_OF.items()},
-            {part: sum(v["gflops"] for v in mine(labels)) for part, labels in FLOOR_OF.items()}, peak)
+    best = float("inf")
+    for _ in range(3):
+        B.synchronize()
+        c = time.process_time()
+        B.matmul(a, a)
+        B.synchronize()
+        best = min(best, time.process_time() - c)
+    return ({part: sum(v["cpu_s"] for v in mine(labels)) for part, labels in FLOOR_OF.items()},
+            {part: sum(v["gflops"] for v in mine(labels)) for part, labels in FLOOR_OF.items()},
+            2 * 2048 ** 3 / 1e9 / best)
+
+
+def pass_gflop(batch) -> dict:
+    """GFLOP per step of the paper network's work outside its products: dynamic routing's passes over
+    û (3 iterations: three weighted sums s_j = Σ_i c_ij û_j|i and two agreements û_j|i · v_j, 2 FLOPs a
+    value each; backward twice that) and Adam (about 12 FLOPs a parameter)."""
+    from pycapsnet.core.model import CapsNet
+
+    model = CapsNet(backends.get("numpy", dtype="float32"))
+    c = model.classcaps
+    u_hat = batch * model.n_positions * c.T * c.J * c.D
+    routing = (2 * c.iters - 1) * 2 * u_hat / 1e9
+    return {"ClassCaps (u_hat = W u, routing) forward": routing, "ClassCaps (u_hat = W u, routing) backward":
+            2 * routing, "Adam": 12 * sum(int(np.prod(p.shape)) for p in model.params.values()) / 1e9}
+
+
+def bandwidth(mb: int = 256, reps: int = 5) -> float:
+    """GB/s of this process streaming through memory on one thread: a += b over arrays far larger than
+    any cache (two reads and a write per value; in place, as Adam's updates and the layers' gradient
+    sums are, so no cache line is fetched only to be overwritten), the best of ``reps`` in CPU time."""
+    n = mb * 2 ** 20 // 4
+    a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.process_time()
+        np.add(a, b, out=a)
+        best = min(best, time.process_time() - t)
+    return 3 * 4 * n / 1e9 / best
 
 
 def main(argv=None):
@@ -154,23 +220,27 @@ def main(argv=None):
 
     try:
         B = backends.get(args.backend, dtype="float32")
-        (step, step_cpu), rows = profile(B, args.batch_size, args.steps, network=args.network)
+        (step, step_cpu), rows, moved = profile(B, args.batch_size, args.steps, network=args.network)
     except backends.BackendError as e:  # unknown name, missing library or GPU
         p.exit(2, f"{p.prog}: error: {e}\n")
     floor, gflop, peak = floors(args.backend, args.batch_size) if args.network is None else ({}, {}, None)
     floor["step"], gflop["step"] = sum(floor.values()), sum(gflop.values())
+    extra = pass_gflop(args.batch_size) if args.network is None else {}
+    extra["step"] = sum(extra.values())
+    moved["step"], bw = sum(moved.values()), bandwidth()
     code = code_version()
     print(f"{cpu_model()}, commit {code['commit'][:7]}{'' if code.get('clean') else ' (with changes)'}: "
           f"{args.backend}, batch {args.batch_size}: {step:.3f} s per train step "
           f"({args.batch_size / step:.1f} samples/s), {step_cpu:.3f} s of CPU; threads: {threads_text(thread_counts(B))}"
-          + (f"; a 2048^3 product: {peak:.0f} GFLOP/s" if peak else ""))
+          + (f"; a 2048^3 product: {peak:.0f} GFLOP/s" if peak else "") + f"; memory: {bw:.1f} GB/s")
     print(f"  {'':44s} {'time':>8s} {'share':>6s} {'products':>9s} {'other':>7s} {'CPU':>8s} {'floor':>8s} "
-          f"{'CPU / floor':>11s} {'ideal':>8s} {'CPU / ideal':>11s}")
+          f"{'CPU / floor':>11s} {'ideal':>8s} {'CPU / ideal':>11s} {'MB':>6s} {'bound':>8s} {'CPU / bound':>11s}")
     for label, t, p, c in rows + [("step", step, sum(r[2] for r in rows), step_cpu)]:
         f, ideal = floor.get(label), gflop.get(label, 0) / peak if peak else None
+        bound = (ideal or 0) + (extra.get(label, 0) / peak if peak else 0) + moved.get(label, 0) / 1e9 / bw
         print(f"  {label:44s} {t:6.3f} s {100 * t / step:5.1f}% {p:7.3f} s {t - p:5.3f} s {c:6.3f} s "
-              + (f"{f:6.3f} s {c / f:11.2f} {ideal:6.3f} s {c / ideal:11.2f}" if f else ""))
-
+              + (f"{f:6.3f} s {c / f:11.2f} {ideal:6.3f} s {c / ideal:11.2f}" if f else f"{'':42s}")
+              + f" {moved.get(label, 0) / 1e6:6.1f} {bound:6.3f} s {c / bound:11.2f}")
 
 if __name__ == "__main__":
     main()

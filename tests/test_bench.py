@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,7 +150,7 @@ def test_step_profile_accounts_for_the_whole_step():
     """Wall and CPU time of each part, the products within them; the parts add up to the step."""
     from benchmarks.profile_step import profile
 
-    (step, cpu), rows = profile("numpy", batch=2, steps=1, warmup=1)
+    (step, cpu), rows, moved = profile("numpy", batch=2, steps=1, warmup=1)
     times = {label: (t, products) for label, t, products, _ in rows}
     assert "PrimaryCaps (convolution + squash) backward" in times and "Adam" in times
     assert all(t > 0 for label, (t, _) in times.items() if not label.startswith("rest"))
@@ -158,6 +159,28 @@ def test_step_profile_accounts_for_the_whole_step():
     # the products are part of their layer's time: PrimaryCaps' convolution is products, Adam none
     assert all(0 <= p <= t for label, (t, p) in times.items() if not label.startswith("rest"))
     assert times["PrimaryCaps (convolution + squash) forward"][1] > 0 and times["Adam"][1] == 0
+    # compulsory bytes: conv1 reads 2 digits and its 9x9x256 kernels and bias, writes 2 x 20x20x256 maps;
+    # Adam reads θ, g, m, v and writes θ, m, v of all 8,215,568 + decoder parameters
+    conv1 = 4 * (2 * 28 * 28 + 81 * 256 + 256 + 2 * 20 * 20 * 256)
+    assert moved["conv1 forward"] == conv1
+    # backward reads dy, x and θ and writes dθ; the first layer makes no dx
+    assert moved["conv1 backward"] == 4 * (2 * 20 * 20 * 256 + 2 * 28 * 28 + 2 * (81 * 256 + 256))
+    from pycapsnet.core.model import CapsNet
+    n_params = sum(int(np.prod(p.shape)) for p in CapsNet("numpy").params.values())
+    assert moved["Adam"] == 7 * 4 * n_params
+    assert set(moved) == set(times)
+
+
+def test_floor_counts_the_routing_passes_and_measures_memory():
+    """The bound's FLOPs outside the products: dynamic routing's five passes over û forward, ten
+    backward, 2 FLOPs a value; Adam's 12 a parameter; and a bandwidth from a real stream."""
+    from benchmarks.profile_step import bandwidth, pass_gflop
+
+    extra = pass_gflop(64)
+    u_hat = 64 * 1152 * 10 * 16
+    assert extra["ClassCaps (u_hat = W u, routing) forward"] == pytest.approx(5 * 2 * u_hat / 1e9)
+    assert extra["ClassCaps (u_hat = W u, routing) backward"] == pytest.approx(20 * u_hat / 1e9)
+    assert 0.5 < bandwidth(mb=16, reps=2) < 2000  # GB/s
 
 
 @pytest.mark.parametrize("script,argv,message", [
