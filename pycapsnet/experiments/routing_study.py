@@ -42,7 +42,7 @@ import numpy as np
 import pycapsnet
 
 from . import digits, loop, study_affine, study_multimnist, study_protocol as protocol, study_report as report
-from . import study_tuning as tuning, study_units
+from . import study_figure, study_tuning as tuning, study_units
 from .common import check_fits, write_json
 from .study_networks import BACKBONES, network, normalized, params_of, row_spec
 from .study_diagnostics import TestPass
@@ -57,7 +57,7 @@ from ..training.run_dir import lock, unlock
 LR = None  # tuned per row on validation (study_protocol); --lr fixes one rate for every row instead
 OWN_UNITS = True  # its units file holds the settings (data, code) a unit depends on: Study makes it
 FIGURE = "routings.png"
-table, figure = report.table, report.figure
+table, figure = report.table, study_figure.figure  # what common.py calls on an experiment
 DEFAULT_ROWS = ("uniform", "dynamic", "attention", "inverted", "self", "vb", "random", "em", "cnn")
 SWEEP_ROUTINGS = ("dynamic", "vb")  # --sweep K...: these routings at K iterations
 VERSION = 3  # of the protocol: units of another version are not reused
