@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from pycapsnet.tools import cli
-from pycapsnet.training import checkpoint, data, folder, preflight, trainer
+from pycapsnet.training import checkpoint, checkpoint_header, data, folder, preflight, trainer
 
 ARCH = ["--conv-channels", "4", "--primary-types", "2", "--no-progress", "--batch-size", "8"]
 CLASSES = ("ant", "bee", "cow")
@@ -202,7 +202,7 @@ def test_eval_only_with_another_routing_is_refused(tmp_path, capsys):
 def test_a_damaged_data_record_is_named(trained, tmp_path):
     header = checkpoint.load(str(trained / "run"))["header"]
     header["data"][0] = ["x", "ant", "big", "0", "train"]
-    assert "its record of the data it read is not a list of" in checkpoint._header_problem(header)
+    assert "its record of the data it read is not a list of" in checkpoint_header.header_problem(header)
 
 
 def test_crosscheck_of_a_folder_run_feeds_the_runs_own_images(trained, capsys):
