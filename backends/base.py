@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import importlib
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -60,6 +61,18 @@ class CompileWarning(UserWarning):
 
 class BackendError(RuntimeError):
     """A backend cannot be created: unknown name, missing library, missing device, bad dtype."""
+
+
+def array_api(library: str):
+    """array_api_compat's namespace for ``library`` (numpy, torch, cupy); BackendError saying how to
+    install array-api-compat where it is missing (a clone run without ``pip install -e .``)."""
+    try:
+        return importlib.import_module(f"array_api_compat.{library}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("array_api_compat", f"array_api_compat.{library}"):
+            raise
+        raise BackendError("pycapsnet's backends need the package array-api-compat, which is not installed: "
+                           "pip install -e . in this repository (or pip install array-api-compat)") from None
 
 
 class Backend(CapsuleOps, ConvOps, abc.ABC):

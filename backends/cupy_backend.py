@@ -6,7 +6,7 @@ import contextlib
 
 import numpy as np
 
-from .base import Backend, BackendError
+from .base import array_api, Backend, BackendError
 from .cupy_kernels import CupyKernels
 from .numpy_backend import NumpyBackend
 
@@ -55,7 +55,7 @@ class CupyBackend(NumpyBackend):
                 raise BackendError(f"the cupy backend runs on CUDA devices ('cuda' or 'cuda:N'), not {device!r}")
             index = int(str(device).split(":")[1])
         super().__init__(dtype, "cpu")
-        import array_api_compat.cupy as compat
+        compat = array_api("cupy")
 
         self.device = f"cuda:{index}"
         self._cuda_device = cupy.cuda.Device(index)

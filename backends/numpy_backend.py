@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Backend, BackendError
+from .base import array_api, Backend, BackendError
 from .host import cpu_threads, keep_freed_memory
 
 
@@ -27,7 +27,7 @@ class NumpyBackend(Backend):
             raise BackendError(f"the numpy backend runs on the CPU only (asked for device {device!r}); for a "
                                "GPU, use the cupy backend, or the torch backend on device cuda")
         super().__init__(dtype, "cpu")
-        import array_api_compat.numpy as xp
+        xp = array_api("numpy")
 
         self.xp = xp
         self.lib = np  # the array module itself (numpy or cupy)

@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 
-from .base import Backend, BackendError, CompileWarning
+from .base import array_api, Backend, BackendError, CompileWarning
 from .host import cpu_threads, cpu_vendor, keep_freed_memory
 from .numpy_backend import NumpyBackend, _blas_name
 from .torch_capsule_ops import TorchCapsuleOps
@@ -39,7 +39,7 @@ class TorchBackend(TorchCapsuleOps, Backend):
             raise BackendError(f"device {dev!r} asked for, but torch.cuda.is_available() is False "
                                "(no CUDA GPU or a CPU-only PyTorch build); run on the CPU: --device cpu on "
                                "the command line, device='cpu' in Python")
-        import array_api_compat.torch as xp
+        xp = array_api("torch")
 
         self.torch = torch
         self._is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)

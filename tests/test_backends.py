@@ -54,6 +54,21 @@ def test_missing_library_gives_the_pip_command(monkeypatch):
         backends.get("torch")
 
 
+@pytest.mark.parametrize("hidden", ["array_api_compat", "array_api_compat.numpy"])
+def test_missing_array_api_compat_is_one_line_with_the_fix(monkeypatch, capsys, hidden):
+    """A clone run without ``pip install -e .`` lacks array-api-compat: the backend says what to
+    install, and the command line prints it as one line with exit status 2, no traceback."""
+    from pycapsnet.tools import cli
+
+    monkeypatch.setitem(sys.modules, "array_api_compat.numpy", None)
+    monkeypatch.setitem(sys.modules, hidden, None)
+    with pytest.raises(BackendError, match=r"array-api-compat, which is not installed: pip install -e \."):
+        backends.get("numpy")
+    assert cli.main(["gradcheck", "--backend", "numpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: pycapsnet's backends need the package array-api-compat") and "Traceback" not in err
+
+
 def test_cuda_without_gpu_is_a_clear_error():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
