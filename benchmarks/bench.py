@@ -148,7 +148,9 @@ def thread_counts(B):
         from threadpoolctl import threadpool_info
     except ImportError:
         return out
-    out["blas"] = {f"{i['internal_api']} ({os.path.basename(i['filepath'])})": i["num_threads"]
+    # the kernels a BLAS runs (OpenBLAS: the core it detected, or the one OPENBLAS_CORETYPE forces; on
+    # an AVX-512 CPU forced to Haswell's the products run at about half their rate): part of the machine
+    out["blas"] = {f"{i['internal_api']}{_kernels(i)} ({os.path.basename(i['filepath'])})": i["num_threads"]
                    for i in threadpool_info() if i.get("user_api") == "blas"}
     return out
 
@@ -685,6 +687,15 @@ def main(argv=None):
     _save(args.json, dict(results, complete=True))
     print(f"\nJSON: {args.json}")
     return 0
+
+
+def _kernels(info) -> str:
+    """' KERNELS' of a threadpoolctl BLAS entry, ' KERNELS, forced' where OPENBLAS_CORETYPE chose them."""
+    arch = info.get("architecture")
+    if not arch:
+        return ""
+    forced = info.get("internal_api") == "openblas" and os.environ.get("OPENBLAS_CORETYPE")
+    return f" {arch} kernels" + (f" (OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']})" if forced else "")
 
 
 def threads_text(t):
