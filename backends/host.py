@@ -8,6 +8,8 @@ import os
 import threading
 import time
 
+from threadpoolctl import threadpool_info
+
 try:
     import resource  # POSIX only: the memory limit and the peak where /proc is missing
 except ImportError:
@@ -147,6 +149,21 @@ def cpu_info() -> dict:
 def cpu_vendor() -> str:
     """The CPU's vendor as Linux names it ('AuthenticAMD', 'GenuineIntel'), or '' where unknown."""
     return cpu_info().get("vendor_id", "")
+
+
+def blas_kernels() -> str:
+    """The BLAS libraries this process has loaded and the kernels each runs, e.g. "openblas Haswell
+    (OPENBLAS_CORETYPE=Haswell)", "; "-joined; '' where none reports.  A product's float rounding,
+    and its speed, depend on the kernels (an AVX-512 CPU held to Haswell's runs them at half rate),
+    so the records that measure and the units that train say which ran."""
+    return "; ".join(sorted({kernels_of(i) for i in threadpool_info() if i.get("user_api") == "blas"}))
+
+
+def kernels_of(info: dict) -> str:
+    """One threadpoolctl entry as "LIBRARY KERNELS", with the variable that forced OpenBLAS's kernels."""
+    forced = os.environ.get("OPENBLAS_CORETYPE") if info.get("internal_api") == "openblas" else None
+    return " ".join(filter(None, (info.get("internal_api"), info.get("architecture")))) \
+        + (f" (OPENBLAS_CORETYPE={forced})" if forced else "")
 
 
 def even_slices(n: int, parts: int) -> list:

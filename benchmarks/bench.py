@@ -42,6 +42,7 @@ import sys
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run by path: the repository root, for benchmarks.distributed_step
@@ -49,6 +50,7 @@ if __package__ in (None, ""):  # run by path: the repository root, for benchmark
 
 from pycapsnet.backends import NAMES
 from pycapsnet.backends.base import FLOAT_DTYPES
+from pycapsnet.backends.host import kernels_of
 from pycapsnet.backends.torch_backend import is_torch_device  # (imports no torch)
 from benchmarks.distributed_step import cpu_model
 from benchmarks.provenance import code_version
@@ -140,17 +142,13 @@ def worker(impl, batch, dtype, warmup, steps, config, input_size=28, floor=False
 def thread_counts(B):
     """The thread counts a measurement ran with: pycapsnet's own host threads (the backend's
     split_batch and over_blocks; None for the reference), PyTorch's intra-op threads where torch is
-    loaded, and each BLAS library's where threadpoolctl is installed."""
+    loaded, and each BLAS library's, with the kernels it runs."""
     out = {"pycapsnet": getattr(B, "threads", None) if B is not None and B.device == "cpu" else None}
     if "torch" in sys.modules:
         out["torch"] = sys.modules["torch"].get_num_threads()
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return out
     # the kernels a BLAS runs (OpenBLAS: the core it detected, or the one OPENBLAS_CORETYPE forces; on
     # an AVX-512 CPU forced to Haswell's the products run at about half their rate): part of the machine
-    out["blas"] = {f"{i['internal_api']}{_kernels(i)} ({os.path.basename(i['filepath'])})": i["num_threads"]
+    out["blas"] = {f"{kernels_of(i)} kernels ({os.path.basename(i['filepath'])})": i["num_threads"]
                    for i in threadpool_info() if i.get("user_api") == "blas"}
     return out
 
@@ -687,15 +685,6 @@ def main(argv=None):
     _save(args.json, dict(results, complete=True))
     print(f"\nJSON: {args.json}")
     return 0
-
-
-def _kernels(info) -> str:
-    """' KERNELS' of a threadpoolctl BLAS entry, ' KERNELS, forced' where OPENBLAS_CORETYPE chose them."""
-    arch = info.get("architecture")
-    if not arch:
-        return ""
-    forced = info.get("internal_api") == "openblas" and os.environ.get("OPENBLAS_CORETYPE")
-    return f" {arch} kernels" + (f" (OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']})" if forced else "")
 
 
 def threads_text(t):

@@ -230,7 +230,9 @@ def test_a_unit_trained_in_two_folders_merges_where_only_its_timing_differs(tmp_
     path = tmp_path / "b" / "units.json"
     record = json.loads(path.read_text())
     key = next(k for k, u in record["units"].items() if isinstance(u.get("val"), list) and u["val"])
-    record["units"][key] = study_units.sealed({**record["units"][key], "step": record["units"][key]["step"] * 1.5})
+    # the same figures, timed apart and on other kernels (a shard on another machine): one unit
+    again = {**record["units"][key], "step": record["units"][key]["step"] * 1.5, "kernels": "mkl SkylakeX"}
+    record["units"][key] = {**again, "digest": study_units.digest(again)}
     path.write_text(json.dumps(record))
     merged = _study(tmp_path / "m", "--merge", str(tmp_path / "a"), str(tmp_path / "b"))
     assert merged.returncode == 0, merged.stderr
@@ -270,6 +272,13 @@ def test_your_own_data_as_arrays_and_your_own_routing(tmp_path):
     row = results["arrays"]["tempered"]
     assert len(row["mcnemar_per_seed"]) == 2 and len(row["wilson95"]) == 2 and row["word"] == "inconclusive"
     assert (tmp_path / "r" / "routings.png").stat().st_size > 5000
+    # each unit says which BLAS kernels its products ran on (its rounding depends on them), under its digest
+    from pycapsnet.backends.host import blas_kernels
+
+    units = json.loads((tmp_path / "r" / "units.json").read_text())["units"]
+    assert blas_kernels() and {u["kernels"] for u in units.values()} == {blas_kernels()}
+    assert results["kernels"] == {blas_kernels(): len(units)}
+    assert f"products ran on {blas_kernels()} ({len(units)} units)" in (tmp_path / "r" / "results.md").read_text()
 
 
 @pytest.mark.parametrize("kwargs,said", [(dict(affine="no"), "affine must be True or False"),

@@ -68,9 +68,10 @@ def _merged(dirs) -> tuple:
     return flags, units, layout, origin
 
 
-# What a unit records of how long it took, and the digest that covers it: a unit trained twice (a
-# stopped run's last unit run again by a shard) has the same figures, not the same timings
-TIMING = ("step", "digest")
+# What a unit records of how long it took and on which BLAS kernels, and the digest that covers them: a
+# unit trained twice (a stopped run's last unit run again by a shard) has the same figures, not the
+# same timings
+TIMING = ("step", "kernels", "digest")
 
 
 def _figures(unit) -> dict:

@@ -30,8 +30,18 @@ def assemble(settings, done, rows, sweep, seeds, sweep_seeds, routing_of, tuned)
             "affine_canvas": (settings["affine"] or {}).get("canvas"),
             "multimnist": {"settings": settings["multimnist"], "baseline": pair_base, "test_pairs": n_test,
                            "rows": main_rows(pairs, pair_base, n_test, margin)} if settings.get("multimnist") else None,
+            "kernels": kernels_of_units(done),
             "missing": missing + sweep_missing + pairs_missing,
             "complete": not (missing or sweep_missing or pairs_missing)}
+
+
+def kernels_of_units(done: dict) -> dict:
+    """{BLAS kernels: how many of the units ran on them}, of the units that record it."""
+    out = {}
+    for unit in done.values():
+        if isinstance(unit, dict) and unit.get("kernels"):
+            out[unit["kernels"]] = out.get(unit["kernels"], 0) + 1
+    return dict(sorted(out.items()))
 
 
 def declared(settings, baseline) -> dict:
@@ -156,6 +166,9 @@ def affine_rows(units: dict, rows, seeds) -> dict:
 def table(results) -> str:
     """results.md: the protocol's choices, the test errors and tests, the diagnostics, the sweep."""
     lines = [f"Protocol: {results['protocol']['summary']}", ""]
+    if results.get("kernels"):
+        lines += ["The units' matrix products ran on " + "; ".join(
+            f"{k} ({n} unit{'s' if n > 1 else ''})" for k, n in results["kernels"].items()) + ".", ""]
     tune = results.get("tuning") or {}
     if tune:
         lines += ["Tuning on validation: each trial's mean last-epoch accuracy % over the tuning seeds; the chosen "

@@ -16,6 +16,7 @@ import re
 
 import numpy as np
 
+from ..backends.host import blas_kernels
 from ..errors import CapsNetError, printable
 from ..training.files import atomic_write
 from ..training.log import say
@@ -32,7 +33,9 @@ def digest(unit: dict) -> str:
 
 
 def sealed(unit: dict) -> dict:
-    """The unit with its digest, as the study records it."""
+    """The unit with the BLAS kernels it ran on (its figures' rounding depends on them) and its digest,
+    as the study records it."""
+    unit = {**unit, "kernels": blas_kernels()}
     return {**unit, "digest": digest(unit)}
 
 
@@ -118,6 +121,8 @@ def _check_layout(layout, refuse) -> None:
 def _unit_problem(kind: str, unit: dict, n_test: int) -> str | None:
     if "digest" in unit and unit["digest"] != digest(unit):
         return "its figures do not match its digest (edited after it was recorded)"
+    if not isinstance(unit.get("kernels", ""), str):
+        return "its record of the BLAS kernels it ran on is not a text"
     if kind == "affine":
         for reading in ("last", "target"):
             r = unit.get(reading)
