@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import numpy as np
 from threadpoolctl import threadpool_info
 
 try:
@@ -210,6 +211,22 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, 2**30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**30))
     except (OSError, AttributeError):
         return False
+
+
+def no_huge_page_advice() -> bool:
+    """Stop NumPy advising the kernel to back its large arrays with 2 MB pages (``madvise``), unless
+    NUMPY_MADVISE_HUGEPAGE says what to do.  Where the heap still grows, as the torch backend's does
+    over its first steps (PyTorch's tensors and NumPy's product outputs share it), each fresh 2 MB
+    page is cleared whole at its first touch: seconds of kernel time over those steps, where 4 KB
+    pages cost a tenth (docs/performance.md).  Returns whether it applied."""
+    if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
+        return False
+    core = getattr(np, "_core", None) or getattr(np, "core", None)  # NumPy 2, NumPy 1
+    setter = getattr(getattr(core, "multiarray", None), "_set_madvise_hugepage", None)
+    if setter is None:
+        return False
+    setter(False)
+    return True
 
 
 def process_memory() -> dict:

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 
 from .base import array_api, Backend, BackendError, CompileWarning
-from .host import cpu_threads, cpu_vendor, keep_freed_memory
+from .host import cpu_threads, cpu_vendor, keep_freed_memory, no_huge_page_advice
 from .numpy_backend import NumpyBackend, _blas_name
 from .torch_capsule_ops import TorchCapsuleOps
 
@@ -59,6 +59,7 @@ class TorchBackend(TorchCapsuleOps, Backend):
             # call, so fewer, larger blocks pay (docs/performance.md)
             self.sample_block = 1 << 22
             keep_freed_memory()  # PyTorch's CPU allocator is glibc's malloc: same reasoning as NumPy
+            no_huge_page_advice()  # its heap grows over the first steps: fresh pages cleared 4 KB at a time
             self.direct_conv = _direct_conv()
             if _numpy_blas_is_faster():
                 self._host_blas = NumpyBackend(self.dtype)
