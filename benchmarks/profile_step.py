@@ -110,7 +110,7 @@ def profile(backend="numpy", batch=64, steps=4, warmup=2, network=None):
     rows = [(label, t / steps, in_products[label] / steps, cpu[label] / steps) for label, t in spent.items()]
     rows.append(("rest (decoder, losses, glue)", step - sum(r[1] for r in rows),
                  (products[0] - sum(in_products.values())) / steps, step_cpu - sum(r[3] for r in rows)))
-    return (step, step_cpu), rows, traffic(model, parts, sizes)
+    return (step, step_cpu), rows, traffic(model, parts, sizes), pass_gflop(model, batch) if network is None else {}
 
 
 def _nbytes(value) -> int:
@@ -179,13 +179,10 @@ def floors(backend, batch):
             2 * 2048 ** 3 / 1e9 / best)
 
 
-def pass_gflop(batch) -> dict:
+def pass_gflop(model, batch) -> dict:
     """GFLOP per step of the paper network's work outside its products: dynamic routing's passes over
     û (3 iterations: three weighted sums s_j = Σ_i c_ij û_j|i and two agreements û_j|i · v_j, 2 FLOPs a
     value each; backward twice that) and Adam (about 12 FLOPs a parameter)."""
-    from pycapsnet.core.model import CapsNet
-
-    model = CapsNet(backends.get("numpy", dtype="float32"))
     c = model.classcaps
     u_hat = batch * model.n_positions * c.T * c.J * c.D
     routing = (2 * c.iters - 1) * 2 * u_hat / 1e9
@@ -220,12 +217,11 @@ def main(argv=None):
 
     try:
         B = backends.get(args.backend, dtype="float32")
-        (step, step_cpu), rows, moved = profile(B, args.batch_size, args.steps, network=args.network)
+        (step, step_cpu), rows, moved, extra = profile(B, args.batch_size, args.steps, network=args.network)
     except backends.BackendError as e:  # unknown name, missing library or GPU
         p.exit(2, f"{p.prog}: error: {e}\n")
     floor, gflop, peak = floors(args.backend, args.batch_size) if args.network is None else ({}, {}, None)
     floor["step"], gflop["step"] = sum(floor.values()), sum(gflop.values())
-    extra = pass_gflop(args.batch_size) if args.network is None else {}
     extra["step"] = sum(extra.values())
     moved["step"], bw = sum(moved.values()), bandwidth()
     code = code_version()

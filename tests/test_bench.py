@@ -150,7 +150,7 @@ def test_step_profile_accounts_for_the_whole_step():
     """Wall and CPU time of each part, the products within them; the parts add up to the step."""
     from benchmarks.profile_step import profile
 
-    (step, cpu), rows, moved = profile("numpy", batch=2, steps=1, warmup=1)
+    (step, cpu), rows, moved, _ = profile("numpy", batch=2, steps=1, warmup=1)
     times = {label: (t, products) for label, t, products, _ in rows}
     assert "PrimaryCaps (convolution + squash) backward" in times and "Adam" in times
     assert all(t > 0 for label, (t, _) in times.items() if not label.startswith("rest"))
@@ -176,7 +176,9 @@ def test_floor_counts_the_routing_passes_and_measures_memory():
     backward, 2 FLOPs a value; Adam's 12 a parameter; and a bandwidth from a real stream."""
     from benchmarks.profile_step import bandwidth, pass_gflop
 
-    extra = pass_gflop(64)
+    from pycapsnet.core.model import CapsNet
+
+    extra = pass_gflop(CapsNet("numpy"), 64)
     u_hat = 64 * 1152 * 10 * 16
     assert extra["ClassCaps (u_hat = W u, routing) forward"] == pytest.approx(5 * 2 * u_hat / 1e9)
     assert extra["ClassCaps (u_hat = W u, routing) backward"] == pytest.approx(20 * u_hat / 1e9)

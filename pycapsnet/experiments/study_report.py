@@ -4,6 +4,8 @@ validation, each row's test error with its uncertainty, the paired tests against
 row, the diagnostics per iteration, the iteration sweep, the affine reading and the MultiMNIST part."""
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from . import study_multimnist, study_stats as st, study_tuning as tuning
@@ -37,11 +39,8 @@ def assemble(settings, done, rows, sweep, seeds, sweep_seeds, routing_of, tuned)
 
 def kernels_of_units(done: dict) -> dict:
     """{BLAS kernels: how many of the units ran on them}, of the units that record it."""
-    out = {}
-    for unit in done.values():
-        if isinstance(unit, dict) and unit.get("kernels"):
-            out[unit["kernels"]] = out.get(unit["kernels"], 0) + 1
-    return dict(sorted(out.items()))
+    counts = Counter(u["kernels"] for u in done.values() if isinstance(u, dict) and u.get("kernels"))
+    return dict(sorted(counts.items()))
 
 
 def declared(settings, baseline) -> dict:
