@@ -7,6 +7,9 @@ products and ClassCaps' batches of small products over the batch, on its threads
 (The CuPy backend overrides the routing products: those here write into NumPy arrays.)"""
 from __future__ import annotations
 
+import math
+import threading
+
 import numpy as np
 
 from .base import array_api, Backend, BackendError
@@ -72,6 +75,44 @@ class NumpyBackend(Backend):
         from scipy import special
 
         return special.polygamma(1, x).astype(x.dtype, copy=False)  # (polygamma computes, and returns, float64)
+
+    def adam(self, update, sizes, arrays, lr, betas, eps, step, scalars=None):
+        """Adam in twelve passes over each cache-sized block and no temporaries, where optim.Adam's
+        form takes thirteen and allocates seven: one scratch block per thread holds (1 - b1) g, then
+        (1 - b2) g², then the step, and the bias correction moves out of the square root:
+        lr_t m / (sqrt(v / c2) + eps) = (lr_t sqrt(c2)) m / (sqrt(v) + eps sqrt(c2)), with the device's
+        scalars (host memory here) lr_t = lr / (1 - b1^t) and c2 = 1 - b2^t.  The same update to rounding
+        (tests compare it with Backend's form and torch.optim.Adam).  CuPy (a subclass) and an apply()
+        before any prepare() (step 0: it moves no weight) keep Backend's form."""
+        if self.lib is not np or scalars is None or step < 1:
+            return Backend.adam(self, update, sizes, arrays, lr, betas, eps, step)
+        w, g, m, v = arrays
+        b1, b2 = betas
+        root_c2 = math.sqrt(float(scalars[1][0]))
+        step_size, floor = float(scalars[0][0]) * root_c2, eps * root_c2
+        scratch = threading.local()
+
+        def block(k, sl):
+            # views of one block of each flat array: the in-place passes write through to them
+            wk, gk, mk, vk = (a[k].reshape(-1)[sl] for a in (w, g, m, v))
+            t = getattr(scratch, "t", None)
+            if t is None or t.size < gk.size:
+                t = scratch.t = np.empty(max(self.elementwise_block or 0, gk.size), gk.dtype)
+            t = t[:gk.size]
+            np.multiply(gk, 1 - b1, out=t)
+            mk *= b1
+            mk += t                                   # m <- b1 m + (1 - b1) g
+            np.multiply(gk, gk, out=t)
+            t *= 1 - b2
+            vk *= b2
+            vk += t                                   # v <- b2 v + (1 - b2) g²
+            np.sqrt(vk, out=t)
+            t += floor
+            np.divide(mk, t, out=t)
+            t *= step_size
+            wk -= t                                   # w <- w - lr_t m / (sqrt(v / c2) + eps)
+
+        self.over_blocks(block, sizes)
 
     def quiet_float_errors(self):
         return np.errstate(over="ignore", invalid="ignore", divide="ignore")

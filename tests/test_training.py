@@ -50,14 +50,19 @@ def test_optimizer_matches_torch_optim(name, backend):
         np.testing.assert_allclose(B.to_numpy(model.params[k]), t.detach().numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 1e-6)])
-def test_torch_fused_adam_is_the_blockwise_update(dtype, tol, monkeypatch):
-    """PyTorch's CPU runs Adam as its fused kernel (B.adam): the same weights and moments as
-    optim.Adam's own update (Backend.adam) over several steps; an apply() before any prepare() moves
-    no weight on either."""
-    pytest.importorskip("torch")
+def test_a_backends_own_adam_is_the_blockwise_update(backend, dtype, tol, monkeypatch):
+    """PyTorch's CPU runs Adam as its fused kernel, NumPy as nine passes with BLAS's axpy (B.adam):
+    the same weights and moments as optim.Adam's own update (Backend.adam) over several steps (NumPy:
+    blocks of 1,000 on 2 threads, a last block shorter); an apply() before any prepare() moves no
+    weight on either."""
+    if backend == "torch":
+        pytest.importorskip("torch")
     from pycapsnet.backends.base import Backend
-    B = backends.get("torch", dtype=dtype)
+    B = backends.get(backend, dtype=dtype)
+    if backend == "numpy":
+        B.elementwise_block, B.threads = 1000, 2
     models = [CapsNet(B, **SMALL) for _ in range(2)]
     opts = [optim.Adam(m, lr=1e-2) for m in models]
     forms = (type(B).adam, Backend.adam)          # the first model's steps: the fused kernel; the second's: Backend's
