@@ -248,7 +248,8 @@ def test_a_unit_trained_in_two_folders_merges_where_only_its_timing_differs(tmp_
     (lambda c, u: c["choices"].pop("dynamic"), "do not follow from its tuning units"),
     (lambda c, u: c["tuning_units"].update({k: "0" * 16 for k in list(c["tuning_units"])[:1]}), "absent"),
     (lambda c, u: u["units"].pop(next(iter(c["tuning_units"]))), "absent"),
-    (lambda c, u: c.pop("tuning_units"), "lists no tuning units")])
+    (lambda c, u: c.pop("tuning_units"), "lists no tuning units"),
+    (lambda c, u: u.clear(), "no units.json beside it")])  # the file copied away from its merge's folder
 def test_a_forged_or_partial_choices_file_is_refused_before_any_unit(tmp_path, forge, said):
     assert _study(tmp_path / "whole", *SMALL).returncode == 0
     c = json.loads((tmp_path / "whole" / "choices.json").read_text())
@@ -256,6 +257,8 @@ def test_a_forged_or_partial_choices_file_is_refused_before_any_unit(tmp_path, f
     forge(c, u)
     (tmp_path / "whole" / "choices.json").write_text(json.dumps(c))
     (tmp_path / "whole" / "units.json").write_text(json.dumps(u))
+    if not u:
+        (tmp_path / "whole" / "units.json").unlink()
     done = _study(tmp_path / "new", *SMALL, "--choices", str(tmp_path / "whole" / "choices.json"))
     assert done.returncode == 2 and said in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert not (tmp_path / "new").exists()

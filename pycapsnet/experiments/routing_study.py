@@ -278,6 +278,8 @@ class Study:
         if not (isinstance(listed, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in listed.items())):
             refuse("it lists no tuning units")
         folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isfile(os.path.join(folder, FILE)):  # a copy of the file, away from its merge's folder
+            refuse(f"no {FILE} beside it in {folder} (the tuning units its choices were made from)")
         flags, units, _ = Units.read(folder)
         study_units.check(os.path.join(folder, FILE), flags, units)
         absent = [k for k, d in listed.items() if not isinstance(units.get(k), dict) or units[k].get("digest") != d]
