@@ -22,10 +22,13 @@ class TorchBackend(TorchCapsuleOps, Backend):
     name = "torch"
 
     def __init__(self, dtype: str = "float32", device: str = "cpu"):
-        # Large CPU tensors (the im2col matrix, hundreds of MB) on transparent huge pages: faster to
-        # fill than 4 KB pages.  NumPy does this by default; PyTorch reads this
-        # switch when its allocator starts, so it only helps if torch was not used before.
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+        # PyTorch (2.13) advises the kernel to back each large CPU tensor with 2 MB pages.  Freed
+        # memory is reused here (keep_freed_memory), so a step fills no fresh pages once the heap has
+        # reached its high water; until then, each fresh 2 MB page is cleared whole at its first touch
+        # (on a virtual machine, the larger part of the first steps' time) and the heap grows further.
+        # So the advice is off unless the environment says otherwise (PyTorch reads the switch at its
+        # first large allocation: it has no effect where torch allocated before this backend was made).
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
         try:
             import torch
         except ImportError as e:

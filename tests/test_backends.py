@@ -11,6 +11,8 @@ from pycapsnet.backends import BackendError
 from pycapsnet.backends.numpy_backend import _blas_name
 from tests.conftest import CPU_BACKENDS, GPU_BACKENDS
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def test_import_pycapsnet_imports_neither_cupy_nor_torch():
     code = ("import sys, pycapsnet; m = pycapsnet.CapsNet('numpy', **{}); "
@@ -84,6 +86,37 @@ def test_the_torch_cpu_backend_stops_numpys_huge_page_advice(monkeypatch):
         assert setter(True) is True  # the user's variable: left as it was
     finally:
         setter(before)
+
+
+HUGE_PAGE_PROBE = """
+import backends
+B = backends.get("torch")
+t = B.torch.ones(8_000_000)  # 32 MB: a tensor PyTorch would advise
+p, flags = t.data_ptr(), None
+with open("/proc/self/smaps") as f:
+    for line in f:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= p < hi
+        elif head == "VmFlags:" and inside:
+            flags = line.split()[1:]
+print("hg" in flags)  # VM_HUGEPAGE: madvise(MADV_HUGEPAGE) marked the tensor's memory
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the memory map's flags from Linux's /proc")
+@pytest.mark.parametrize("env,advised", [({}, False), ({"THP_MEM_ALLOC_ENABLE": "1"}, True)])
+def test_the_torch_cpu_backend_keeps_pytorch_from_advising_huge_pages(env, advised):
+    """PyTorch advises 2 MB pages for its large CPU tensors; while the heap grows over the first steps
+    each fresh one is cleared whole.  Off in a process whose backend is made before torch allocates,
+    unless THP_MEM_ALLOC_ENABLE says otherwise (a fresh process: PyTorch reads it once)."""
+    pytest.importorskip("torch")
+    base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    run = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE], capture_output=True, text=True, cwd=ROOT,
+                         env={**base, "PYTHONPATH": ROOT, **env})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(advised)
 
 
 def test_cuda_without_gpu_is_a_clear_error():
