@@ -22,13 +22,11 @@ class TorchBackend(TorchCapsuleOps, Backend):
     name = "torch"
 
     def __init__(self, dtype: str = "float32", device: str = "cpu"):
-        # PyTorch (2.13) advises the kernel to back each large CPU tensor with 2 MB pages.  Freed
-        # memory is reused here (keep_freed_memory), so a step fills no fresh pages once the heap has
-        # reached its high water; until then, each fresh 2 MB page is cleared whole at its first touch
-        # (on a virtual machine, the larger part of the first steps' time) and the heap grows further.
-        # So the advice is off unless the environment says otherwise (PyTorch reads the switch at its
-        # first large allocation: it has no effect where torch allocated before this backend was made).
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
+        # PyTorch's THP_MEM_ALLOC_ENABLE=1 would advise 2 MB pages for its large CPU tensors; left at
+        # its default, off.  Freed memory is reused here (keep_freed_memory), so a step fills no fresh
+        # pages once the heap has reached its high water; until then each fresh 2 MB page would be
+        # cleared whole at its first touch (on a virtual machine, the larger part of the first steps'
+        # time), and the heap would grow further.
         try:
             import torch
         except ImportError as e:

@@ -108,9 +108,9 @@ print("hg" in flags)  # VM_HUGEPAGE: madvise(MADV_HUGEPAGE) marked the tensor's 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the memory map's flags from Linux's /proc")
 @pytest.mark.parametrize("env,advised", [({}, False), ({"THP_MEM_ALLOC_ENABLE": "1"}, True)])
 def test_the_torch_cpu_backend_keeps_pytorch_from_advising_huge_pages(env, advised):
-    """PyTorch advises 2 MB pages for its large CPU tensors; while the heap grows over the first steps
-    each fresh one is cleared whole.  Off in a process whose backend is made before torch allocates,
-    unless THP_MEM_ALLOC_ENABLE says otherwise (a fresh process: PyTorch reads it once)."""
+    """PyTorch advises 2 MB pages for its large CPU tensors where THP_MEM_ALLOC_ENABLE=1 (the backend
+    once set it); while the heap grows over the first steps each fresh one is cleared whole.  Off
+    unless the user sets it (a fresh process: PyTorch reads it once)."""
     pytest.importorskip("torch")
     base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     run = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE], capture_output=True, text=True, cwd=ROOT,
