@@ -170,8 +170,8 @@ def _walk_vector(cfg: CapsNetConfig, n: int, b: int, optimizer: str):
     L.touch(b1, "conv1 backward")
 
     # ---- optimizer -------------------------------------------------------------------------------------------
-    # a block's temporaries on each thread (B.over_blocks)
-    L.touch(3 * NumpyBackend.elementwise_block * b * cpu_threads(), "optimizer")
+    # Adam's scratch block (SGD's one temporary) on each thread (B.over_blocks)
+    L.touch(NumpyBackend.elementwise_block * b * cpu_threads(), "optimizer")
     return L.peak, L.at, layers, state
 
 

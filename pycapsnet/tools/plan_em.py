@@ -100,5 +100,5 @@ def walk_em(cfg, n: int, b: int, optimizer: str):
     L.touch(out1 + out1 // b, "relu1 backward")
     L.add(-out1)
     L.touch(b1, "conv1 backward")
-    L.touch(3 * NumpyBackend.elementwise_block * b * cpu_threads(), "optimizer")
+    L.touch(NumpyBackend.elementwise_block * b * cpu_threads(), "optimizer")  # Adam's scratch block (SGD's one temporary) on each thread
     return L.peak, L.at, layers, state
