@@ -100,5 +100,6 @@ def walk_em(cfg, n: int, b: int, optimizer: str):
     L.touch(out1 + out1 // b, "relu1 backward")
     L.add(-out1)
     L.touch(b1, "conv1 backward")
-    L.touch(NumpyBackend.elementwise_block * b * cpu_threads(), "optimizer")  # Adam's scratch block (SGD's one temporary) on each thread
+    # Adam's scratch block (SGD's one temporary) on each thread (B.over_blocks)
+    L.touch(NumpyBackend.elementwise_block * b * cpu_threads(), "optimizer")
     return L.peak, L.at, layers, state
