@@ -215,10 +215,11 @@ def keep_freed_memory() -> bool:
 
 def no_huge_page_advice() -> bool:
     """Stop NumPy advising the kernel to back its large arrays with 2 MB pages (``madvise``), unless
-    NUMPY_MADVISE_HUGEPAGE says what to do.  Where the heap still grows, as the torch backend's does
-    over its first steps (PyTorch's tensors and NumPy's product outputs share it), each fresh 2 MB
-    page is cleared whole at its first touch: seconds of kernel time over those steps, where 4 KB
-    pages cost a tenth (docs/performance.md).  Returns whether it applied."""
+    NUMPY_MADVISE_HUGEPAGE says what to do.  A step's heap grows over the first steps (NumPy's and
+    PyTorch's temporaries share it) until it holds the step's high water, which keep_freed_memory
+    then keeps for reuse; where advised, each fresh 2 MB page is cleared whole at its first touch,
+    about a second of kernel time over those steps, where 4 KB pages cost a tenth and the steps after
+    them run as fast (docs/performance.md).  Returns whether it applied."""
     if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
         return False
     core = getattr(np, "_core", None) or getattr(np, "core", None)  # NumPy 2, NumPy 1

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from .base import array_api, Backend, BackendError
-from .host import cpu_threads, keep_freed_memory
+from .host import cpu_threads, keep_freed_memory, no_huge_page_advice
 
 
 class NumpyBackend(Backend):
@@ -37,6 +37,7 @@ class NumpyBackend(Backend):
         # im2col/col2im copies are memory-bound and single-threaded in NumPy: split them over cores.
         self.threads = cpu_threads()
         keep_freed_memory()  # reuse freed temporaries rather than fault in fresh pages (CuPy: host side)
+        no_huge_page_advice()  # the heap's growth over the first steps, faulted in 4 KB pages (host.py)
 
     def _float(self, dtype=None):
         return self.lib.dtype(dtype or self.dtype)
