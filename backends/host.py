@@ -218,8 +218,8 @@ def no_huge_page_advice() -> bool:
     NUMPY_MADVISE_HUGEPAGE says what to do.  A step's heap grows over the first steps (NumPy's and
     PyTorch's temporaries share it) until it holds the step's high water, which keep_freed_memory
     then keeps for reuse; where advised, each fresh 2 MB page is cleared whole at its first touch,
-    about a second of kernel time over those steps, where 4 KB pages cost a tenth and the steps after
-    them run as fast (docs/performance.md).  Returns whether it applied."""
+    most of those steps' kernel time, where 4 KB pages cost a fraction of it and the steps after them
+    run as fast (docs/performance.md).  Returns whether it applied."""
     if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
         return False
     core = getattr(np, "_core", None) or getattr(np, "core", None)  # NumPy 2, NumPy 1
