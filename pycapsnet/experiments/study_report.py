@@ -168,66 +168,83 @@ def table(results) -> str:
     if results.get("kernels"):
         lines += ["The units' matrix products ran on " + "; ".join(
             f"{k} ({n} unit{'s' if n > 1 else ''})" for k, n in results["kernels"].items()) + ".", ""]
-    tune = results.get("tuning") or {}
-    if tune:
-        lines += ["Tuning on validation: each trial's mean last-epoch accuracy % over the tuning seeds; the chosen "
-                  "trial's lead over the runner-up, paired over those seeds (± its standard error); where the grid "
-                  "was extended, and where a limit stopped it.", "",
-                  "| row | trials | chosen | lead (points) | grid |", "|---|---|---|---|---|"]
-        lines += [f"| {row} | " + ", ".join(f"{n}: {100 * np.mean(a):.2f}" for n, a in t["trials"].items())
-                  + f" | {t['chosen']} | {_lead(t.get('lead'))} | {_grid(t)} |" for row, t in tune.items()]
-        lines.append("")
-    main = rows_table(results)
-    base, n, what = results["protocol"]["baseline"], results["data"]["test"]["digits"], noun(results)
-    margin = results["protocol"].get("margin")
-    if main:
-        lines += [f"Test error on {n:,} test {what}, {results['seeds']} seeds: mean ± sample sd [95% bootstrap interval "
-                  f"over seeds and test {what}]. Against {base}, on the same seeds and {what}: the paired difference "
-                  f"[95% bootstrap interval] and its bootstrap p, the paired t-test over seeds, and "
-                  + (f"the TOST at ±{margin:g} points (declared before the run)" if margin is not None else
-                     "no equivalence test (no margin declared)")
-                  + ", each Holm-adjusted over the rows; the word is the protocol's (better or worse by the bootstrap "
-                  "test, equivalent by the TOST, else inconclusive). McNemar b/c per seed (b: images the row gets "
-                  f"wrong and {base} right; c: the reverse) describe, not test. Entropy: Paik et al.'s, the coupling's "
-                  "entropy over parents / ln J; dynamics (this project's measure): mean total variation of each "
-                  "input's coupling from the mean coupling; starved: capsules never active on any test image.", "",
-                  "| row | params | test error % | Δ vs baseline (points) | bootstrap p (Holm) | paired t p (Holm) "
-                  "| TOST p (Holm) | word | McNemar b/c per seed | entropy / iteration | dynamics / iteration "
-                  "| starved children / parents | the routing's own measures / iteration |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for row, r in main.items():
-            lines.append(f"| {row} | {r['params']:,} | {_pm(r)} | {_delta(r)} | {_p(r, 'p', 'p_holm')} | "
-                         f"{_p(r, 't', 't_holm')} | {_p(r, 'tost', 'tost_holm')} | {r.get('word', '(baseline)')} | "
-                         f"{_mc(r)} | {_iters(r['measures']['entropy'])} | {_iters(r['measures']['dynamics'])} | "
-                         f"{_share(r['measures']['starved_children'])} / {_share(r['measures']['starved_parents'])} | "
-                         f"{_own(r['measures'].get('own'))} |")
-        notes = sorted({r["measures"]["note"] for r in main.values() if r["measures"].get("note")})
-        lines += [""] + [f"Note: {note}." for note in notes]
-    sweep = results.get("sweep") or {}
-    if sweep:
-        lines += ["", "Iteration sweep (each routing's chosen trial, at k iterations; its default row above):", "",
-                  "| row | seeds | test error % | entropy / iteration | dynamics / iteration |", "|---|---|---|---|---|"]
-        lines += [f"| {row} | {r['n']} | {_pm(r)} | {_iters(r['measures']['entropy'])} | "
-                  f"{_iters(r['measures']['dynamics'])} |" for row, r in sweep.items()]
-    aff = results.get("affine") or {}
-    if aff:
-        lines += ["", f"Affine: trained on digits placed at random on a {results['affine_canvas']}x"
-                  f"{results['affine_canvas']} canvas; test accuracy % (mean ± sd over the seeds read) at the last "
-                  f"epoch, and at the first epoch reaching {results['protocol']['affine_target']}% translated "
-                  "validation accuracy (a number fixed before training); [the t interval of the mean over "
-                  "seeds, clipped to [0, 100]]. Each row trains at "
-                  + ("its own choice on translated validation digits (affine:ROW above)."
-                     if (results["settings"].get("affine") or {}).get("tuned") else "its main table's choice."), "",
-                  "| row | translated, last | affine, last | translated, at target | affine, at target (seeds read) |",
-                  "|---|---|---|---|---|"]
-        for row, r in aff.items():
-            lines.append(f"| {row} | {_pm(r['last_translated'])} | {_pm(r['last_affine'])} | "
-                         f"{_pm(r['target_translated'])} | {_pm(r['target_affine'])} ({r['target_affine']['n']}) |")
+    lines += _tuning_lines(results) + _main_lines(results) + _sweep_lines(results) + _affine_lines(results)
     lines += _multimnist_lines(results)
     missing = results.get("missing") or []
     if missing:
         lines += ["", f"Not yet run ({len(missing)} units): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")]
     return "\n".join(lines)
+
+
+def _tuning_lines(results) -> list:
+    tune = results.get("tuning") or {}
+    if not tune:
+        return []
+    lines = ["Tuning on validation: each trial's mean last-epoch accuracy % over the tuning seeds; the chosen "
+             "trial's lead over the runner-up, paired over those seeds (± its standard error); where the grid "
+             "was extended, and where a limit stopped it.", "",
+             "| row | trials | chosen | lead (points) | grid |", "|---|---|---|---|---|"]
+    lines += [f"| {row} | " + ", ".join(f"{n}: {100 * np.mean(a):.2f}" for n, a in t["trials"].items())
+              + f" | {t['chosen']} | {_lead(t.get('lead'))} | {_grid(t)} |" for row, t in tune.items()]
+    return lines + [""]
+
+
+def _main_lines(results) -> list:
+    main = rows_table(results)
+    if not main:
+        return []
+    base, n, what = results["protocol"]["baseline"], results["data"]["test"]["digits"], noun(results)
+    margin = results["protocol"].get("margin")
+    lines = [f"Test error on {n:,} test {what}, {results['seeds']} seeds: mean ± sample sd [95% bootstrap interval "
+             f"over seeds and test {what}]. Against {base}, on the same seeds and {what}: the paired difference "
+             f"[95% bootstrap interval] and its bootstrap p, the paired t-test over seeds, and "
+             + (f"the TOST at ±{margin:g} points (declared before the run)" if margin is not None else
+                "no equivalence test (no margin declared)")
+             + ", each Holm-adjusted over the rows; the word is the protocol's (better or worse by the bootstrap "
+             "test, equivalent by the TOST, else inconclusive). McNemar b/c per seed (b: images the row gets "
+             f"wrong and {base} right; c: the reverse) describe, not test. Entropy: Paik et al.'s, the coupling's "
+             "entropy over parents / ln J; dynamics (this project's measure): mean total variation of each "
+             "input's coupling from the mean coupling; starved: capsules never active on any test image.", "",
+             "| row | params | test error % | Δ vs baseline (points) | bootstrap p (Holm) | paired t p (Holm) "
+             "| TOST p (Holm) | word | McNemar b/c per seed | entropy / iteration | dynamics / iteration "
+             "| starved children / parents | the routing's own measures / iteration |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row, r in main.items():
+        lines.append(f"| {row} | {r['params']:,} | {_pm(r)} | {_delta(r)} | {_p(r, 'p', 'p_holm')} | "
+                     f"{_p(r, 't', 't_holm')} | {_p(r, 'tost', 'tost_holm')} | {r.get('word', '(baseline)')} | "
+                     f"{_mc(r)} | {_iters(r['measures']['entropy'])} | {_iters(r['measures']['dynamics'])} | "
+                     f"{_share(r['measures']['starved_children'])} / {_share(r['measures']['starved_parents'])} | "
+                     f"{_own(r['measures'].get('own'))} |")
+    notes = sorted({r["measures"]["note"] for r in main.values() if r["measures"].get("note")})
+    return lines + [""] + [f"Note: {note}." for note in notes]
+
+
+def _sweep_lines(results) -> list:
+    sweep = results.get("sweep") or {}
+    if not sweep:
+        return []
+    return ["", "Iteration sweep (each routing's chosen trial, at k iterations; its default row above):", "",
+            "| row | seeds | test error % | entropy / iteration | dynamics / iteration |", "|---|---|---|---|---|"] + [
+        f"| {row} | {r['n']} | {_pm(r)} | {_iters(r['measures']['entropy'])} | "
+        f"{_iters(r['measures']['dynamics'])} |" for row, r in sweep.items()]
+
+
+def _affine_lines(results) -> list:
+    aff = results.get("affine") or {}
+    if not aff:
+        return []
+    canvas = results["affine_canvas"]
+    lines = ["", f"Affine: trained on digits placed at random on a {canvas}x{canvas} canvas; test accuracy % "
+             f"(mean ± sd over the seeds read) at the last epoch, and at the first epoch reaching "
+             f"{results['protocol']['affine_target']}% translated validation accuracy (a number fixed before "
+             "training); [the t interval of the mean over seeds, clipped to [0, 100]]. Each row trains at "
+             + ("its own choice on translated validation digits (affine:ROW above)."
+                if (results["settings"].get("affine") or {}).get("tuned") else "its main table's choice."), "",
+             "| row | translated, last | affine, last | translated, at target | affine, at target (seeds read) |",
+             "|---|---|---|---|---|"]
+    return lines + [f"| {row} | {_pm(r['last_translated'])} | {_pm(r['last_affine'])} | "
+                    f"{_pm(r['target_translated'])} | {_pm(r['target_affine'])} ({r['target_affine']['n']}) |"
+                    for row, r in aff.items()]
 
 
 def _multimnist_lines(results) -> list:
