@@ -168,22 +168,8 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
             values[k] = v
     if values["dataset"] in download.DATASETS and not values["data_dir"]:
         values["data_dir"] = fetched(values["dataset"])
-    if values["augment"] == "efficient" and "shift" in given:
-        raise CapsNetError("--shift with --augment efficient: Efficient-CapsNet's augmentation moves each image "
-                           "within its own blank margins, not by --shift pixels; drop --shift, or use --augment shift")
-    if values["augment"] == "crop-flip" and "shift" in given:
-        raise CapsNetError("--shift with --augment crop-flip: its crops move each image by up to 4 pixels from a "
-                           "4-pixel padding; drop --shift, or use --augment shift")
-    refuse_floor_above_lr(values["lr"], values["lr_min"])
     normalize = bool(getattr(args, "normalize", False))
-    if normalize and (ckpt or model is not None):
-        raise CapsNetError("--normalize with " + ("--resume or --eval-only: the run's network normalises as its "
-                                                  f"checkpoint {ckpt['path']} records; drop --normalize" if ckpt else
-                                                  "a network already built: its layers are what they are; give "
-                                                  "a description instead, or put a normalize layer first in it"))
-    if values["early_stop"] is not None and values["val_fraction"] is None:
-        raise CapsNetError("--early-stop needs --val-fraction F: it stops on the validation accuracy (never on the "
-                           "test split, which would then no longer be a test)")
+    _refuse_clashes(values, given, normalize, ckpt, model)
     return Run(backend=backend or getattr(args, "backend", None), device=getattr(args, "device", None),
                **{k: values[k] for k in (*RECIPE, "epochs")},
                architecture={} if described else {k: values[k] for k in ARCHITECTURE},
@@ -194,6 +180,25 @@ def settle(args, ckpt, backend: str | None = None, network=None, model=None) -> 
                progress=not getattr(args, "no_progress", False), graph=not getattr(args, "no_graph", False),
                compile=bool(getattr(args, "compile", False)), normalize=normalize,
                log_csv=getattr(args, "log_csv", None), tensorboard=getattr(args, "tensorboard", None))
+
+
+def _refuse_clashes(values, given, normalize, ckpt, model):
+    """Settings that cannot go together, once every value is settled."""
+    if values["augment"] == "efficient" and "shift" in given:
+        raise CapsNetError("--shift with --augment efficient: Efficient-CapsNet's augmentation moves each image "
+                           "within its own blank margins, not by --shift pixels; drop --shift, or use --augment shift")
+    if values["augment"] == "crop-flip" and "shift" in given:
+        raise CapsNetError("--shift with --augment crop-flip: its crops move each image by up to 4 pixels from a "
+                           "4-pixel padding; drop --shift, or use --augment shift")
+    refuse_floor_above_lr(values["lr"], values["lr_min"])
+    if normalize and (ckpt or model is not None):
+        raise CapsNetError("--normalize with " + ("--resume or --eval-only: the run's network normalises as its "
+                                                  f"checkpoint {ckpt['path']} records; drop --normalize" if ckpt else
+                                                  "a network already built: its layers are what they are; give "
+                                                  "a description instead, or put a normalize layer first in it"))
+    if values["early_stop"] is not None and values["val_fraction"] is None:
+        raise CapsNetError("--early-stop needs --val-fraction F: it stops on the validation accuracy (never on the "
+                           "test split, which would then no longer be a test)")
 
 
 def _refuse_architecture_flags(given, ckpt, cfg, network, described, values, evaluating):
