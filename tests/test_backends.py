@@ -107,7 +107,8 @@ print("hg" in flags)  # VM_HUGEPAGE: madvise(MADV_HUGEPAGE) marked the tensor's 
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the memory map's flags from Linux's /proc")
+@pytest.mark.skipif(not (os.path.exists("/proc/self/smaps") and os.path.isdir("/sys/kernel/mm/transparent_hugepage")),
+                    reason="reads the memory map's flags from Linux's /proc, on a kernel with transparent huge pages")
 @pytest.mark.parametrize("env,advised", [({}, False), ({"THP_MEM_ALLOC_ENABLE": "1"}, True)])
 def test_the_torch_cpu_backend_keeps_pytorch_from_advising_huge_pages(env, advised):
     """PyTorch advises 2 MB pages for its large CPU tensors where THP_MEM_ALLOC_ENABLE=1 (the backend
