@@ -53,7 +53,7 @@ def test_optimizer_matches_torch_optim(name, backend):
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 1e-6)])
 def test_a_backends_own_adam_is_the_blockwise_update(backend, dtype, tol, monkeypatch):
-    """PyTorch's CPU runs Adam as its fused kernel, NumPy as nine passes with BLAS's axpy (B.adam):
+    """PyTorch's CPU runs Adam as its fused kernel, NumPy as twelve in-place passes (B.adam):
     the same weights and moments as optim.Adam's own update (Backend.adam) over several steps (NumPy:
     blocks of 1,000 on 2 threads, a last block shorter); an apply() before any prepare() moves no
     weight on either."""
@@ -65,7 +65,7 @@ def test_a_backends_own_adam_is_the_blockwise_update(backend, dtype, tol, monkey
         B.elementwise_block, B.threads = 1000, 2
     models = [CapsNet(B, **SMALL) for _ in range(2)]
     opts = [optim.Adam(m, lr=1e-2) for m in models]
-    forms = (type(B).adam, Backend.adam)          # the first model's steps: the fused kernel; the second's: Backend's
+    forms = (type(B).adam, Backend.adam)          # the first model's steps: the backend's own; the second's: Backend's
     rng = np.random.default_rng(0)
     for step in range(4):
         grads = {k: rng.standard_normal(tuple(g.shape)) for k, g in models[0].grads.items()}
